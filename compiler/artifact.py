@@ -1,0 +1,130 @@
+"""The artifact: what a compile produces and a runtime loads.
+
+An artifact is three files under one prefix of the object store:
+
+    manifest.json   format version, target, graph hash, signature (with symbolic dims by
+                    name), the batch symbol, and the compile report
+    program.json    the IR graph and the kernels generated for the target
+    weights.npz     every constant, by key (loaded with allow_pickle=False)
+
+The compiler only turns an Artifact into named byte strings and back; where they are stored
+is the caller's business.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from compiler.errors import InvalidModel
+from compiler.ir import Graph
+from compiler.shape import Shape, SymDim, shape_from_json, shape_to_json
+
+FORMAT_VERSION = 1
+FILES = ("manifest.json", "program.json", "weights.npz")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    # dims are ints or symbols such as "batch"
+    shape: Shape
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": shape_to_json(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> TensorSpec:
+        return TensorSpec(data["name"], shape_from_json(data["shape"]), data["dtype"])
+
+
+@dataclass(frozen=True)
+class Signature:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    # the symbol that leads every input and output: requests may be concatenated along it
+    batch_symbol: str | None
+
+    @staticmethod
+    def of(graph: Graph) -> Signature:
+        inputs = [TensorSpec(*spec) for spec in graph.input_specs()]
+        outputs = [TensorSpec(*spec) for spec in graph.output_specs()]
+        return Signature(inputs, outputs, _batch_symbol(inputs, outputs))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "batch_symbol": self.batch_symbol,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Signature:
+        return Signature(
+            [TensorSpec.from_json(t) for t in data["inputs"]],
+            [TensorSpec.from_json(t) for t in data["outputs"]],
+            data.get("batch_symbol"),
+        )
+
+
+def _batch_symbol(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> str | None:
+    leads = {spec.shape[0] if spec.shape else None for spec in inputs + outputs}
+    if len(leads) != 1:
+        return None
+    lead = leads.pop()
+    if isinstance(lead, SymDim) and lead.coef == 1 and len(lead.symbols) == 1:
+        return lead.symbols[0]
+    return None
+
+
+@dataclass
+class Artifact:
+    target: str
+    graph_hash: str
+    signature: Signature
+    graph: Graph
+    kernels: list[dict[str, Any]]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "target": self.target,
+            "graph_hash": self.graph_hash,
+            "signature": self.signature.to_json(),
+            "report": self.report,
+            "files": list(FILES),
+        }
+
+    def to_files(self) -> dict[str, bytes]:
+        weights = io.BytesIO()
+        np.savez(weights, **self.graph.weights)
+        program = {"graph": self.graph.to_json(), "kernels": self.kernels}
+        return {
+            "manifest.json": json.dumps(self.manifest(), indent=1).encode(),
+            "program.json": json.dumps(program).encode(),
+            "weights.npz": weights.getvalue(),
+        }
+
+    @staticmethod
+    def from_files(read: Callable[[str], bytes]) -> Artifact:
+        manifest = json.loads(read("manifest.json"))
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise InvalidModel(f"artifact format {manifest.get('format_version')} is not {FORMAT_VERSION}")
+        program = json.loads(read("program.json"))
+        with np.load(io.BytesIO(read("weights.npz")), allow_pickle=False) as npz:
+            weights = {key: npz[key] for key in npz.files}
+        return Artifact(
+            target=manifest["target"],
+            graph_hash=manifest["graph_hash"],
+            signature=Signature.from_json(manifest["signature"]),
+            graph=Graph.from_json(program["graph"], weights),
+            kernels=program["kernels"],
+            report=manifest["report"],
+        )

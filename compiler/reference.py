@@ -1,0 +1,118 @@
+"""The reference interpreter: runs an IR graph op by op in NumPy.
+
+It is the oracle every compiled program is checked against, so it favours obviousness over
+speed. Symbolic dimensions are bound from the shapes of the inputs it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from compiler.ir import Graph, Node, Op
+from compiler.shape import Shape, ShapeError, SymDim, evaluate_shape
+
+_UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
+    Op.LOG2: np.log2,
+    Op.EXP2: np.exp2,
+    Op.SIN: np.sin,
+    Op.SQRT: np.sqrt,
+    Op.RECIP: np.reciprocal,
+}
+
+_BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    Op.ADD: np.add,
+    Op.MUL: np.multiply,
+    Op.MOD: np.fmod,
+    Op.LESS_THAN: np.less,
+}
+
+
+def bind_symbols(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Symbol values implied by the given inputs; raises ShapeError on a conflict."""
+    bindings: dict[str, int] = {}
+    for name, shape, _ in graph.input_specs():
+        actual = np.shape(inputs[name])
+        if len(actual) != len(shape):
+            raise ShapeError(f"input {name!r} has rank {len(actual)}, expected {len(shape)}")
+        for declared, size in zip(shape, actual):
+            if isinstance(declared, SymDim):
+                if declared.coef != 1 or len(declared.symbols) != 1:
+                    raise ShapeError(f"input {name!r} declares compound dimension {declared}")
+                symbol = declared.symbols[0]
+                if bindings.setdefault(symbol, size) != size:
+                    raise ShapeError(
+                        f"dimension {symbol!r} is {bindings[symbol]} elsewhere but {size} "
+                        f"in input {name!r}"
+                    )
+            elif declared != size:
+                raise ShapeError(f"input {name!r} has size {size} where {declared} is expected")
+    return bindings
+
+
+def apply_view(x: np.ndarray, transform: tuple, bindings: Mapping[str, int]) -> np.ndarray:
+    kind = transform[0]
+    if kind == "reshape":
+        return x.reshape(evaluate_shape(transform[1], bindings))
+    if kind == "permute":
+        return x.transpose(transform[1])
+    if kind == "expand":
+        return np.broadcast_to(x, evaluate_shape(transform[1], bindings))
+    if kind == "slice":
+        return x[tuple(slice(*triple) for triple in transform[1])]
+    if kind == "pad":
+        _, widths, value = transform
+        return np.pad(x, widths, mode="constant", constant_values=value)
+    if kind == "window":
+        _, axes, kernel, strides, dilations = transform
+        spans = [d * (k - 1) + 1 for k, d in zip(kernel, dilations)]
+        windows = np.lib.stride_tricks.sliding_window_view(x, spans, axis=axes)
+        index = [slice(None)] * windows.ndim
+        for axis, stride in zip(axes, strides):
+            index[axis] = slice(None, None, stride)
+        for j, dilation in enumerate(dilations):
+            index[x.ndim + j] = slice(None, None, dilation)
+        return windows[tuple(index)]
+    raise ShapeError(f"unknown view transform {kind!r}")
+
+
+def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mapping[str, int]):
+    op = node.op
+    if op in _UNARY:
+        with np.errstate(all="ignore"):
+            return _UNARY[op](args[0]).astype(node.dtype, copy=False)
+    if op in _BINARY:
+        with np.errstate(all="ignore"):
+            return np.asarray(_BINARY[op](args[0], args[1])).astype(node.dtype, copy=False)
+    if op is Op.SUM_REDUCE:
+        return np.sum(args[0], axis=node.arg, dtype=node.dtype)
+    if op is Op.MAX_REDUCE:
+        return np.max(args[0], axis=node.arg)
+    if op is Op.VIEW:
+        return apply_view(args[0], node.arg, bindings)
+    if op is Op.CAST:
+        return args[0].astype(node.dtype)
+    if op is Op.GATHER:
+        data, indices = args
+        axis = node.arg
+        indices = np.where(indices < 0, indices + data.shape[axis], indices)
+        return np.take(data, indices, axis=axis)
+    if op is Op.CONSTANT:
+        return graph.weights[node.arg]
+    raise ShapeError(f"reference interpreter cannot evaluate {op}")
+
+
+def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    bindings = bind_symbols(graph, inputs)
+    values: list[np.ndarray | None] = [None] * len(graph.nodes)
+    for i, node in enumerate(graph.nodes):
+        if node.op is Op.INPUT:
+            values[i] = np.asarray(inputs[node.arg], dtype=node.dtype)
+            continue
+        values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
+    return {name: np.asarray(values[i], order="C") for name, i in graph.outputs}
+
+
+def concrete_shape(shape: Shape, bindings: Mapping[str, int]) -> tuple[int, ...]:
+    return evaluate_shape(shape, bindings)
