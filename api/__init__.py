@@ -1,0 +1,1 @@
+"""The FastAPI gateway. `api.main.create_app` builds the app; one router module per resource."""

@@ -1,0 +1,56 @@
+"""Server commands for `luminal-cloud`: serve, admin, demo (registered by entry point)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from cloud.settings import Settings
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run the server (embedded defaults)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=_serve)
+
+    admin = commands.add_parser("admin", help="administration")
+    admin_commands = admin.add_subparsers(dest="admin_command", required=True)
+    create_key = admin_commands.add_parser("create-key", help="create an API key for a tenant")
+    create_key.add_argument("--tenant", required=True)
+    create_key.set_defaults(run=_create_key)
+
+    demo = commands.add_parser("demo", help="start a server, deploy a sample model, batch, bill")
+    demo.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    demo.add_argument("--requests", type=int, default=24)
+    demo.set_defaults(run=_demo)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from api.main import create_app
+
+    logging.basicConfig(level=logging.INFO)
+    settings = Settings()
+    print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+
+
+def _create_key(args: argparse.Namespace) -> None:
+    from api.services import open_database
+    from cloud.auth import create_key
+
+    settings = Settings()
+    db = open_database(settings)
+    try:
+        key = create_key(db, args.tenant)
+    finally:
+        db.dispose()
+    print(f"API key for tenant {args.tenant!r}: {key}")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from api.demo import run_demo
+
+    run_demo(Settings(), port=args.port, requests=args.requests)

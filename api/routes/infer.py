@@ -1,0 +1,84 @@
+"""Inference: validate against the signature, queue for batching, answer with outputs and usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Query, Response
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CurrentTenant, ServicesDep
+from api.schemas import InferRequest, InferResponse, InferUsage
+from cloud import metrics
+from cloud.errors import LuminalError
+from cloud.validation import decode_inputs
+from compiler import Signature
+from scheduler.engine import Route
+
+router = APIRouter(prefix="/v1/models", tags=["inference"])
+
+
+def encode_output(array: np.ndarray) -> Any:
+    """Nested lists; non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+        as_object = array.astype(object)
+        as_object[np.isnan(array)] = "NaN"
+        as_object[np.isposinf(array)] = "Infinity"
+        as_object[np.isneginf(array)] = "-Infinity"
+        return as_object.tolist()
+    return array.tolist()
+
+
+@router.post("/{name}/infer", response_model=InferResponse)
+async def infer(
+    name: str,
+    body: InferRequest,
+    tenant: CurrentTenant,
+    services: ServicesDep,
+    response: Response,
+    version: Annotated[int | None, Query(ge=1)] = None,
+) -> InferResponse:
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
+        signature = Signature.from_json(found.signature)
+        settings = services.settings
+        arrays, rows = decode_inputs(
+            signature, body.inputs, settings.max_request_elements, settings.max_batch_dim
+        )
+        route = Route(
+            version_id=found.id,
+            tenant_id=tenant.id,
+            tenant_name=tenant.name,
+            model_name=name,
+            version=found.number,
+            target=found.target,
+            artifact_key=found.artifact_key,
+            batchable=signature.batch_symbol is not None,
+        )
+        request_id = uuid.uuid4().hex
+        result = await services.engine.infer(route, arrays, rows, request_id)
+        outcome = "ok"
+    except LuminalError as exc:
+        outcome = str(exc.status)
+        raise
+    finally:
+        metrics.REQUESTS.labels(name, outcome).inc()
+        metrics.REQUEST_LATENCY.labels(name).observe(time.perf_counter() - started)
+    response.headers["X-Request-ID"] = request_id
+    return InferResponse(
+        model=name,
+        version=found.number,
+        outputs={k: encode_output(v) for k, v in result.outputs.items()},
+        usage=InferUsage(
+            request_id=request_id,
+            exec_ms=result.exec_seconds * 1000,
+            batch_size=result.batch_size,
+            batch_rows=result.batch_rows,
+            queue_ms=result.queue_seconds * 1000,
+        ),
+    )

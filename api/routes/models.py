@@ -1,0 +1,86 @@
+"""Uploading, listing and deleting models."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, UploadFile, status
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CurrentTenant, ServicesDep
+from api.schemas import ModelDeleted, ModelList, ModelPublic, ModelSummary, VersionCreated, VersionPublic
+from cloud.db import Model
+from cloud.errors import InvalidModelFile, PayloadTooLarge
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+_CHUNK = 1 << 20
+
+
+async def _read_limited(file: UploadFile, limit: int) -> bytes:
+    chunks, size = [], 0
+    while chunk := await file.read(_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the upload is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=VersionCreated)
+async def upload_model(
+    tenant: CurrentTenant,
+    services: ServicesDep,
+    file: Annotated[UploadFile, File(description="an ONNX model")],
+    name: Annotated[str, Form()],
+    target: Annotated[str, Form()] = "cpu",
+) -> VersionCreated:
+    data = await _read_limited(file, services.settings.max_upload_bytes)
+    if not data:
+        raise InvalidModelFile("the uploaded file is empty")
+    version = await run_in_threadpool(services.registry.create_version, tenant.id, name, data, target)
+    services.compiler.submit(version.id)
+    return VersionCreated(name=name, version=version.number, status=version.status, target=target)
+
+
+def _summary(model: Model) -> ModelSummary:
+    latest = model.versions[-1]
+    return ModelSummary(
+        name=model.name,
+        latest_version=latest.number,
+        latest_status=latest.status,
+        versions=len(model.versions),
+        created_at=model.created_at,
+    )
+
+
+@router.get("", response_model=ModelList)
+async def list_models(tenant: CurrentTenant, services: ServicesDep) -> ModelList:
+    models = await run_in_threadpool(services.registry.list_models, tenant.id)
+    return ModelList(models=[_summary(m) for m in models if m.versions])
+
+
+@router.get("/{name}", response_model=ModelPublic)
+async def get_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> ModelPublic:
+    model = await run_in_threadpool(services.registry.get_model, tenant.id, name)
+    versions = [
+        VersionPublic(
+            version=v.number,
+            status=v.status,
+            target=v.target,
+            created_at=v.created_at,
+            signature=v.signature,
+            report=v.report,
+            error=v.error,
+        )
+        for v in model.versions
+    ]
+    return ModelPublic(name=model.name, created_at=model.created_at, versions=versions)
+
+
+@router.delete("/{name}", response_model=ModelDeleted)
+async def delete_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> ModelDeleted:
+    version_ids = await run_in_threadpool(services.registry.delete_model, tenant.id, name)
+    for version_id in version_ids:
+        services.engine.forget(version_id)
+    return ModelDeleted(name=name, deleted=True, versions=len(version_ids))

@@ -1,0 +1,140 @@
+"""The metadata database and usage ledger (SQLAlchemy: SQLite embedded, PostgreSQL distributed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # sha256 of the key; the key itself is shown once and never stored
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # the first characters, so an operator can tell keys apart
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    tenant: Mapped[Tenant] = relationship()
+
+
+class Model(Base):
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    versions: Mapped[list[ModelVersion]] = relationship(
+        back_populates="model", cascade="all, delete-orphan", order_by="ModelVersion.number"
+    )
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model_id", "number"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    # queued -> compiling -> ready | failed
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    target: Mapped[str] = mapped_column(String(32))
+    # object-store key of the uploaded graph (content addressed)
+    graph_key: Mapped[str] = mapped_column(String(256))
+    graph_bytes: Mapped[int] = mapped_column(Integer)
+    # object-store prefix of the compiled artifact, once ready
+    artifact_key: Mapped[str | None] = mapped_column(String(256), default=None)
+    signature: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    model: Mapped[Model] = relationship(back_populates="versions")
+
+
+class UsageRecord(Base):
+    """One row per inference request, written once (request_id is unique)."""
+
+    __tablename__ = "usage_records"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[int] = mapped_column(Integer, index=True)
+    # names, not foreign keys: the bill outlives a deleted model
+    model_name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    target: Mapped[str] = mapped_column(String(32))
+    rows: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    batch_rows: Mapped[int] = mapped_column(Integer)
+    batch_exec_seconds: Mapped[float] = mapped_column(Float)
+    billed_seconds: Mapped[float] = mapped_column(Float)
+    price_per_second: Mapped[float] = mapped_column(Float)
+    cost: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Database:
+    def __init__(self, url: str) -> None:
+        is_sqlite = url.startswith("sqlite")
+        connect_args = {"check_same_thread": False, "timeout": 30} if is_sqlite else {}
+        self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+        if is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def create_all(self) -> None:
+        Base.metadata.create_all(self.engine)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A unit of work: commits on success, rolls back on any error."""
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()

@@ -1,0 +1,80 @@
+"""Every error the service raises on purpose. One handler maps them to HTTP (api/errors.py).
+
+    LuminalError (500)
+    ├── InvalidRequest (400)
+    │   ├── InvalidModelFile (400)   the upload is not a usable ONNX file
+    │   └── InvalidInput (400)       inference inputs do not match the signature
+    ├── Unauthorized (401)
+    ├── NotFound (404)
+    ├── NotReady (409)               the version has not compiled (yet, or ever)
+    ├── PayloadTooLarge (413)
+    ├── Overloaded (429)             a queue is full; carries retry_after seconds
+    ├── Unavailable (503)
+    └── DeadlineExceeded (504)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LuminalError(Exception):
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidRequest(LuminalError):
+    status = 400
+    code = "invalid_request"
+
+
+class InvalidModelFile(InvalidRequest):
+    code = "invalid_model"
+
+
+class InvalidInput(InvalidRequest):
+    code = "invalid_input"
+
+
+class Unauthorized(LuminalError):
+    status = 401
+    code = "unauthorized"
+
+
+class NotFound(LuminalError):
+    status = 404
+    code = "not_found"
+
+
+class NotReady(LuminalError):
+    status = 409
+    code = "not_ready"
+
+
+class PayloadTooLarge(LuminalError):
+    status = 413
+    code = "payload_too_large"
+
+
+class Overloaded(LuminalError):
+    status = 429
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: int, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.retry_after = retry_after
+
+
+class Unavailable(LuminalError):
+    status = 503
+    code = "unavailable"
+
+
+class DeadlineExceeded(LuminalError):
+    status = 504
+    code = "deadline_exceeded"

@@ -1,0 +1,71 @@
+"""The one metrics registry. Everything exported at /metrics is declared here."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+REQUESTS = Counter(
+    "luminal_inference_requests_total",
+    "Inference requests by model and outcome",
+    ["model", "status"],
+    registry=REGISTRY,
+)
+REQUEST_LATENCY = Histogram(
+    "luminal_inference_latency_seconds",
+    "End-to-end inference latency at the gateway",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_WAIT = Histogram(
+    "luminal_queue_wait_seconds",
+    "Time a request waited in the batching queue (never billed)",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+BATCH_SIZE = Histogram(
+    "luminal_batch_size_requests",
+    "Requests per executed batch",
+    ["model"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
+EXECUTION_SECONDS = Counter(
+    "luminal_execution_seconds_total",
+    "Measured device time of executed batches",
+    ["model", "target"],
+    registry=REGISTRY,
+)
+BILLED_SECONDS = Counter(
+    "luminal_billed_seconds_total",
+    "Execution seconds billed, by tenant",
+    ["tenant"],
+    registry=REGISTRY,
+)
+MODEL_LOAD_SECONDS = Histogram(
+    "luminal_model_load_seconds",
+    "Time to load an artifact onto a device (cold start, never billed)",
+    ["target"],
+    registry=REGISTRY,
+)
+LOADED_MODELS = Gauge(
+    "luminal_loaded_models", "Artifacts loaded on devices", ["target"], registry=REGISTRY
+)
+COMPILES = Counter(
+    "luminal_compiles_total", "Compile jobs by outcome", ["status"], registry=REGISTRY
+)
+COMPILE_SECONDS = Histogram(
+    "luminal_compile_seconds",
+    "Compile job duration (never billed)",
+    buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
+    registry=REGISTRY,
+)
+QUEUE_REJECTIONS = Counter(
+    "luminal_queue_rejections_total", "Requests refused because a queue was full", ["model"],
+    registry=REGISTRY,
+)

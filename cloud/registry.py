@@ -1,0 +1,142 @@
+"""Models and their versions: upload, list, resolve for inference, status transitions.
+
+The API and the compile worker both go through here; neither touches the tables directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from cloud.db import Database, Model, ModelVersion
+from cloud.errors import InvalidModelFile, InvalidRequest, NotFound, NotReady
+from cloud.storage import ObjectStore
+from compiler import InvalidModel
+from compiler.frontends.onnx import parse_model
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+STATUSES = ("queued", "compiling", "ready", "failed")
+
+
+def graph_key(data: bytes) -> str:
+    return f"graphs/{hashlib.sha256(data).hexdigest()}.onnx"
+
+
+class Registry:
+    def __init__(self, db: Database, store: ObjectStore, targets: tuple[str, ...]) -> None:
+        self.db = db
+        self.store = store
+        self.targets = targets
+
+    # -- uploads --
+    def create_version(self, tenant_id: int, name: str, data: bytes, target: str) -> ModelVersion:
+        if not NAME_PATTERN.match(name):
+            raise InvalidRequest(
+                f"model name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'"
+            )
+        if target not in self.targets:
+            raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
+        try:
+            parse_model(data)
+        except InvalidModel as exc:
+            raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
+        key = graph_key(data)
+        if not self.store.exists(key):
+            self.store.put(key, data)
+        with self.db.session() as session:
+            model = session.scalar(
+                select(Model).where(Model.tenant_id == tenant_id, Model.name == name).with_for_update()
+            )
+            if model is None:
+                model = Model(tenant_id=tenant_id, name=name)
+                session.add(model)
+                session.flush()
+            last = session.scalar(select(func.max(ModelVersion.number)).where(ModelVersion.model_id == model.id))
+            version = ModelVersion(
+                model_id=model.id,
+                number=(last or 0) + 1,
+                status="queued",
+                target=target,
+                graph_key=key,
+                graph_bytes=len(data),
+            )
+            session.add(version)
+            session.flush()
+            session.refresh(version, ["model"])
+            return version
+
+    # -- reads --
+    def list_models(self, tenant_id: int) -> list[Model]:
+        with self.db.session() as session:
+            query = (
+                select(Model)
+                .where(Model.tenant_id == tenant_id)
+                .options(selectinload(Model.versions))
+                .order_by(Model.name)
+            )
+            return list(session.scalars(query))
+
+    def get_model(self, tenant_id: int, name: str) -> Model:
+        with self.db.session() as session:
+            return self._model(session, tenant_id, name)
+
+    def _model(self, session: Session, tenant_id: int, name: str) -> Model:
+        model = session.scalar(
+            select(Model)
+            .where(Model.tenant_id == tenant_id, Model.name == name)
+            .options(selectinload(Model.versions))
+        )
+        if model is None:
+            raise NotFound(f"model {name!r} not found")
+        return model
+
+    def resolve(self, tenant_id: int, name: str, number: int | None) -> ModelVersion:
+        """The version to serve: the one asked for, else the newest ready one."""
+        model = self.get_model(tenant_id, name)
+        if number is not None:
+            version = next((v for v in model.versions if v.number == number), None)
+            if version is None:
+                raise NotFound(f"model {name!r} has no version {number}")
+        else:
+            ready = [v for v in model.versions if v.status == "ready"]
+            version = ready[-1] if ready else model.versions[-1]
+        if version.status != "ready":
+            detail = f": {version.error}" if version.error else ""
+            raise NotReady(
+                f"model {name!r} version {version.number} is {version.status}{detail}",
+                status=version.status,
+            )
+        version.model = model
+        return version
+
+    def delete_model(self, tenant_id: int, name: str) -> list[int]:
+        """Deletes the model and its versions; returns the deleted version ids."""
+        with self.db.session() as session:
+            model = self._model(session, tenant_id, name)
+            ids = [v.id for v in model.versions]
+            session.delete(model)
+            return ids
+
+    def get_version(self, version_id: int) -> ModelVersion | None:
+        with self.db.session() as session:
+            return session.get(ModelVersion, version_id)
+
+    def unfinished_version_ids(self) -> list[int]:
+        with self.db.session() as session:
+            query = select(ModelVersion.id).where(ModelVersion.status.in_(("queued", "compiling")))
+            return list(session.scalars(query.order_by(ModelVersion.id)))
+
+    # -- status transitions (the compile worker) --
+    def set_status(self, version_id: int, status: str, **fields: Any) -> None:
+        assert status in STATUSES
+        with self.db.session() as session:
+            version = session.get(ModelVersion, version_id)
+            if version is None:
+                return  # deleted meanwhile
+            version.status = status
+            for name, value in fields.items():
+                setattr(version, name, value)

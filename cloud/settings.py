@@ -1,0 +1,61 @@
+"""The one settings class. Every environment variable is declared here (prefix LUMINAL_)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".luminal-cloud"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LUMINAL_", extra="ignore")
+
+    # where embedded state lives: the object store folder and the SQLite database
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    # SQLAlchemy URL; empty means SQLite inside data_dir
+    database_url: str = ""
+    # "local" keeps objects under data_dir/objects
+    object_store: Literal["local"] = "local"
+    # "embedded" compiles in a thread pool inside the server
+    compile_backend: Literal["embedded"] = "embedded"
+    compile_threads: int = 1
+    # device types a model may be provisioned for
+    targets: tuple[str, ...] = ("cpu",)
+    # largest accepted upload, in bytes
+    max_upload_bytes: int = 200 * 1024 * 1024
+    # batching policy, per model version
+    max_batch_rows: int = 32
+    max_queue_delay_ms: float = 5.0
+    max_queue_requests: int = 256
+    # a request still queued or running after this long gets 504
+    request_timeout_s: float = 30.0
+    # hint sent with 429 when a queue is full
+    retry_after_s: int = 1
+    # largest tensor a request may carry, in elements, and the largest batch dimension
+    max_request_elements: int = 16 * 1024 * 1024
+    max_batch_dim: int = 256
+    # price of one second of execution, per device type
+    price_per_second: dict[str, float] = {"cpu": 0.00002, "cuda": 0.0004}
+    # compiled models kept loaded per runtime, and how long an idle one stays
+    max_loaded_models: int = 8
+    idle_unload_s: float = 600.0
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'luminal.db'}"
+
+    @property
+    def objects_dir(self) -> Path:
+        return self.data_dir / "objects"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

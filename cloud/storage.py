@@ -1,0 +1,64 @@
+"""The object store: graph blobs and compiled artifacts, by key.
+
+One small interface; the embedded default is a local directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+from cloud.errors import NotFound
+from cloud.settings import Settings
+
+
+class ObjectStore(Protocol):
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class LocalObjectStore:
+    """Objects as files under a root folder; writes are atomic (temp file, then rename)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise ValueError(f"object key {key!r} leaves the store")
+        return path
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"object {key!r} not found") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file():
+            path.unlink()
+
+
+def make_object_store(settings: Settings) -> ObjectStore:
+    return LocalObjectStore(settings.objects_dir)

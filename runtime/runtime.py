@@ -1,0 +1,87 @@
+"""One runtime per device: loads artifacts on demand, runs batches, unloads idle models."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cloud import metrics
+from compiler import Artifact
+from runtime.batching import concat_requests, split_outputs
+
+
+@dataclass
+class BatchResult:
+    # one output dict per request, in the order given
+    outputs: list[dict[str, np.ndarray]]
+    # measured device time of the batch: the only time that is billed
+    exec_seconds: float
+    # time spent loading the artifact first (0 when warm); recorded, never billed
+    load_seconds: float
+
+
+class Runtime:
+    def __init__(
+        self,
+        device,
+        fetch_artifact: Callable[[str], Artifact],
+        max_loaded: int = 8,
+        idle_unload_s: float = 600.0,
+    ) -> None:
+        self.device = device
+        self._fetch = fetch_artifact
+        self._max_loaded = max_loaded
+        self._idle_unload_s = idle_unload_s
+        # artifact key -> (loaded program, last used); most recently used last
+        self._loaded: OrderedDict[str, tuple[object, float]] = OrderedDict()
+        # one batch at a time on the device, so measured time is the batch's alone
+        self._device_lock = threading.Lock()
+        self._load_lock = threading.Lock()
+
+    @property
+    def loaded_keys(self) -> list[str]:
+        return list(self._loaded)
+
+    def _ensure_loaded(self, key: str) -> tuple[object, float]:
+        with self._load_lock:
+            if key in self._loaded:
+                program, _ = self._loaded.pop(key)
+                self._loaded[key] = (program, time.monotonic())
+                return program, 0.0
+            started = time.perf_counter()
+            program = self.device.load(self._fetch(key))
+            load_seconds = time.perf_counter() - started
+            self._loaded[key] = (program, time.monotonic())
+            while len(self._loaded) > self._max_loaded:
+                self._loaded.popitem(last=False)
+            metrics.MODEL_LOAD_SECONDS.labels(self.device.target).observe(load_seconds)
+            metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
+            return program, load_seconds
+
+    def unload_idle(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        with self._load_lock:
+            idle = [k for k, (_, used) in self._loaded.items() if now - used >= self._idle_unload_s]
+            for key in idle:
+                del self._loaded[key]
+            metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
+        return idle
+
+    def unload(self, key: str) -> None:
+        with self._load_lock:
+            self._loaded.pop(key, None)
+
+    def run_batch(
+        self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]
+    ) -> BatchResult:
+        program, load_seconds = self._ensure_loaded(key)
+        signature = program.artifact.signature
+        batch = concat_requests(signature, requests)
+        with self._device_lock:
+            outputs, exec_seconds = self.device.execute(program, batch)
+        return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)

@@ -1,0 +1,223 @@
+"""The inference engine the API talks to, and its in-process implementation.
+
+The API calls `Engine.infer` with a Route (which model version, whose) and validated inputs.
+The in-process engine keeps one Batcher per model version; each drives a pure BatchQueue,
+runs due batches on the runtime for the version's device in a worker thread, meters them,
+and resolves the callers' futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from cloud import metrics
+from cloud.errors import DeadlineExceeded, Overloaded, Unavailable
+from cloud.metering import Ledger, Usage, price_for, split_by_rows
+from runtime import Runtime
+from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Everything the engine needs to know about the model version a request is for."""
+
+    # database id of the version: the queue key
+    version_id: int
+    tenant_id: int
+    tenant_name: str
+    model_name: str
+    version: int
+    # device type the version was compiled for
+    target: str
+    # object-store prefix of its artifact
+    artifact_key: str
+    # whether requests may be concatenated along a batch dimension
+    batchable: bool
+
+
+@dataclass
+class InferenceResult:
+    outputs: dict[str, np.ndarray]
+    # requests and rows in the batch this request ran in
+    batch_size: int
+    batch_rows: int
+    # this request's billed share of the batch's device time, and the whole batch's
+    exec_seconds: float
+    batch_exec_seconds: float
+    # time spent waiting in the queue (not billed)
+    queue_seconds: float
+
+
+class Engine(Protocol):
+    async def infer(
+        self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
+    ) -> InferenceResult: ...
+
+    def forget(self, version_id: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _Job:
+    route: Route
+    inputs: Mapping[str, np.ndarray]
+    future: asyncio.Future
+
+
+class InProcessEngine:
+    def __init__(
+        self,
+        runtimes: Mapping[str, Runtime],
+        ledger: Ledger,
+        prices: Mapping[str, float],
+        max_batch_rows: int,
+        max_delay_s: float,
+        max_queue_requests: int,
+        request_timeout_s: float,
+        retry_after_s: int,
+    ) -> None:
+        self.runtimes = runtimes
+        self.ledger = ledger
+        self.prices = prices
+        self._policy = dict(
+            max_batch_rows=max_batch_rows,
+            max_delay_s=max_delay_s,
+            max_queue_requests=max_queue_requests,
+        )
+        self.request_timeout_s = request_timeout_s
+        self.retry_after_s = retry_after_s
+        self._batchers: dict[int, Batcher] = {}
+
+    async def infer(
+        self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
+    ) -> InferenceResult:
+        if route.target not in self.runtimes:
+            raise Unavailable(f"no runtime serves device type {route.target!r}")
+        batcher = self._batchers.get(route.version_id)
+        if batcher is None:
+            policy = BatchPolicy(**self._policy, batchable=route.batchable)
+            batcher = Batcher(self, route, policy)
+            self._batchers[route.version_id] = batcher
+        return await batcher.submit(inputs, rows, request_id)
+
+    def forget(self, version_id: int) -> None:
+        batcher = self._batchers.pop(version_id, None)
+        if batcher is not None:
+            batcher.close()
+            self.runtimes[batcher.route.target].unload(batcher.route.artifact_key)
+
+    async def close(self) -> None:
+        for version_id in list(self._batchers):
+            self.forget(version_id)
+
+    def run_and_meter(self, route: Route, batch: list[Pending]) -> list[InferenceResult]:
+        """Runs in a worker thread: execute the batch, then write its usage records."""
+        runtime = self.runtimes[route.target]
+        rows = [p.rows for p in batch]
+        result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows)
+        shares = split_by_rows(result.exec_seconds, rows)
+        price = price_for(route.target, self.prices)
+        usages = [
+            Usage(
+                request_id=p.request_id,
+                tenant_id=route.tenant_id,
+                model_name=route.model_name,
+                version=route.version,
+                target=route.target,
+                rows=p.rows,
+                batch_size=len(batch),
+                batch_rows=sum(rows),
+                batch_exec_seconds=result.exec_seconds,
+                billed_seconds=share,
+                price_per_second=price,
+            )
+            for p, share in zip(batch, shares)
+        ]
+        self.ledger.record(usages)
+        metrics.BATCH_SIZE.labels(route.model_name).observe(len(batch))
+        metrics.EXECUTION_SECONDS.labels(route.model_name, route.target).inc(result.exec_seconds)
+        metrics.BILLED_SECONDS.labels(route.tenant_name).inc(sum(shares))
+        return [
+            InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
+            for out, share in zip(result.outputs, shares)
+        ]
+
+
+class Batcher:
+    """Drives one BatchQueue for one model version on the event loop."""
+
+    def __init__(self, engine: InProcessEngine, route: Route, policy: BatchPolicy) -> None:
+        self.engine = engine
+        self.route = route
+        self.queue = BatchQueue(policy)
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._task = self._loop.create_task(self._run(), name=f"batcher-{route.version_id}")
+
+    async def submit(self, inputs: Mapping[str, np.ndarray], rows: int, request_id: str):
+        now = self._loop.time()
+        future = self._loop.create_future()
+        pending = Pending(
+            request_id, rows, now, now + self.engine.request_timeout_s, _Job(self.route, inputs, future)
+        )
+        try:
+            self.queue.submit(pending, now)
+        except QueueFull as exc:
+            metrics.QUEUE_REJECTIONS.labels(self.route.model_name).inc()
+            raise Overloaded(
+                f"the queue for {self.route.model_name} v{self.route.version} is full ({exc})",
+                retry_after=self.engine.retry_after_s,
+            ) from None
+        self._wakeup.set()
+        return await future
+
+    def close(self) -> None:
+        self._task.cancel()
+        for pending in self.queue.expired(float("inf")):
+            _fail(pending, Unavailable("the model was removed while the request was queued"))
+
+    async def _run(self) -> None:
+        while True:
+            now = self._loop.time()
+            for pending in self.queue.expired(now):
+                _fail(pending, DeadlineExceeded("the request waited in the queue past its deadline"))
+            batch = self.queue.take_batch(now)
+            if batch is not None:
+                await self._execute(batch, now)
+                continue
+            wake = self.queue.wake_at(now)
+            self._wakeup.clear()
+            try:
+                timeout = None if wake is None else max(0.0, wake - now)
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _execute(self, batch: list[Pending], started: float) -> None:
+        for pending in batch:
+            metrics.QUEUE_WAIT.labels(self.route.model_name).observe(started - pending.enqueued_at)
+        try:
+            results = await asyncio.to_thread(self.engine.run_and_meter, self.route, batch)
+        except Exception as exc:  # a failing batch fails its requests, never the batcher
+            log.exception("batch for %s failed", self.route.model_name)
+            for pending in batch:
+                _fail(pending, exc)
+            return
+        for pending, result in zip(batch, results):
+            result.queue_seconds = started - pending.enqueued_at
+            if not pending.payload.future.done():
+                pending.payload.future.set_result(result)
+
+
+def _fail(pending: Pending, exc: BaseException) -> None:
+    if not pending.payload.future.done():
+        pending.payload.future.set_exception(exc)

@@ -1,0 +1,95 @@
+"""The dynamic batching policy: a pure core with no I/O and no clock of its own.
+
+Contract (the caller is the batcher):
+  - `submit(request, now)` when a request arrives; raises QueueFull when the queue is full.
+  - `expired(now)` to take out requests whose deadline passed while queued.
+  - `take_batch(now)` returns the next batch when one is due, else None. A batch is due when
+    the queued rows fill a batch, or the oldest request has waited `max_delay_s`.
+  - `wake_at(now)` says when a batch or an expiry will next be due, so the caller can sleep.
+Requests are taken in arrival order; a request is never split across batches.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class QueueFull(Exception):
+    """The queue holds max_queue_requests already."""
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    # most rows in one batch; with batchable=False every batch is one request
+    max_batch_rows: int
+    # longest the oldest request waits for company before a partial batch runs
+    max_delay_s: float
+    # most requests waiting; one more is refused
+    max_queue_requests: int
+    # whether requests may be concatenated (the model has a symbolic batch dimension)
+    batchable: bool = True
+
+
+@dataclass
+class Pending:
+    # unique id, also the usage record's id
+    request_id: str
+    # rows along the batch dimension (1 for a model without one)
+    rows: int
+    # when it was queued and when it must have started, in the caller's clock
+    enqueued_at: float
+    deadline: float
+    # whatever the adapter carries along (inputs, future); the policy never looks inside
+    payload: Any = field(default=None, repr=False)
+
+
+class BatchQueue:
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
+        self._queue: deque[Pending] = deque()
+        self._rows = 0
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def submit(self, request: Pending, now: float) -> None:
+        if len(self._queue) >= self.policy.max_queue_requests:
+            raise QueueFull(f"{len(self._queue)} requests already queued")
+        self._queue.append(request)
+        self._rows += request.rows
+
+    def expired(self, now: float) -> list[Pending]:
+        gone = [r for r in self._queue if r.deadline <= now]
+        if gone:
+            self._queue = deque(r for r in self._queue if r.deadline > now)
+            self._rows -= sum(r.rows for r in gone)
+        return gone
+
+    def _due(self, now: float) -> bool:
+        if not self._queue:
+            return False
+        if not self.policy.batchable or self._rows >= self.policy.max_batch_rows:
+            return True
+        return now - self._queue[0].enqueued_at >= self.policy.max_delay_s
+
+    def take_batch(self, now: float) -> list[Pending] | None:
+        if not self._due(now):
+            return None
+        batch = [self._queue.popleft()]
+        if self.policy.batchable:
+            rows = batch[0].rows
+            while self._queue and rows + self._queue[0].rows <= self.policy.max_batch_rows:
+                rows += self._queue[0].rows
+                batch.append(self._queue.popleft())
+        self._rows -= sum(r.rows for r in batch)
+        return batch
+
+    def wake_at(self, now: float) -> float | None:
+        if not self._queue:
+            return None
+        if self._due(now):
+            return now
+        batch_due = self._queue[0].enqueued_at + self.policy.max_delay_s
+        return min(batch_due, min(r.deadline for r in self._queue))

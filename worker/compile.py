@@ -1,0 +1,69 @@
+"""Compiling one model version: a plain function the embedded pool (and later Celery) calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from cloud import metrics
+from cloud.registry import Registry
+from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+from compiler.pipeline import COMPILER_VERSION
+
+log = logging.getLogger(__name__)
+
+
+def artifact_key(graph_key: str, target: str) -> str:
+    """Artifacts are cached by (uploaded graph, target, compiler version)."""
+    digest = graph_key.removeprefix("graphs/").removesuffix(".onnx")
+    return f"artifacts/{digest}/{target}/{COMPILER_VERSION}"
+
+
+def compile_version(version_id: int, registry: Registry) -> str | None:
+    """Compile a queued version; idempotent. Returns the final status (None if deleted)."""
+    version = registry.get_version(version_id)
+    if version is None:
+        return None
+    if version.status in ("ready", "failed"):
+        return version.status
+    registry.set_status(version_id, "compiling")
+    started = time.perf_counter()
+    store = registry.store
+    key = artifact_key(version.graph_key, version.target)
+    try:
+        if store.exists(f"{key}/manifest.json"):
+            artifact = Artifact.from_files(lambda name: store.get(f"{key}/{name}"))
+            cached = True
+        else:
+            artifact = compile_onnx(store.get(version.graph_key), version.target)
+            for name, data in artifact.to_files().items():
+                store.put(f"{key}/{name}", data)
+            cached = False
+    except UnsupportedModel as exc:
+        message = "the graph uses operations the compiler does not support: " + ", ".join(exc.missing)
+        return _fail(registry, version_id, message, started)
+    except CompilerError as exc:
+        return _fail(registry, version_id, f"compilation failed: {exc}", started)
+    except Exception as exc:  # a compiler bug must fail the version, not the worker
+        log.exception("compiling version %s crashed", version_id)
+        return _fail(registry, version_id, f"internal compiler error ({type(exc).__name__}: {exc})", started)
+    seconds = time.perf_counter() - started
+    report = {**artifact.report, "cached": cached, "compile_seconds": round(seconds, 6)}
+    registry.set_status(
+        version_id,
+        "ready",
+        artifact_key=key,
+        signature=artifact.signature.to_json(),
+        report=report,
+        error=None,
+    )
+    metrics.COMPILES.labels("ready").inc()
+    metrics.COMPILE_SECONDS.observe(seconds)
+    return "ready"
+
+
+def _fail(registry: Registry, version_id: int, message: str, started: float) -> str:
+    registry.set_status(version_id, "failed", error=message)
+    metrics.COMPILES.labels("failed").inc()
+    metrics.COMPILE_SECONDS.observe(time.perf_counter() - started)
+    return "failed"
