@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+import onnx.version_converter
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
@@ -22,6 +23,8 @@ from compiler.shape import Dim, ShapeError, SymDim, dim_div, numel
 
 ONNX_DOMAINS = ("", "ai.onnx")
 MIN_OPSET = 7
+# older models are converted to this opset first
+UPGRADE_TO_OPSET = 13
 
 _ELEM_TYPES: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32",
@@ -74,9 +77,10 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
     missing = missing_ops(model)
     if missing:
         raise UnsupportedModel(missing)
-    opset = next((o.version for o in model.opset_import if o.domain in ONNX_DOMAINS), 0)
+    opset = _opset(model)
     if opset < MIN_OPSET:
-        raise UnsupportedModel([f"opset {opset} (the oldest supported is {MIN_OPSET})"])
+        model = _upgrade(model, opset)
+        opset = _opset(model)
     ctx = _Context(GraphBuilder(), opset)
     graph = model.graph
     for tensor in graph.initializer:
@@ -90,15 +94,29 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
             outputs = LOWERINGS[node.op_type](ctx, node)
         except ShapeError as exc:
             raise InvalidModel(f"node {node.name or node.op_type!r} ({node.op_type}): {exc}") from None
-        for name, value in zip(node.output, outputs):
+        for index, name in enumerate(node.output):
+            if name and index >= len(outputs):
+                raise UnsupportedModel([f"{node.op_type} with output {index} ({name!r}) in use"])
             if name:
-                ctx.env[name] = value
+                ctx.env[name] = outputs[index]
     result = []
     for out in graph.output:
         if out.name not in ctx.env:
             raise InvalidModel(f"graph output {out.name!r} is produced by no node")
         result.append((_clean_name(out.name), ctx.env[out.name]))
     return ctx.b.finish(result)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ONNX_DOMAINS), 0)
+
+
+def _upgrade(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """Old opsets are converted with onnx.version_converter rather than lowered twice."""
+    try:
+        return onnx.version_converter.convert_version(model, UPGRADE_TO_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors and more
+        raise UnsupportedModel([f"opset {opset}, which could not be converted ({exc})"]) from None
 
 
 def load_graph(data: bytes) -> Graph:

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.services import open_database
+from cloud.auth import create_key
+from cloud.settings import Settings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def make_settings(data_dir: Path, **overrides) -> Settings:
+    values = dict(data_dir=data_dir, max_queue_delay_ms=20.0, max_upload_bytes=2 * 1024 * 1024)
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path / "data")
+
+
+@pytest.fixture
+def keys(settings: Settings) -> dict[str, str]:
+    db = open_database(settings)
+    try:
+        return {"alice": create_key(db, "alice"), "bob": create_key(db, "bob")}
+    finally:
+        db.dispose()
+
+
+@pytest.fixture
+def client(settings: Settings, keys: dict[str, str]) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def upload(client: TestClient, key: str, name: str, data: bytes, **form) -> dict:
+    response = client.post(
+        "/v1/models",
+        headers=auth(key),
+        files={"file": ("model.onnx", data, "application/octet-stream")},
+        data={"name": name, **form},
+    )
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def wait_for(client: TestClient, key: str, name: str, version: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        model = client.get(f"/v1/models/{name}", headers=auth(key)).json()
+        found = next(v for v in model["versions"] if v["version"] == version)
+        if found["status"] in ("ready", "failed"):
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"{name} v{version} did not finish compiling in {timeout}s")

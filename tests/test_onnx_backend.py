@@ -1,0 +1,62 @@
+"""ONNX's own backend test runner drives compiler.onnx_backend over the node test cases of the
+ops the foundation supports; and over all cases of supported op types, every case either
+matches the expected outputs or is refused at prepare time (never wrong numbers)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx.backend.test
+import pytest
+from onnx.backend.test.case.node import collect_testcases
+
+import compiler.onnx_backend as backend
+from compiler import UnsupportedModel
+from compiler.frontends.onnx import LOWERINGS
+
+SUPPORTED = (
+    "gemm matmul add sub mul div relu sigmoid tanh softmax reshape flatten transpose conv maxpool "
+    "averagepool globalaveragepool globalmaxpool batchnorm concat constant identity dropout neg exp "
+    "log sqrt reciprocal sin"
+).split()
+
+# cases of those ops that are refused on purpose (types, training mode, run-time shapes, extras)
+REFUSED = [
+    r"_u?int16", r"_uint(32|64)", r"div_(u?int8|int32)", r"sub_uint8", r"training", r"argmax",
+    r"test_reshape_(?!allowzero_reordered$)", r"test_reshape_allowzero", r"identity_(sequence|opt)",
+    r"dropout_default_mask", r"_expanded", r"constantofshape", r"concat_from_sequence",
+    r"convinteger", r"convtranspose", r"matmulinteger", r"conv_with_autopad_same",
+    r"softmax_cross_entropy", r"test_sce", r"transpose_all_permutations", r"constant_pad",
+    r"log_softmax",
+]
+
+with warnings.catch_warnings():  # generating the cases warns about casts in onnx's own code
+    warnings.simplefilter("ignore")
+    backend_test = onnx.backend.test.BackendTest(backend, __name__)
+for op in SUPPORTED:
+    backend_test.include(rf"^test_{op}(_|$).*_cpu$")
+for pattern in REFUSED:
+    backend_test.exclude(pattern)
+globals().update(backend_test.test_cases)
+
+
+def _supported_cases():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = collect_testcases()
+    return [c for c in cases if {n.op_type for n in c.model.graph.node} <= set(LOWERINGS)]
+
+
+@pytest.mark.parametrize("case", _supported_cases(), ids=lambda c: c.name)
+def test_refused_or_correct(case) -> None:
+    try:
+        rep = backend.prepare(case.model)
+    except UnsupportedModel:
+        return
+    for inputs, outputs in case.data_sets:
+        got = rep.run(inputs)
+        assert len(got) == len(outputs)
+        for g, o in zip(got, outputs):
+            assert g.shape == o.shape and g.dtype == o.dtype
+            np.testing.assert_allclose(g, o, rtol=case.rtol, atol=case.atol)
