@@ -14,7 +14,7 @@ from cloud.errors import LuminalError, Overloaded
 log = logging.getLogger(__name__)
 
 
-def error_response(status: int, code: str, message: str, headers=None, **details) -> JSONResponse:
+def error_response(status: int, code: str, message: str, headers=None, /, **details) -> JSONResponse:
     body = {"error": {"code": code, "message": message, **details}}
     return JSONResponse(body, status_code=status, headers=headers)
 

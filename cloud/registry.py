@@ -108,7 +108,7 @@ class Registry:
             detail = f": {version.error}" if version.error else ""
             raise NotReady(
                 f"model {name!r} version {version.number} is {version.status}{detail}",
-                status=version.status,
+                version_status=version.status,
             )
         version.model = model
         return version

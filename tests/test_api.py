@@ -1,0 +1,221 @@
+"""The HTTP API end to end (in-process ASGI client): upload, compile, infer, bill, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from sqlalchemy import func, select
+
+from cloud.db import UsageRecord
+from tests.conftest import auth, upload, wait_for
+from tests.onnx_models import fixed_shape_model, int_input_model, mlp, unsupported_model
+
+MLP = mlp().SerializeToString()
+
+
+def ort(data: bytes, inputs: dict) -> list[np.ndarray]:
+    return onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, inputs)
+
+
+@pytest.fixture
+def deployed(client, keys):
+    created = upload(client, keys["alice"], "mlp", MLP)
+    assert created == {"name": "mlp", "version": 1, "status": "queued", "target": "cpu"}
+    assert wait_for(client, keys["alice"], "mlp", 1)["status"] == "ready"
+    return "mlp"
+
+
+def infer(client, key, name, inputs, **params):
+    return client.post(f"/v1/models/{name}/infer", headers=auth(key), json={"inputs": inputs}, params=params)
+
+
+def test_upload_compile_and_infer_match_onnxruntime(client, keys, deployed) -> None:
+    model = client.get("/v1/models/mlp", headers=auth(keys["alice"])).json()
+    [version] = model["versions"]
+    assert version["signature"]["inputs"] == [{"name": "x", "shape": ["batch", 8], "dtype": "float32"}]
+    assert version["report"]["kernels"] > 0 and version["error"] is None
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    response = infer(client, keys["alice"], "mlp", {"x": x.tolist()})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == "mlp" and body["version"] == 1
+    np.testing.assert_allclose(np.array(body["outputs"]["y"], np.float32), ort(MLP, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    assert body["usage"]["batch_size"] == 1 and body["usage"]["exec_ms"] > 0
+    assert response.headers["X-Request-ID"] == body["usage"]["request_id"]
+
+
+def test_reupload_creates_next_version_and_both_serve(client, keys, deployed) -> None:
+    other = mlp(seed=5).SerializeToString()
+    assert upload(client, keys["alice"], "mlp", other)["version"] == 2
+    wait_for(client, keys["alice"], "mlp", 2)
+    x = np.ones((1, 8), np.float32)
+    latest = infer(client, keys["alice"], "mlp", {"x": x.tolist()}).json()
+    first = infer(client, keys["alice"], "mlp", {"x": x.tolist()}, version=1).json()
+    assert latest["version"] == 2 and first["version"] == 1
+    np.testing.assert_allclose(np.array(latest["outputs"]["y"]), ort(other, {"x": x})[0], rtol=1e-5)
+    np.testing.assert_allclose(np.array(first["outputs"]["y"]), ort(MLP, {"x": x})[0], rtol=1e-5)
+    listed = client.get("/v1/models", headers=auth(keys["alice"])).json()["models"]
+    assert [(m["name"], m["latest_version"], m["versions"]) for m in listed] == [("mlp", 2, 2)]
+
+
+def test_unbatchable_model_serves_its_fixed_shape(client, keys) -> None:
+    data = fixed_shape_model().SerializeToString()
+    upload(client, keys["alice"], "fixed", data)
+    wait_for(client, keys["alice"], "fixed", 1)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 3
+    body = infer(client, keys["alice"], "fixed", {"x": x.tolist()}).json()
+    np.testing.assert_allclose(np.array(body["outputs"]["y"]), ort(data, {"x": x})[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "empty"),
+        (MLP[: len(MLP) // 2], "not a usable ONNX model"),
+        (b"\x00\x01garbage bytes that are not protobuf", "not a usable ONNX model"),
+        (b"name,value\n1,2\n", "not a usable ONNX model"),
+    ],
+)
+def test_bad_uploads_get_400(client, keys, data: bytes, message: str) -> None:
+    response = client.post(
+        "/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", data)}, data={"name": "bad"}
+    )
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+    assert client.get("/v1/models/bad", headers=auth(keys["alice"])).status_code == 404
+
+
+def test_upload_over_the_limit_gets_413(client, keys, settings) -> None:
+    data = b"\x08" * (settings.max_upload_bytes + 200 * 1024)
+    response = client.post(
+        "/v1/models", headers=auth(keys["alice"]), files={"file": ("big.onnx", data)}, data={"name": "big"}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [({"name": "bad name!"}, "model name"), ({"name": "ok", "target": "tpu"}, "unknown target 'tpu'")],
+)
+def test_bad_upload_fields_get_400(client, keys, form, message) -> None:
+    response = client.post("/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_unsupported_ops_fail_the_version_with_the_missing_ops(client, keys) -> None:
+    upload(client, keys["alice"], "exotic", unsupported_model().SerializeToString())
+    version = wait_for(client, keys["alice"], "exotic", 1)
+    assert version["status"] == "failed"
+    assert "Erf, HardSwish" in version["error"]
+    response = infer(client, keys["alice"], "exotic", {"x": [[1, 2, 3, 4]]})
+    assert response.status_code == 409
+    assert "failed" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({}, "inputs"),
+        ({"z": [[0.0] * 8]}, "unknown input 'z'"),
+        ({"x": [[0.0] * 8], "z": [1]}, "unknown input 'z'"),
+        ({"x": [0.0] * 8}, "input 'x' has rank 1"),
+        ({"x": [[0.0] * 7]}, "dimension 1 is 7, expected 8"),
+        ({"x": [["a"] * 8]}, "strings where float32 is expected"),
+        ({"x": [[True] * 8]}, "booleans where float32 is expected"),
+        ({"x": [[0.0] * 8, [0.0] * 7]}, "not a rectangular"),
+        ({"x": [[None] * 8]}, "nulls"),
+        ({"x": [[1e39] * 8]}, "overflow float32"),
+        ({"x": [[0.0] * 8] * 300}, "allowed 1 to 256"),
+    ],
+)
+def test_bad_inputs_get_400_naming_input_and_signature(client, keys, deployed, inputs, message) -> None:
+    response = infer(client, keys["alice"], "mlp", inputs)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"]
+    if "unknown" in message or "rank" in message or "expected 8" in message:
+        assert "x: float32[batch, 8]" in error["message"]
+
+
+def test_float_given_for_integer_input_gets_400(client, keys) -> None:
+    upload(client, keys["alice"], "ids", int_input_model().SerializeToString())
+    wait_for(client, keys["alice"], "ids", 1)
+    assert infer(client, keys["alice"], "ids", {"ids": [[1, 2, 3]]}).json()["outputs"]["y"] == [[1, 2, 3]]
+    response = infer(client, keys["alice"], "ids", {"ids": [[1.5, 2, 3]]})
+    assert response.status_code == 400
+    assert "floats where int64 is expected" in response.json()["error"]["message"]
+
+
+def test_unknown_model_and_version_get_404(client, keys, deployed) -> None:
+    assert infer(client, keys["alice"], "nope", {"x": [[0.0] * 8]}).status_code == 404
+    response = infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}, version=9)
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == "model 'mlp' has no version 9"
+    assert infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}, version=0).status_code == 400
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}])
+def test_missing_or_wrong_key_gets_401(client, headers) -> None:
+    for response in (client.get("/v1/models", headers=headers), client.get("/v1/usage", headers=headers)):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "unauthorized"
+
+
+def test_tenants_see_only_their_own_models(client, keys, deployed) -> None:
+    bob = auth(keys["bob"])
+    assert client.get("/v1/models", headers=bob).json() == {"models": []}
+    assert client.get("/v1/models/mlp", headers=bob).status_code == 404
+    assert infer(client, keys["bob"], "mlp", {"x": [[0.0] * 8]}).status_code == 404
+    assert client.delete("/v1/models/mlp", headers=bob).status_code == 404
+    # bob's model of the same name is his own
+    upload(client, keys["bob"], "mlp", mlp(seed=9).SerializeToString())
+    assert client.get("/v1/models/mlp", headers=auth(keys["alice"])).json()["versions"][0]["version"] == 1
+    infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]})
+    assert client.get("/v1/usage", headers=bob).json()["items"] == []
+
+
+def test_usage_sums_billed_execution_time(client, keys, deployed, settings) -> None:
+    rows_sent, billed = 0, 0.0
+    for rows in (1, 2, 5):
+        body = infer(client, keys["alice"], "mlp", {"x": [[0.5] * 8] * rows}).json()
+        rows_sent += rows
+        billed += body["usage"]["exec_ms"] / 1000
+    report = client.get("/v1/usage", headers=auth(keys["alice"])).json()
+    assert report["tenant"] == "alice"
+    [item] = report["items"]
+    assert (item["model"], item["version"], item["requests"], item["rows"]) == ("mlp", 1, 3, rows_sent)
+    assert item["billed_seconds"] == pytest.approx(billed, rel=1e-6)
+    assert item["price_per_second"] == settings.price_per_second["cpu"]
+    assert item["cost"] == pytest.approx(billed * settings.price_per_second["cpu"], rel=1e-6)
+    db = client.app.state.services.db
+    with db.session() as session:
+        assert session.scalar(select(func.count(UsageRecord.id))) == 3
+
+
+def test_delete_removes_the_model(client, keys, deployed) -> None:
+    response = client.delete("/v1/models/mlp", headers=auth(keys["alice"]))
+    assert response.status_code == 200 and response.json() == {"name": "mlp", "deleted": True, "versions": 1}
+    assert client.get("/v1/models/mlp", headers=auth(keys["alice"])).status_code == 404
+    assert infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}).status_code == 404
+
+
+def test_health_and_metrics(client, keys, deployed) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]})
+    infer(client, keys["alice"], "mlp", {"x": [[0.0] * 3]})
+    text = client.get("/metrics").text
+    assert 'luminal_inference_requests_total{model="mlp",status="ok"}' in text
+    assert 'luminal_inference_requests_total{model="mlp",status="400"}' in text
+    assert "luminal_batch_size_requests_bucket" in text
+    assert 'luminal_billed_seconds_total{tenant="alice"}' in text
+
+
+def test_malformed_json_body_gets_400(client, keys, deployed) -> None:
+    response = client.post(
+        "/v1/models/mlp/infer", headers={**auth(keys["alice"]), "Content-Type": "application/json"}, content=b"{not json"
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"

@@ -1,0 +1,60 @@
+"""Pricing is a pure split of batch time; the ledger writes each request once (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import sqlalchemy
+from sqlalchemy import select
+
+from cloud.db import Database, UsageRecord
+from cloud.metering import Ledger, Usage, split_by_rows
+
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def test_split_is_proportional_to_rows_and_sums_to_the_batch() -> None:
+    shares = split_by_rows(0.03, [1, 2, 3])
+    assert shares == pytest.approx([0.005, 0.01, 0.015])
+    assert sum(shares) == pytest.approx(0.03)
+
+
+def test_split_refuses_an_empty_batch() -> None:
+    with pytest.raises(ValueError):
+        split_by_rows(1.0, [])
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    if request.param == "sqlite":
+        db = Database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    else:
+        db = Database(POSTGRES_URL)
+        try:
+            with db.engine.connect():
+                pass
+        except sqlalchemy.exc.OperationalError as exc:
+            pytest.fail(f"PostgreSQL is needed at {POSTGRES_URL} and cannot be reached: {exc}")
+    db.create_all()
+    yield db
+    db.dispose()
+
+
+def usage(request_id: str, tenant_id: int, rows: int, seconds: float) -> Usage:
+    return Usage(request_id, tenant_id, "m", 1, "cpu", rows, 2, 3, 0.003, seconds, 0.5)
+
+
+def test_ledger_records_once_and_sums(database: Database) -> None:
+    ledger = Ledger(database)
+    tenant = uuid.uuid4().int % 1_000_000_000  # unique per run: the PostgreSQL database persists
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    ledger.record([usage(first, tenant, 1, 0.001), usage(second, tenant, 2, 0.002)])
+    ledger.record([usage(first, tenant, 1, 0.001)])  # a retry of the same request changes nothing
+    with database.session() as session:
+        rows = session.scalars(select(UsageRecord).where(UsageRecord.tenant_id == tenant)).all()
+    assert sorted(r.request_id for r in rows) == sorted([first, second])
+    [summary] = ledger.summary(tenant)
+    assert summary["requests"] == 2 and summary["rows"] == 3
+    assert summary["billed_seconds"] == pytest.approx(0.003)
+    assert summary["cost"] == pytest.approx(0.0015)
