@@ -1,0 +1,137 @@
+"""Through a real uvicorn socket: the SDK, batching under concurrency, a full queue, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnxruntime
+import pytest
+
+from api.server import BackgroundServer
+from luminal_cloud import APIError, Client, DeployFailed
+from tests.conftest import FIXTURES, make_settings
+from tests.onnx_models import mlp, unsupported_model
+
+
+@pytest.fixture
+def server(settings, keys):
+    with BackgroundServer(settings) as running:
+        yield running
+
+
+def ort(path, inputs):
+    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+
+
+@pytest.mark.parametrize(("fixture", "shape"), [("torch_mlp.onnx", (20,)), ("torch_cnn.onnx", (1, 12, 12))])
+def test_concurrent_requests_batch_and_split_correctly(server, keys, fixture, shape) -> None:
+    path = FIXTURES / fixture
+    rng = np.random.default_rng(3)
+    payloads = [rng.standard_normal((1 + i % 3, *shape)).astype(np.float32) for i in range(24)]
+    with Client(server.url, keys["alice"]) as client:
+        assert client.deploy(path, name="net")["status"] == "ready"
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            replies = list(pool.map(lambda x: client.infer("net", {"input": x}), payloads))
+        for x, reply in zip(payloads, replies):
+            got = np.asarray(reply["outputs"]["output"], np.float32)
+            np.testing.assert_allclose(got, ort(path, {"input": x}), rtol=1e-4, atol=1e-5)
+        assert max(r["usage"]["batch_size"] for r in replies) > 1
+        predicted = client.predict("net", {"input": payloads[0]})["output"]
+        assert predicted.dtype == np.float32 and predicted.shape[0] == payloads[0].shape[0]
+        bill = client.usage()
+        assert bill["items"][0]["requests"] == 25
+        assert bill["items"][0]["rows"] == sum(x.shape[0] for x in payloads) + payloads[0].shape[0]
+
+
+def test_sdk_raises_server_errors_with_their_message(server, keys, tmp_path) -> None:
+    with Client(server.url, keys["alice"]) as client:
+        with pytest.raises(APIError) as missing:
+            client.predict("ghost", {"x": np.zeros((1, 8), np.float32)})
+        assert missing.value.status == 404 and missing.value.message == "model 'ghost' not found"
+        bad = tmp_path / "exotic.onnx"
+        bad.write_bytes(unsupported_model().SerializeToString())
+        with pytest.raises(DeployFailed, match="Erf, HardSwish"):
+            client.deploy(bad, name="exotic")
+    with Client(server.url, "lc_not_a_key") as stranger, pytest.raises(APIError) as denied:
+        stranger.models()
+    assert denied.value.status == 401
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path, keys) -> None:
+    settings = make_settings(tmp_path / "data", max_queue_requests=1, max_queue_delay_ms=1500, max_batch_rows=64)
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(mlp().SerializeToString())
+    from api.services import open_database
+    from cloud.auth import create_key
+
+    db = open_database(settings)
+    key = create_key(db, "carol")
+    db.dispose()
+    with BackgroundServer(settings) as server, Client(server.url, key) as client:
+        client.deploy(model, name="mlp")
+        first = threading.Thread(target=client.infer, args=("mlp", {"x": np.zeros((1, 8), np.float32)}))
+        first.start()
+        time.sleep(0.3)  # the first request now waits in the queue for company
+        import httpx
+
+        response = httpx.post(
+            f"{server.url}/v1/models/mlp/infer",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"inputs": {"x": [[0.0] * 8]}},
+        )
+        first.join()
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == str(settings.retry_after_s)
+    assert "queue" in response.json()["error"]["message"]
+
+
+def run_cli(*args: str, env: dict) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "luminal_cloud.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_cli_create_key_deploy_and_predict(settings, tmp_path) -> None:
+    env = {**os.environ, "LUMINAL_DATA_DIR": str(settings.data_dir)}
+    key = run_cli("admin", "create-key", "--tenant", "dave", env=env).split()[-1]
+    assert key.startswith("lc_")
+    x = np.random.default_rng(0).standard_normal((2, 20)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    with BackgroundServer(settings) as server:
+        env = {**env, "LUMINAL_URL": server.url, "LUMINAL_API_KEY": key}
+        assert '"status": "ready"' in run_cli("deploy", str(FIXTURES / "torch_mlp.onnx"), "--name", "m", env=env)
+        out = run_cli("predict", "m", "--input", f"input={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path), env=env)
+    assert "output: float32[2, 5]" in out
+    np.testing.assert_allclose(np.load(tmp_path / "output.npy"), ort(FIXTURES / "torch_mlp.onnx", {"input": x}), rtol=1e-4)
+
+
+def test_demo_prints_outputs_batches_and_bill(settings, capsys) -> None:
+    from api.demo import run_demo
+
+    run_demo(settings, requests=12)
+    out = capsys.readouterr().out
+    assert "12 concurrent requests: all match onnxruntime" in out
+    assert "batch sizes seen" in out
+    assert "bill for tenant 'demo'" in out and "demo-mlp" in out
+
+
+def test_versions_left_unfinished_compile_after_a_restart(settings, keys) -> None:
+    from api.services import build_services
+
+    services = build_services(settings)  # a server that accepted an upload, then died
+    tenant_model = mlp().SerializeToString()
+    from cloud.auth import authenticate
+
+    tenant = authenticate(services.db, f"Bearer {keys['alice']}")
+    version = services.registry.create_version(tenant.id, "orphan", tenant_model, "cpu")
+    services.close()
+    with BackgroundServer(settings) as server, Client(server.url, keys["alice"]) as client:
+        assert client.wait("orphan", version.number, timeout=30)["status"] == "ready"
