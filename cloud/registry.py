@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from cloud.db import Database, Model, ModelVersion
@@ -47,6 +48,17 @@ class Registry:
         key = graph_key(data)
         if not self.store.exists(key):
             self.store.put(key, data)
+        # two uploads racing on a new name or the next number: the loser retries
+        attempts_left = 3
+        while True:
+            try:
+                return self._insert_version(tenant_id, name, key, len(data), target)
+            except IntegrityError:
+                attempts_left -= 1
+                if not attempts_left:
+                    raise
+
+    def _insert_version(self, tenant_id: int, name: str, key: str, size: int, target: str) -> ModelVersion:
         with self.db.session() as session:
             model = session.scalar(
                 select(Model).where(Model.tenant_id == tenant_id, Model.name == name).with_for_update()
@@ -62,7 +74,7 @@ class Registry:
                 status="queued",
                 target=target,
                 graph_key=key,
-                graph_bytes=len(data),
+                graph_bytes=size,
             )
             session.add(version)
             session.flush()

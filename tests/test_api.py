@@ -219,3 +219,13 @@ def test_malformed_json_body_gets_400(client, keys, deployed) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_concurrent_uploads_of_a_new_name_get_distinct_versions(client, keys) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        created = list(pool.map(lambda i: upload(client, keys["alice"], "race", mlp(seed=i).SerializeToString()), range(4)))
+    assert sorted(c["version"] for c in created) == [1, 2, 3, 4]
+    for number in range(1, 5):
+        assert wait_for(client, keys["alice"], "race", number)["status"] == "ready"
