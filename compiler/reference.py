@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from compiler.ir import Graph, Node, Op
-from compiler.shape import Shape, ShapeError, SymDim, evaluate_shape
+from compiler.shape import ShapeError, SymDim, evaluate_shape
 
 _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
     Op.LOG2: np.log2,
@@ -113,6 +113,3 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nd
         values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
     return {name: np.asarray(values[i], order="C") for name, i in graph.outputs}
 
-
-def concrete_shape(shape: Shape, bindings: Mapping[str, int]) -> tuple[int, ...]:
-    return evaluate_shape(shape, bindings)

@@ -88,7 +88,7 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
     for value in graph.input:
         if value.name not in ctx.env:
             shape, dtype = _value_type(value)
-            ctx.env[value.name] = ctx.b.input(_clean_name(value.name), shape, dtype)
+            ctx.env[value.name] = ctx.b.input(value.name, shape, dtype)
     for node in graph.node:
         try:
             outputs = LOWERINGS[node.op_type](ctx, node)
@@ -103,7 +103,7 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
     for out in graph.output:
         if out.name not in ctx.env:
             raise InvalidModel(f"graph output {out.name!r} is produced by no node")
-        result.append((_clean_name(out.name), ctx.env[out.name]))
+        result.append((out.name, ctx.env[out.name]))
     return ctx.b.finish(result)
 
 
@@ -121,10 +121,6 @@ def _upgrade(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 
 def load_graph(data: bytes) -> Graph:
     return onnx_to_graph(parse_model(data))
-
-
-def _clean_name(name: str) -> str:
-    return name
 
 
 def _symbol_name(raw: str) -> str:
