@@ -15,6 +15,7 @@ import numpy as np
 
 from compiler.errors import UnsupportedModel
 from compiler.ir import GraphBuilder, Op
+from compiler.reference import apply_view
 from compiler.shape import Dim, ShapeError, broadcast_shapes, numel
 
 LOG2_E = math.log2(math.e)
@@ -236,8 +237,6 @@ def pool(
 
 def _window_counts(spatial, kernel, pads, extra, strides, dilations, include_pad) -> np.ndarray:
     """How many real (or, with include_pad, real plus user-padded) elements each window sees."""
-    from compiler.reference import apply_view
-
     ones = np.ones(spatial, dtype=np.float64)
     nd = len(kernel)
     user_pads = [(p[0], p[1]) for p in pads]

@@ -68,7 +68,6 @@ class Engine(Protocol):
 
 @dataclass
 class _Job:
-    route: Route
     inputs: Mapping[str, np.ndarray]
     future: asyncio.Future
 
@@ -167,7 +166,7 @@ class Batcher:
         now = self._loop.time()
         future = self._loop.create_future()
         pending = Pending(
-            request_id, rows, now, now + self.engine.request_timeout_s, _Job(self.route, inputs, future)
+            request_id, rows, now, now + self.engine.request_timeout_s, _Job(inputs, future)
         )
         try:
             self.queue.submit(pending, now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import onnxruntime
 import pytest
@@ -222,8 +224,6 @@ def test_malformed_json_body_gets_400(client, keys, deployed) -> None:
 
 
 def test_concurrent_uploads_of_a_new_name_get_distinct_versions(client, keys) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=4) as pool:
         created = list(pool.map(lambda i: upload(client, keys["alice"], "race", mlp(seed=i).SerializeToString()), range(4)))
     assert sorted(c["version"] for c in created) == [1, 2, 3, 4]

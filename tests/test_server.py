@@ -9,11 +9,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import onnxruntime
 import pytest
 
+from api.demo import run_demo
 from api.server import BackgroundServer
+from api.services import build_services, open_database
+from cloud.auth import authenticate, create_key
 from luminal_cloud import APIError, Client, DeployFailed
 from tests.conftest import FIXTURES, make_settings
 from tests.onnx_models import mlp, unsupported_model
@@ -67,9 +71,6 @@ def test_full_queue_answers_429_with_retry_after(tmp_path, keys) -> None:
     settings = make_settings(tmp_path / "data", max_queue_requests=1, max_queue_delay_ms=1500, max_batch_rows=64)
     model = tmp_path / "mlp.onnx"
     model.write_bytes(mlp().SerializeToString())
-    from api.services import open_database
-    from cloud.auth import create_key
-
     db = open_database(settings)
     key = create_key(db, "carol")
     db.dispose()
@@ -78,8 +79,6 @@ def test_full_queue_answers_429_with_retry_after(tmp_path, keys) -> None:
         first = threading.Thread(target=client.infer, args=("mlp", {"x": np.zeros((1, 8), np.float32)}))
         first.start()
         time.sleep(0.3)  # the first request now waits in the queue for company
-        import httpx
-
         response = httpx.post(
             f"{server.url}/v1/models/mlp/infer",
             headers={"Authorization": f"Bearer {key}"},
@@ -114,8 +113,6 @@ def test_cli_create_key_deploy_and_predict(settings, tmp_path) -> None:
 
 
 def test_demo_prints_outputs_batches_and_bill(settings, capsys) -> None:
-    from api.demo import run_demo
-
     run_demo(settings, requests=12)
     out = capsys.readouterr().out
     assert "12 concurrent requests: all match onnxruntime" in out
@@ -124,12 +121,8 @@ def test_demo_prints_outputs_batches_and_bill(settings, capsys) -> None:
 
 
 def test_versions_left_unfinished_compile_after_a_restart(settings, keys) -> None:
-    from api.services import build_services
-
     services = build_services(settings)  # a server that accepted an upload, then died
     tenant_model = mlp().SerializeToString()
-    from cloud.auth import authenticate
-
     tenant = authenticate(services.db, f"Bearer {keys['alice']}")
     version = services.registry.create_version(tenant.id, "orphan", tenant_model, "cpu")
     services.close()
