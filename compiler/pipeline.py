@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from compiler.artifact import Artifact, Signature

@@ -13,7 +13,7 @@ from onnx.backend.test.case.node import collect_testcases
 
 import compiler.onnx_backend as backend
 from compiler import UnsupportedModel
-from compiler.frontends.onnx import LOWERINGS
+from compiler.frontends.onnx_context import LOWERINGS
 
 SUPPORTED = (
     "gemm matmul add sub mul div relu sigmoid tanh softmax reshape flatten transpose conv maxpool "

@@ -1,0 +1,3 @@
+"""ONNX lowerings, one module per kind of op; importing this package registers them all."""
+
+from compiler.frontends.onnx_ops import basic, nn  # noqa: F401
