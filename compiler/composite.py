@@ -16,7 +16,7 @@ import numpy as np
 from compiler.errors import UnsupportedModel
 from compiler.ir import GraphBuilder, Op
 from compiler.reference import apply_view
-from compiler.shape import Dim, ShapeError, broadcast_shapes, numel
+from compiler.shape import Dim, ShapeError, broadcast_shapes, dim_mul, numel
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -93,6 +93,19 @@ def maximum(b: GraphBuilder, x: int, y: int) -> int:
 
 def minimum(b: GraphBuilder, x: int, y: int) -> int:
     return neg(b, maximum(b, neg(b, x), neg(b, y)))
+
+
+def where(b: GraphBuilder, cond: int, x: int, y: int) -> int:
+    """cond ? x : y, as a gather from the interleaved pair, so inf and NaN pass through untouched."""
+    shape = broadcast_shapes(broadcast_shapes(b.shape(cond), b.shape(x)), b.shape(y))
+    x, y = b.broadcast_to(x, shape), b.broadcast_to(y, shape)
+    if b.dtype(x) != b.dtype(y):
+        raise ShapeError(f"Where branches differ in dtype: {b.dtype(x)} vs {b.dtype(y)}")
+    count = numel(shape)
+    pairs = b.reshape(stack_last(b, [y, x]), (dim_mul(count, 2),))
+    flat_cond = b.reshape(b.cast(b.broadcast_to(cond, shape), "int64"), (count,))
+    index = b.binary(Op.ADD, scale(b, b.iota(count), 2), flat_cond)
+    return b.reshape(b.gather(pairs, index, 0), shape)
 
 
 def relu(b: GraphBuilder, x: int) -> int:

@@ -38,6 +38,8 @@ class Op(StrEnum):
     CONSTANT = "constant"
     CAST = "cast"
     GATHER = "gather"
+    # 0, 1, ..., n-1 as int64; n may be symbolic
+    IOTA = "iota"
     # unary
     LOG2 = "log2"
     EXP2 = "exp2"
@@ -61,7 +63,10 @@ BINARY_OPS = frozenset({Op.ADD, Op.MUL, Op.MOD, Op.LESS_THAN})
 REDUCE_OPS = frozenset({Op.SUM_REDUCE, Op.MAX_REDUCE})
 
 # dtypes the IR carries, by numpy name
-DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"})
+DTYPES = frozenset(
+    {"float32", "float64", "float16", "int64", "int32", "int16", "int8"}
+    | {"uint64", "uint32", "uint16", "uint8", "bool"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +271,9 @@ class GraphBuilder:
         ).hexdigest()[:24]
         self.weights.setdefault(key, array)
         return self._add(Node(Op.CONSTANT, (), tuple(array.shape), array.dtype.name, key))
+
+    def iota(self, length: Dim) -> int:
+        return self._add(Node(Op.IOTA, (), (length,), "int64"))
 
     def scalar_like(self, value: float, like: int) -> int:
         """A scalar constant broadcast to the shape and dtype of node `like`."""

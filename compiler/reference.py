@@ -100,6 +100,8 @@ def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mappin
         return np.take(data, indices, axis=axis)
     if op is Op.CONSTANT:
         return graph.weights[node.arg]
+    if op is Op.IOTA:
+        return np.arange(evaluate_shape(node.shape, bindings)[0], dtype=np.int64)
     raise ShapeError(f"reference interpreter cannot evaluate {op}")
 
 

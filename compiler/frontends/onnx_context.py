@@ -22,7 +22,11 @@ ELEM_TYPES: dict[int, str] = {
     onnx.TensorProto.FLOAT16: "float16",
     onnx.TensorProto.INT64: "int64",
     onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT16: "int16",
     onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT64: "uint64",
+    onnx.TensorProto.UINT32: "uint32",
+    onnx.TensorProto.UINT16: "uint16",
     onnx.TensorProto.UINT8: "uint8",
     onnx.TensorProto.BOOL: "bool",
 }

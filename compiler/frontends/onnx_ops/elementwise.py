@@ -1,0 +1,5 @@
+"""Lowerings of element-wise math, comparison and logic ops."""
+
+from __future__ import annotations
+
+

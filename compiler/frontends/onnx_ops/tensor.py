@@ -1,0 +1,5 @@
+"""Lowerings of shape computation, indexing, casts and data movement."""
+
+from __future__ import annotations
+
+
