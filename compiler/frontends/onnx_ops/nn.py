@@ -7,7 +7,7 @@ import onnx
 
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
-from compiler.ir import Op
+from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, numel
 
 
@@ -47,6 +47,110 @@ def _conv(ctx: Context, node: onnx.NodeProto) -> list[int]:
     pads, strides, dilations = _spatialattrs(ctx, node, b.shape(x)[2:], kernel)
     group = attrs(node).get("group", 1)
     return [C.conv(b, x, w, ctx.optional(node, 2), pads, strides, dilations, group)]
+
+
+def _static_spatial(node: onnx.NodeProto, shape: tuple[Dim, ...]) -> list[int]:
+    spatial = list(shape[2:])
+    if not all(isinstance(d, int) for d in spatial):
+        raise refuse(node, "symbolic spatial dimensions")
+    return spatial  # type: ignore[return-value]
+
+
+def _pad_or_crop(b: GraphBuilder, x: int, widths: list[tuple[int, int]]) -> int:
+    """Pad each axis with zeros by (before, after); a negative width crops instead."""
+    x = C.pad(b, x, [(max(0, lo), max(0, hi)) for lo, hi in widths], 0)
+    if all(lo >= 0 and hi >= 0 for lo, hi in widths):
+        return x
+    bounds = tuple(
+        (max(0, -lo), d + hi if hi < 0 else None, 1) for (lo, hi), d in zip(widths, b.shape(x))
+    )
+    return b.view(x, ("slice", bounds))
+
+
+def _interleave_zeros(b: GraphBuilder, x: int, axis: int, stride: int) -> int:
+    """Put stride-1 zeros between neighbours along `axis`: length n becomes (n-1)*stride+1."""
+    if stride == 1:
+        return x
+    shape = b.shape(x)
+    n = shape[axis]
+    widths = [(0, 0)] * (len(shape) + 1)
+    widths[axis + 1] = (0, stride - 1)
+    spread = C.pad(b, b.unsqueeze(x, axis + 1), widths, 0)
+    flat = b.reshape(spread, (*shape[:axis], n * stride, *shape[axis + 1 :]))
+    bounds = [(0, None, 1)] * len(shape)
+    bounds[axis] = (0, (n - 1) * stride + 1, 1)
+    return b.view(flat, ("slice", tuple(bounds)))
+
+
+def _reverse(b: GraphBuilder, x: int, axis: int) -> int:
+    size = b.shape(x)[axis]
+    return b.gather(x, b.constant(np.arange(size - 1, -1, -1, dtype=np.int64)), axis)
+
+
+@lowers("ConvTranspose")
+def _conv_transpose(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """A stride-1 convolution of the zero-interleaved input with the flipped, transposed kernel.
+
+    Output position o reads position o + pad_begin of the full (uncropped) transposed
+    convolution, whose positions past its end (output_padding) are zero.
+    """
+    b = ctx.b
+    a = attrs(node)
+    x, w = ctx.value(node, 0), ctx.value(node, 1)
+    in_sizes = _static_spatial(node, b.shape(x))
+    nd = len(in_sizes)
+    ws = b.shape(w)
+    kernel = [int(k) for k in ws[2:]]
+    if list(a.get("kernel_shape", kernel)) != kernel or len(kernel) != nd:
+        raise ShapeError(f"kernel_shape {a.get('kernel_shape')} disagrees with weight {list(ws)}")
+    strides = list(a.get("strides", [1] * nd))
+    dilations = list(a.get("dilations", [1] * nd))
+    out_padding = list(a.get("output_padding", [0] * nd))
+    group = a.get("group", 1)
+    auto_pad = a.get("auto_pad", b"NOTSET").decode()
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    full = [s * (n - 1) + p + span for s, n, p, span in zip(strides, in_sizes, out_padding, spans)]
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or "output_shape" in a:
+        if "pads" in a:
+            raise refuse(node, "both pads and output_shape or auto_pad")
+        out_sizes = list(a.get("output_shape", [n * s for n, s in zip(in_sizes, strides)]))[-nd:]
+        totals = [f - o for f, o in zip(full, out_sizes)]
+        if auto_pad == "NOTSET":
+            # a larger output just extends the end; for a smaller one the ONNX spec crops both
+            # ends and its reference implementation only the end
+            if any(t > 0 for t in totals):
+                raise refuse(node, "an output_shape smaller than the full output and no auto_pad")
+            begins = [0] * nd
+        elif any(t < 0 for t in totals):
+            # runtimes disagree on where a negative total padding goes
+            raise refuse(node, f"auto_pad={auto_pad} with a kernel span smaller than the stride")
+        else:
+            begins = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
+    elif auto_pad in ("NOTSET", "VALID"):
+        raw = list(a.get("pads", [0] * (2 * nd))) if auto_pad == "NOTSET" else [0] * (2 * nd)
+        begins = raw[:nd]
+        out_sizes = [f - lo - hi for f, lo, hi in zip(full, raw[:nd], raw[nd:])]
+    else:
+        raise refuse(node, f"auto_pad={auto_pad}")
+    if any(o < 1 for o in out_sizes):
+        raise ShapeError(f"ConvTranspose output size {out_sizes} is empty")
+    for i, s in enumerate(strides):
+        x = _interleave_zeros(b, x, 2 + i, s)
+    widths = [(0, 0), (0, 0)]
+    for i in range(nd):
+        left = spans[i] - 1 - begins[i]
+        widths.append((left, out_sizes[i] + spans[i] - 1 - left - b.shape(x)[2 + i]))
+    x = _pad_or_crop(b, x, widths)
+    # weight [C, M/group, *K] -> [M, C/group, *K], each spatial axis reversed
+    c, m_per_group = ws[0], ws[1]
+    if c % group:
+        raise ShapeError(f"ConvTranspose weight {list(ws)} does not split into {group} groups")
+    w = b.reshape(w, (group, c // group, m_per_group, *kernel))
+    w = b.reshape(b.permute(w, (0, 2, 1, *range(3, 3 + nd))), (group * m_per_group, c // group, *kernel))
+    for i in range(nd):
+        w = _reverse(b, w, 2 + i)
+    bias = ctx.optional(node, 2)
+    return [C.conv(b, x, w, bias, [(0, 0)] * nd, [1] * nd, dilations, group)]
 
 
 @lowers("MaxPool", "AveragePool")
