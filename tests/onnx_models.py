@@ -54,8 +54,8 @@ def fixed_shape_model() -> onnx.ModelProto:
 def unsupported_model() -> onnx.ModelProto:
     nodes = [
         helper.make_node("Relu", ["x"], ["a"]),
-        helper.make_node("Erf", ["a"], ["b"]),
-        helper.make_node("HardSwish", ["b"], ["y"]),
+        helper.make_node("Unique", ["a"], ["b"]),
+        helper.make_node("NonZero", ["b"], ["y"]),
     ]
     return make_model(nodes, [tensor("x", ["batch", 4])], [tensor("y", ["batch", 4])])
 

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import onnx
+import onnx.shape_inference
 import onnx.version_converter
 from google.protobuf.message import DecodeError
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.frontends import onnx_ops  # noqa: F401  (registers the lowerings)
-from compiler.frontends.onnx_context import ELEM_TYPES, LOWERINGS, Context
+from compiler.frontends.onnx_checks import check_graph
+from compiler.frontends.onnx_context import ELEM_TYPES, LOW_PRECISION_FLOATS, LOWERINGS, Context
+from compiler.frontends.onnx_fold import fold_numeric, fold_symbolic, shape_of
 from compiler.ir import Graph, GraphBuilder
-from compiler.shape import Dim, ShapeError, SymDim
+from compiler.shape import Dim, ShapeError, SymDim, numel
 
 ONNX_DOMAINS = ("", "ai.onnx")
 MIN_OPSET = 7
@@ -40,6 +44,7 @@ def parse_model(data: bytes) -> onnx.ModelProto:
             raise InvalidModel(
                 f"initializer {tensor.name!r} refers to external data; upload one self-contained file"
             )
+    check_graph(model)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
@@ -51,34 +56,67 @@ def parse_model(data: bytes) -> onnx.ModelProto:
 
 
 def missing_ops(model: onnx.ModelProto) -> list[str]:
+    """Op types with neither a lowering nor a function body we can expand."""
     missing = set()
+    opset = _opset(model)
     for node in model.graph.node:
         if node.domain not in ONNX_DOMAINS:
             missing.add(f"{node.domain}.{node.op_type}")
-        elif node.op_type not in LOWERINGS:
+        elif node.op_type not in LOWERINGS and not _has_function(node.op_type, opset):
             missing.add(node.op_type)
     return sorted(missing)
 
 
 def onnx_to_graph(model: onnx.ModelProto) -> Graph:
-    missing = missing_ops(model)
-    if missing:
-        raise UnsupportedModel(missing)
     opset = _opset(model)
     if opset < MIN_OPSET:
         model = _upgrade(model, opset)
         opset = _opset(model)
     ctx = Context(GraphBuilder(), opset)
     graph = model.graph
+    types = _declared_types(model)
     for tensor in graph.initializer:
         ctx.bind_constant(tensor.name, numpy_helper.to_array(tensor))
     for value in graph.input:
-        if value.name not in ctx.env:
+        if value.name not in ctx.consts:
             shape, dtype = _value_type(value)
-            ctx.env[value.name] = ctx.b.input(value.name, shape, dtype)
+            node_id = ctx.b.input(value.name, shape, dtype)
+            if dtype in LOW_PRECISION_FLOATS:
+                node_id = ctx.b.cast(node_id, "float32")
+            ctx.env[value.name] = node_id
+    lowering = _Lowering(ctx, types, missing_ops(model))
     for node in graph.node:
+        lowering.lower(node)
+    result = []
+    for out in graph.output:
+        if out.name not in ctx.env and out.name not in ctx.consts and out.name not in ctx.symbolic:
+            raise InvalidModel(f"graph output {out.name!r} is produced by no node")
+        node_id = ctx.lookup(out.name)
+        if ELEM_TYPES.get(types.get(out.name, 0)) in LOW_PRECISION_FLOATS:
+            node_id = ctx.b.cast(node_id, ELEM_TYPES[types[out.name]])
+        result.append((out.name, node_id))
+    return ctx.b.finish(result)
+
+
+class _Lowering:
+    """Lowers nodes one by one: fold what is known, lower what we can, expand ONNX functions."""
+
+    def __init__(self, ctx: Context, types: dict[str, int], missing: list[str]) -> None:
+        self.ctx = ctx
+        self.types = types
+        self.missing = missing
+        self.expansions = 0
+
+    def lower(self, node: onnx.NodeProto) -> None:
+        ctx = self.ctx
         try:
-            outputs = LOWERINGS[node.op_type](ctx, node)
+            if self._fold(node):
+                return
+            if node.domain in ONNX_DOMAINS and node.op_type in LOWERINGS:
+                outputs = LOWERINGS[node.op_type](ctx, node)
+            else:
+                self._expand(node)
+                return
         except ShapeError as exc:
             raise InvalidModel(f"node {node.name or node.op_type!r} ({node.op_type}): {exc}") from None
         for index, name in enumerate(node.output):
@@ -86,12 +124,136 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
                 raise UnsupportedModel([f"{node.op_type} with output {index} ({name!r}) in use"])
             if name:
                 ctx.env[name] = outputs[index]
-    result = []
-    for out in graph.output:
-        if out.name not in ctx.env:
-            raise InvalidModel(f"graph output {out.name!r} is produced by no node")
-        result.append((out.name, ctx.env[out.name]))
-    return ctx.b.finish(result)
+
+    def _fold(self, node: onnx.NodeProto) -> bool:
+        """Binds the outputs of a node computable at compile time; False when it must be lowered."""
+        ctx = self.ctx
+        if node.domain not in ONNX_DOMAINS:
+            return False
+        if node.op_type in ("Shape", "Size") and node.input:
+            known = ctx.known(node, 0)
+            shape = known.shape if known is not None else ctx.b.shape(ctx.value(node, 0))
+            if node.op_type == "Shape":
+                ctx.bind_known(node.output[0], shape_of(node, shape, ctx.opset))
+            else:
+                ctx.bind_known(node.output[0], np.array(numel(shape), dtype=object))
+            return True
+        args = [ctx.known(node, i) for i in range(len(node.input))]
+        if any(a is None for i, a in enumerate(args) if node.input[i]):
+            return False
+        if any(a is not None and a.dtype == object for a in args):
+            outputs = fold_symbolic(node, args, ctx.opset)
+        else:
+            outputs = fold_numeric(node, args, ctx.opset)
+        if outputs is None:
+            return False
+        for name, array in zip(node.output, outputs):
+            if name:
+                ctx.bind_known(name, np.asarray(array))
+        return True
+
+    def _expand(self, node: onnx.NodeProto) -> None:
+        """Lowers an op that ONNX defines as a function by lowering its body instead."""
+        ctx = self.ctx
+        body = self._function_body(node)
+        if body is None:
+            raise UnsupportedModel(sorted(set(self.missing) | {_qualified(node)}))
+        self.expansions += 1
+        prefix = f"{node.output[0]}/{node.op_type}{self.expansions}/"
+        saved_opset = ctx.opset
+        ctx.opset = next((o.version for o in body.opset_import if o.domain in ONNX_DOMAINS), ctx.opset)
+        try:
+            for inner in _instantiate(node, body, prefix):
+                self.lower(inner)
+        finally:
+            ctx.opset = saved_opset
+
+    def _function_body(self, node: onnx.NodeProto) -> onnx.FunctionProto | None:
+        if node.domain not in ONNX_DOMAINS:
+            return None
+        try:
+            schema = onnx.defs.get_schema(node.op_type, self.ctx.opset, "")
+        except onnx.defs.SchemaError:
+            return None
+        if schema.has_function:
+            return schema.function_body
+        if not schema.has_context_dependent_function:
+            return None
+        input_types = [self._type_proto(name).SerializeToString() for name in node.input]
+        try:
+            raw = schema.get_context_dependent_function(node.SerializeToString(), input_types)
+        except Exception:  # noqa: BLE001  the builder rejects attribute combinations it lacks
+            return None
+        body = onnx.FunctionProto()
+        body.ParseFromString(raw)
+        return body
+
+    def _type_proto(self, name: str) -> onnx.TypeProto:
+        ctx = self.ctx
+        if not name:
+            return onnx.TypeProto()
+        if name in self.types:
+            elem = self.types[name]
+        elif name in ctx.consts:
+            elem = helper.np_dtype_to_tensor_dtype(ctx.consts[name].dtype)
+        elif name in ctx.symbolic:
+            elem = onnx.TensorProto.INT64
+        else:
+            elem = helper.np_dtype_to_tensor_dtype(np.dtype(ctx.b.dtype(ctx.lookup(name))))
+        return helper.make_tensor_type_proto(elem, None)
+
+
+def _qualified(node: onnx.NodeProto) -> str:
+    return node.op_type if node.domain in ONNX_DOMAINS else f"{node.domain}.{node.op_type}"
+
+
+def _has_function(op_type: str, opset: int) -> bool:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return schema.has_function or schema.has_context_dependent_function
+
+
+def _instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, prefix: str) -> list[onnx.NodeProto]:
+    """The function's nodes with formal names bound to the call's values and attributes."""
+    rename = dict(zip(body.input, list(node.input) + [""] * len(body.input)))
+    rename.update(zip(body.output, list(node.output) + [""] * len(body.output)))
+    given = {a.name: a for a in node.attribute}
+    defaults = {a.name: a for a in body.attribute_proto}
+    nodes = []
+    for inner in body.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(inner)
+        copy.input[:] = [rename.get(n, prefix + n) if n else "" for n in inner.input]
+        copy.output[:] = [rename.get(n, prefix + n) if n else "" for n in inner.output]
+        del copy.attribute[:]
+        for attribute in inner.attribute:
+            if attribute.ref_attr_name:
+                source = given.get(attribute.ref_attr_name, defaults.get(attribute.ref_attr_name))
+                if source is None:
+                    continue  # an optional attribute the call leaves out
+                bound = onnx.AttributeProto()
+                bound.CopyFrom(source)
+                bound.name = attribute.name
+                copy.attribute.append(bound)
+            else:
+                copy.attribute.append(attribute)
+        nodes.append(copy)
+    return nodes
+
+
+def _declared_types(model: onnx.ModelProto) -> dict[str, int]:
+    """ONNX element type of every value the model declares or shape inference can tell."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001  inference is a hint; lowering checks types itself
+        inferred = model.graph
+    types = {}
+    for value in [*inferred.value_info, *inferred.input, *inferred.output, *model.graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    return types
 
 
 def _opset(model: onnx.ModelProto) -> int:

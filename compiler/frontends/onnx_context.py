@@ -13,8 +13,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from compiler import composite
 from compiler.errors import InvalidModel, UnsupportedModel
-from compiler.ir import GraphBuilder
+from compiler.ir import GraphBuilder, Op
+from compiler.shape import SymDim
 
 ELEM_TYPES: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32",
@@ -32,6 +34,10 @@ ELEM_TYPES: dict[int, str] = {
 }
 
 
+# computed in float32 inside the graph; cast back where the model declares it (inputs, outputs, Cast)
+LOW_PRECISION_FLOATS = frozenset({"float16"})
+
+
 @dataclass
 class Context:
     b: GraphBuilder
@@ -40,17 +46,49 @@ class Context:
     env: dict[str, int] = field(default_factory=dict)
     # ONNX value name -> array, for values known at compile time (shapes, axes, weights)
     consts: dict[str, np.ndarray] = field(default_factory=dict)
+    # ONNX value name -> object array of ints and SymDims: shapes that depend on symbolic dims
+    symbolic: dict[str, np.ndarray] = field(default_factory=dict)
 
     def bind_constant(self, name: str, array: np.ndarray) -> None:
         if array.dtype.name not in ELEM_TYPES.values():
             raise UnsupportedModel([f"constant {name!r} of dtype {array.dtype}"])
         self.consts[name] = array
-        self.env[name] = self.b.constant(array)
+        self.env.pop(name, None)  # its node is created on first use
+
+    def bind_known(self, name: str, array: np.ndarray) -> None:
+        """A compile-time value; int arrays holding symbolic dims are kept symbolic."""
+        if array.dtype == object:
+            if not any(isinstance(v, SymDim) for v in array.flat):
+                array = array.astype(np.int64)
+            else:
+                self.symbolic[name] = array
+                self.env.pop(name, None)
+                return
+        self.bind_constant(name, array)
+
+    def known(self, node: onnx.NodeProto, index: int) -> np.ndarray | None:
+        """The compile-time value of input `index` (possibly symbolic), or None."""
+        if index >= len(node.input) or not node.input[index]:
+            return None
+        name = node.input[index]
+        return self.consts.get(name, self.symbolic.get(name))
 
     def value(self, node: onnx.NodeProto, index: int) -> int:
-        name = node.input[index]
-        if name not in self.env:
-            raise InvalidModel(f"node {node.name or node.op_type!r} reads {name!r}, which nothing defines")
+        return self.lookup(node.input[index], node)
+
+    def lookup(self, name: str, reader: onnx.NodeProto | None = None) -> int:
+        if name in self.env:
+            return self.env[name]
+        if name in self.consts:
+            array = self.consts[name]
+            if array.dtype.name in LOW_PRECISION_FLOATS:
+                array = array.astype(np.float32)
+            self.env[name] = self.b.constant(array)
+        elif name in self.symbolic:
+            self.env[name] = materialize(self.b, self.symbolic[name])
+        else:
+            who = f"node {reader.name or reader.op_type!r}" if reader is not None else "the graph"
+            raise InvalidModel(f"{who} reads {name!r}, which nothing defines")
         return self.env[name]
 
     def optional(self, node: onnx.NodeProto, index: int) -> int | None:
@@ -60,9 +98,26 @@ class Context:
 
     def const(self, node: onnx.NodeProto, index: int, what: str) -> np.ndarray:
         name = node.input[index]
+        if name in self.symbolic:
+            raise UnsupportedModel([f"{node.op_type} with a {what} that depends on symbolic dimensions"])
         if name not in self.consts:
             raise UnsupportedModel([f"{node.op_type} with a {what} computed at run time"])
         return self.consts[name]
+
+
+def materialize(b: GraphBuilder, array: np.ndarray) -> int:
+    """An int64 tensor node holding symbolic dims: each dim is a sum over a tensor of ones."""
+    one = b.constant(np.ones(1, dtype=np.int64))
+    scalars = []
+    for v in array.flat:
+        if isinstance(v, SymDim):
+            scalars.append(b.reduce(Op.SUM_REDUCE, b.expand(one, (v,)), [0]))
+        else:
+            scalars.append(b.constant(np.asarray(int(v), dtype=np.int64)))
+    if array.ndim == 0:
+        return scalars[0]
+    stacked = composite.concat(b, [b.reshape(s, (1,)) for s in scalars], 0)
+    return b.reshape(stacked, array.shape)
 
 
 def attrs(node: onnx.NodeProto) -> dict:

@@ -156,5 +156,5 @@ def _constant(ctx: Context, node: onnx.NodeProto) -> list[int]:
     else:
         raise refuse(node, f"attribute {sorted(a)}")
     ctx.bind_constant(node.output[0], array)
-    return [ctx.env[node.output[0]]]
+    return [ctx.lookup(node.output[0])]
 
