@@ -8,7 +8,7 @@ import onnx
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, ShapeError, numel
+from compiler.shape import Dim, ShapeError, dim_mul, numel
 
 
 def _spatialattrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], kernel):
@@ -61,9 +61,7 @@ def _pad_or_crop(b: GraphBuilder, x: int, widths: list[tuple[int, int]]) -> int:
     x = C.pad(b, x, [(max(0, lo), max(0, hi)) for lo, hi in widths], 0)
     if all(lo >= 0 and hi >= 0 for lo, hi in widths):
         return x
-    bounds = tuple(
-        (max(0, -lo), d + hi if hi < 0 else None, 1) for (lo, hi), d in zip(widths, b.shape(x))
-    )
+    bounds = tuple((max(0, -lo), d + hi if hi < 0 else None, 1) for (lo, hi), d in zip(widths, b.shape(x)))
     return b.view(x, ("slice", bounds))
 
 
@@ -153,18 +151,12 @@ def _conv_transpose(ctx: Context, node: onnx.NodeProto) -> list[int]:
     return [C.conv(b, x, w, bias, [(0, 0)] * nd, [1] * nd, dilations, group)]
 
 
-@lowers("MaxPool", "AveragePool")
-def _pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
+def _pool_geometry(ctx: Context, node: onnx.NodeProto, x: int):
+    """Kernel, pads, strides, dilations, and the extra end padding that ceil_mode needs."""
     a = attrs(node)
-    if len(node.output) > 1 and node.output[1]:
-        raise refuse(node, "an Indices output")
-    if a.get("storage_order", 0):
-        raise refuse(node, "storage_order=1")
-    x = ctx.value(node, 0)
     kernel = tuple(a["kernel_shape"])
-    spatial = b.shape(x)[2:]
-    pads, strides, dilations = _spatialattrs(ctx, node, spatial, kernel)
+    spatial = _static_spatial(node, ctx.b.shape(x))
+    pads, strides, dilations = _spatialattrs(ctx, node, tuple(spatial), kernel)
     extra = [0] * len(kernel)
     if a.get("ceil_mode", 0):
         for i, (d, k, s, dil, (pb, pe)) in enumerate(zip(spatial, kernel, strides, dilations, pads)):
@@ -173,12 +165,104 @@ def _pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
             if (out - 1) * s >= d + pb:  # the last window may not start in the end padding
                 out -= 1
             extra[i] = max(0, (out - 1) * s + span - (d + pb + pe))
-    kind = "max" if node.op_type == "MaxPool" else "avg"
-    include_pad = bool(a.get("count_include_pad", 0))
-    return [C.pool(b, x, kind, kernel, pads, strides, dilations, include_pad, extra)]
+    return kernel, pads, strides, dilations, extra
 
 
-@lowers("GlobalAveragePool", "GlobalMaxPool")
+def _windows(b: GraphBuilder, x: int, kernel, pads, strides, dilations, extra, fill) -> int:
+    """[N, C, *S] padded with `fill` -> [N, C, *out, *kernel] sliding windows."""
+    nd = len(kernel)
+    widths = [(0, 0), (0, 0)] + [(lo, hi + e) for (lo, hi), e in zip(pads, extra)]
+    view = ("window", tuple(range(2, 2 + nd)), tuple(kernel), tuple(strides), tuple(dilations))
+    return b.view(C.pad(b, x, widths, fill), view)
+
+
+@lowers("MaxPool", "AveragePool")
+def _pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = ctx.value(node, 0)
+    geometry = _pool_geometry(ctx, node, x)
+    kernel, pads, strides, dilations, extra = geometry
+    if node.op_type == "AveragePool":
+        include_pad = bool(a.get("count_include_pad", 0))
+        return [C.pool(b, x, "avg", kernel, pads, strides, dilations, include_pad, extra)]
+    peak = C.pool(b, x, "max", kernel, pads, strides, dilations, False, extra)
+    if len(node.output) < 2 or not node.output[1]:
+        return [peak]
+    return [peak, _max_pool_indices(b, x, peak, geometry, bool(a.get("storage_order", 0)))]
+
+
+def _max_pool_indices(b: GraphBuilder, x: int, peak: int, geometry, column_major: bool) -> int:
+    """Flat input index of each window's maximum; on ties the first in row-major order wins."""
+    shape = b.shape(x)
+    spatial = shape[2:]
+    nd = len(spatial)
+    size = int(np.prod(spatial))
+    dtype = np.dtype(b.dtype(x))
+    lowest = -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+    values = _windows(b, x, *geometry, lowest)
+    # padded positions get index `size`, past every real one, so they never win a tie
+    positions = b.constant(np.arange(size, dtype=np.int64).reshape(1, 1, *spatial))
+    full = b.shape(values)
+    position_windows = b.expand(_windows(b, positions, *geometry, size), (1, 1, *full[2:]))
+    position_windows = b.expand(position_windows, full)
+    below_peak = b.binary(Op.LESS_THAN, values, b.expand(b.reshape(peak, (*b.shape(peak), *[1] * nd)), full))
+    candidates = C.where(b, below_peak, b.scalar_like(size, position_windows), position_windows)
+    window_axes = list(range(2 + nd, 2 + 2 * nd))
+    first = C.neg(b, b.reduce(Op.MAX_REDUCE, C.neg(b, candidates), window_axes))
+    if column_major:
+        coords = np.unravel_index(np.arange(size), spatial)
+        table = np.ravel_multi_index(coords, spatial, order="F").astype(np.int64)
+        first = b.gather(b.constant(table), first, 0)
+    planes = b.reshape(C.scale(b, b.iota(dim_mul(shape[0], shape[1])), size), (*shape[:2], *[1] * nd))
+    return C.add(b, first, planes)
+
+
+def _abs_power(b: GraphBuilder, x: int, p: int) -> int:
+    """|x|**p for a positive integer p, by repeated squaring."""
+    base = x if p % 2 == 0 else C.maximum(b, x, C.neg(b, x))
+    result = None
+    while p:
+        if p & 1:
+            result = base if result is None else b.binary(Op.MUL, result, base)
+        p >>= 1
+        if p:
+            base = b.binary(Op.MUL, base, base)
+    assert result is not None
+    return result
+
+
+def _root(b: GraphBuilder, x: int, p: int) -> int:
+    """x**(1/p) for x >= 0."""
+    while p % 2 == 0:
+        x, p = b.unary(Op.SQRT, x), p // 2
+    if p == 1:
+        return x
+    return b.unary(Op.EXP2, C.scale(b, b.unary(Op.LOG2, x), 1.0 / p))
+
+
+def _lp_order(ctx: Context, node: onnx.NodeProto, x: int) -> int:
+    p = attrs(node).get("p", 2)
+    if not isinstance(p, int) or p < 1:
+        raise refuse(node, f"p={p}")
+    if not ctx.b.dtype(x).startswith("float"):
+        raise refuse(node, f"{ctx.b.dtype(x)} input")
+    return p
+
+
+@lowers("LpPool")
+def _lp_pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    p = _lp_order(ctx, node, x)
+    geometry = _pool_geometry(ctx, node, x)
+    windows = _windows(b, _abs_power(b, x, p), *geometry, 0)
+    nd = len(geometry[0])
+    total = b.reduce(Op.SUM_REDUCE, windows, list(range(2 + nd, 2 + 2 * nd)))
+    return [_root(b, total, p)]
+
+
+@lowers("GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool")
 def _global_pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
     b = ctx.b
     x = ctx.value(node, 0)
@@ -186,6 +270,9 @@ def _global_pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
     axes = list(range(2, len(shape)))
     if node.op_type == "GlobalMaxPool":
         return [C.reduce_keep(b, Op.MAX_REDUCE, x, axes)]
+    if node.op_type == "GlobalLpPool":
+        p = _lp_order(ctx, node, x)
+        return [_root(b, C.reduce_keep(b, Op.SUM_REDUCE, _abs_power(b, x, p), axes), p)]
     count = numel(shape[2:])
     if not isinstance(count, int):
         raise refuse(node, "symbolic spatial dimensions")
