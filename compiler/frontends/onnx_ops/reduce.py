@@ -1,5 +1,674 @@
-"""Lowerings of reductions, normalizations, softmax variants and losses."""
+"""Lowerings of reductions, normalizations, softmax variants and losses.
+
+Everything is spelled in primitives: min as a max of order-reversed values, products and scans
+as log-depth trees of exact multiplications (never exp2 of summed logs), equality and NaN tests
+as pairs of less-than comparisons, index lookups as gathers from flattened tensors.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
+import numpy as np
+import onnx
+
+from compiler import composite as C
+from compiler.frontends.onnx_context import ELEM_TYPES, Context, attrs, lowers, refuse
+from compiler.ir import GraphBuilder, Op
+from compiler.shape import Dim, ShapeError, numel
+
+# ---- boolean and order helpers -----------------------------------------------------------
+
+
+def _is_float(b: GraphBuilder, x: int) -> bool:
+    return b.dtype(x).startswith("float")
+
+
+def _less(b: GraphBuilder, x: int, y: int) -> int:
+    return b.binary(Op.LESS_THAN, *C.broadcast_pair(b, x, y))
+
+
+def _not(b: GraphBuilder, mask: int) -> int:
+    as_int = b.cast(mask, "int8")
+    return b.binary(Op.LESS_THAN, as_int, b.scalar_like(1, as_int))
+
+
+def _and(b: GraphBuilder, p: int, q: int) -> int:
+    return b.cast(C.mul(b, b.cast(p, "int8"), b.cast(q, "int8")), "bool")
+
+
+def _equal(b: GraphBuilder, x: int, y: int) -> int:
+    """x == y for non-NaN values: neither is below the other."""
+    return _and(b, _not(b, _less(b, x, y)), _not(b, _less(b, y, x)))
+
+
+def _is_nan(b: GraphBuilder, x: int) -> int:
+    # NaN is the only value neither below +inf nor above -inf
+    below_inf = _less(b, x, b.scalar_like(np.inf, x))
+    above_minus_inf = _less(b, b.scalar_like(-np.inf, x), x)
+    return _and(b, _not(b, below_inf), _not(b, above_minus_inf))
+
+
+def _is_finite(b: GraphBuilder, x: int) -> int:
+    return _and(b, _less(b, b.scalar_like(-np.inf, x), x), _less(b, x, b.scalar_like(np.inf, x)))
+
+
+def _reverse_order(b: GraphBuilder, x: int) -> int:
+    """A monotonically decreasing bijection, so min(x) = reverse(max(reverse(x))).
+
+    Floats are negated; integers get their bits flipped (~x = -x - 1 in wrapping arithmetic,
+    exact at the type's minimum, where negation would overflow); booleans are negated.
+    """
+    dtype = b.dtype(x)
+    if dtype == "bool":
+        return _not(b, x)
+    if dtype.startswith("float"):
+        return C.neg(b, x)
+    all_ones = b.scalar_like(np.array(-1).astype(dtype), x)
+    return b.binary(Op.ADD, b.binary(Op.MUL, x, all_ones), all_ones)
+
+
+def _abs(b: GraphBuilder, x: int) -> int:
+    if b.dtype(x).startswith("uint"):
+        return x
+    return C.maximum(b, x, C.neg(b, x))
+
+
+def _power(b: GraphBuilder, x: int, exponent: float) -> int:
+    """x ** exponent for x > 0."""
+    return b.unary(Op.EXP2, C.scale(b, b.unary(Op.LOG2, x), exponent))
+
+
+def _axis(node: onnx.NodeProto, axis: int, rank: int) -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise ShapeError(f"{node.op_type} axis {axis} out of range for rank {rank}")
+    return axis % rank if rank else 0
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+
+def _count(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
+    """How many elements each reduction over `axes` sees, as a scalar of x's dtype."""
+    dims = [b.shape(x)[a] for a in axes]
+    count = numel(dims)
+    if isinstance(count, int):
+        return b.constant(np.asarray(count, dtype=b.dtype(x)))
+    # a symbolic count is summed from ones at run time
+    ones = b.broadcast_to(b.constant(np.asarray(1, dtype=b.dtype(x))), tuple(dims))
+    return b.reduce(Op.SUM_REDUCE, ones, range(len(dims)))
+
+
+def _mean_keep(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
+    """Mean over `axes` with those axes kept as size 1."""
+    total = C.reduce_keep(b, Op.SUM_REDUCE, x, axes)
+    return C.mul(b, total, b.unary(Op.RECIP, _count(b, x, axes)))
+
+
+def _product_over_last_axis(b: GraphBuilder, x: int) -> int:
+    """Exact product over a static last axis, as a tree of pairwise multiplications."""
+    while (n := b.shape(x)[-1]) > 1:
+        rank = len(b.shape(x))
+        if n % 2:
+            x = C.pad(b, x, [(0, 0)] * (rank - 1) + [(0, 1)], 1)
+        whole = ((0, None, 1),) * (rank - 1)
+        evens = b.view(x, ("slice", (*whole, (0, None, 2))))
+        odds = b.view(x, ("slice", (*whole, (1, None, 2))))
+        x = b.binary(Op.MUL, evens, odds)
+    return b.reshape(x, b.shape(x)[:-1])
+
+
+def _product(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
+    shape = b.shape(x)
+    kept = [a for a in range(len(shape)) if a not in axes]
+    length = numel([shape[a] for a in axes])
+    if not isinstance(length, int):
+        raise refuse(node, "a product over symbolic dimensions")
+    flat = b.reshape(b.permute(x, [*kept, *axes]), (*(shape[a] for a in kept), length))
+    return _product_over_last_axis(b, flat)
+
+
+def _log_sum_exp(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
+    peak = C.reduce_keep(b, Op.MAX_REDUCE, x, axes)
+    # an infinite peak (all -inf, or some +inf) is not subtracted: it would give inf - inf
+    peak = C.where(b, _is_finite(b, peak), peak, b.scalar_like(0, peak))
+    shifted = C.exp(b, C.sub(b, x, peak))
+    total = b.reduce(Op.SUM_REDUCE, shifted, axes)
+    return b.binary(Op.ADD, C.log(b, total), b.reshape(peak, b.shape(total)))
+
+
+def _reduce(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
+    """The reduction of `node`'s kind over `axes`, with those axes removed."""
+    kind = node.op_type
+    if kind in ("ReduceSum", "ReduceMean"):
+        total = b.reduce(Op.SUM_REDUCE, x, axes)
+        if kind == "ReduceSum":
+            return total
+        return C.mul(b, total, b.unary(Op.RECIP, _count(b, x, axes)))
+    if kind in ("ReduceSumSquare", "ReduceL2"):
+        total = b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, x, x), axes)
+        return total if kind == "ReduceSumSquare" else b.unary(Op.SQRT, total)
+    if kind == "ReduceL1":
+        return b.reduce(Op.SUM_REDUCE, _abs(b, x), axes)
+    if kind == "ReduceLogSum":
+        return C.log(b, b.reduce(Op.SUM_REDUCE, x, axes))
+    if kind == "ReduceLogSumExp":
+        return _log_sum_exp(b, x, axes)
+    if kind == "ReduceMax":
+        return b.reduce(Op.MAX_REDUCE, x, axes)
+    if kind == "ReduceMin":
+        return _reverse_order(b, b.reduce(Op.MAX_REDUCE, _reverse_order(b, x), axes))
+    assert kind == "ReduceProd"
+    return _product(node, b, x, axes)
+
+
+def _empty_reduction(kind: str, dtype: str) -> np.ndarray:
+    """The value of a reduction over no elements."""
+    if dtype == "bool":
+        return np.asarray(kind == "ReduceMin")
+    if kind in ("ReduceMax", "ReduceMin"):
+        info = np.finfo(dtype) if dtype.startswith("float") else np.iinfo(dtype)
+        lowest = -np.inf if dtype.startswith("float") else info.min
+        highest = np.inf if dtype.startswith("float") else info.max
+        return np.asarray(lowest if kind == "ReduceMax" else highest, dtype=dtype)
+    value = {"ReduceProd": 1, "ReduceMean": np.nan, "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf}
+    return np.asarray(value.get(kind, 0), dtype=dtype)
+
+
+# the opset from which the axes are an input rather than an attribute
+_AXES_INPUT_SINCE = {"ReduceSum": 13}
+_FLOAT_ONLY = ("ReduceMean", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")
+
+
+def _reduce_axes(ctx: Context, node: onnx.NodeProto, rank: int) -> list[int] | None:
+    """The normalized axes to reduce, or None when the node is a no-op."""
+    a = attrs(node)
+    if ctx.opset >= _AXES_INPUT_SINCE.get(node.op_type, 18):
+        axes = None
+        if len(node.input) > 1 and node.input[1]:
+            name = node.input[1]
+            if name in ctx.consts:
+                axes = [int(v) for v in ctx.consts[name].reshape(-1)]
+            elif ctx.b.shape(ctx.value(node, 1)) == (0,):
+                axes = []  # an empty axes tensor is known empty from its shape alone
+            else:
+                raise refuse(node, "axes computed at run time")
+    else:
+        axes = a.get("axes")
+    if not axes:
+        if a.get("noop_with_empty_axes", 0):
+            return None
+        return list(range(rank))
+    if any(not -rank <= v < rank for v in axes) or len({v % rank for v in axes}) != len(axes):
+        raise ShapeError(f"{node.op_type} axes {axes} invalid for rank {rank}")
+    return sorted(v % rank for v in axes)
+
+
+@lowers(
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
+)
+def _reduction(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    shape, dtype = b.shape(x), b.dtype(x)
+    if dtype == "bool" and node.op_type not in ("ReduceMax", "ReduceMin"):
+        raise refuse(node, "bool input")
+    if not dtype.startswith("float") and node.op_type in _FLOAT_ONLY:
+        raise refuse(node, f"{dtype} input")
+    axes = _reduce_axes(ctx, node, len(shape))
+    if axes is None:
+        return [x]
+    keepdims = attrs(node).get("keepdims", 1)
+    out_shape = tuple(1 if i in axes else d for i, d in enumerate(shape) if keepdims or i not in axes)
+    if numel(shape) == 0:
+        fill = b.constant(_empty_reduction(node.op_type, dtype))
+        return [b.broadcast_to(fill, out_shape)]
+    return [b.reshape(_reduce(node, b, x, axes), out_shape)]
+
+
+# ---- arg max / arg min / hard max --------------------------------------------------------
+
+# larger than any axis length, so BIG - position ranks earlier positions higher
+_BIG = 1 << 62
+
+
+def _at_maximum(b: GraphBuilder, x: int, axis: int) -> int:
+    """Where x attains its maximum along `axis` (the NaNs, if any, as numpy's argmax has it)."""
+    peak = b.expand(C.reduce_keep(b, Op.MAX_REDUCE, x, [axis]), b.shape(x))
+    hit = _not(b, _less(b, x, peak))
+    if _is_float(b, x):
+        # a NaN peak: not(x < NaN) holds everywhere, only the NaNs themselves count
+        hit = _and(b, hit, _not(b, _and(b, _is_nan(b, peak), _not(b, _is_nan(b, x)))))
+    return hit
+
+
+def _hit_index(b: GraphBuilder, hit: int, axis: int, last: bool) -> int:
+    """The first (or last) position along `axis` where `hit` holds, as int64 with axis removed."""
+    shape = b.shape(hit)
+    position_shape = [1] * len(shape)
+    position_shape[axis] = shape[axis]
+    position = b.expand(b.reshape(b.iota(shape[axis]), position_shape), shape)
+    hit = b.cast(hit, "int64")
+    if last:
+        score = b.binary(Op.MUL, hit, C.shift(b, position, 1))
+        return C.shift(b, b.reduce(Op.MAX_REDUCE, score, [axis]), -1)
+    score = b.binary(Op.MUL, hit, C.shift(b, C.neg(b, position), _BIG))
+    return C.shift(b, C.neg(b, b.reduce(Op.MAX_REDUCE, score, [axis])), _BIG)
+
+
+def _comparable(b: GraphBuilder, x: int) -> int:
+    return b.cast(x, "uint8") if b.dtype(x) == "bool" else x
+
+
+@lowers("ArgMax", "ArgMin")
+def _arg_extreme(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _comparable(b, ctx.value(node, 0))
+    shape = b.shape(x)
+    axis = _axis(node, a.get("axis", 0), len(shape))
+    if shape[axis] == 0:
+        raise ShapeError(f"{node.op_type} over an empty axis")
+    if node.op_type == "ArgMin":
+        x = _reverse_order(b, x)
+    index = _hit_index(b, _at_maximum(b, x, axis), axis, bool(a.get("select_last_index", 0)))
+    if a.get("keepdims", 1):
+        index = C.keepdims(b, index, shape, [axis])
+    return [index]
+
+
+def _along_flattened(ctx: Context, node: onnx.NodeProto, fn) -> list[int]:
+    """Apply fn(b, x, axis): along `axis` from opset 13, before that over all axes from `axis` on."""
+    b = ctx.b
+    x = ctx.value(node, 0)
+    if not _is_float(b, x):
+        raise refuse(node, f"{b.dtype(x)} input")
+    shape = b.shape(x)
+    if ctx.opset >= 13:
+        return [fn(b, x, _axis(node, attrs(node).get("axis", -1), len(shape)))]
+    axis = attrs(node).get("axis", 1)
+    axis += len(shape) if axis < 0 else 0
+    if not 0 <= axis <= len(shape):
+        raise ShapeError(f"{node.op_type} axis {axis} out of range for rank {len(shape)}")
+    return [b.reshape(fn(b, C.flatten(b, x, axis), 1), shape)]
+
+
+def _log_softmax(b: GraphBuilder, x: int, axis: int) -> int:
+    shape = b.shape(x)
+    shifted = C.sub(b, x, C.reduce_keep(b, Op.MAX_REDUCE, x, [axis]))
+    log_total = C.log(b, C.reduce_keep(b, Op.SUM_REDUCE, C.exp(b, shifted), [axis]))
+    return b.binary(Op.ADD, shifted, C.neg(b, b.expand(log_total, shape)))
+
+
+def _hardmax(b: GraphBuilder, x: int, axis: int) -> int:
+    shape = b.shape(x)
+    first = C.keepdims(b, _hit_index(b, _at_maximum(b, x, axis), axis, last=False), shape, [axis])
+    position_shape = [1] * len(shape)
+    position_shape[axis] = shape[axis]
+    position = b.reshape(b.iota(shape[axis]), position_shape)
+    return b.cast(b.broadcast_to(_equal(b, position, first), shape), b.dtype(x))
+
+
+@lowers("LogSoftmax")
+def _log_softmax_node(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    return _along_flattened(ctx, node, _log_softmax)
+
+
+@lowers("Hardmax")
+def _hardmax_node(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    return _along_flattened(ctx, node, _hardmax)
+
+
+# ---- scans -------------------------------------------------------------------------------
+
+
+def _shifted(b: GraphBuilder, x: int, axis: int, distance: int, fill: float, backward: bool) -> int:
+    """x moved `distance` places along `axis` (towards the end, or the start if backward)."""
+    rank = len(b.shape(x))
+    n = b.shape(x)[axis]
+    widths = [(0, 0)] * rank
+    widths[axis] = (0, distance) if backward else (distance, 0)
+    bounds = [(0, None, 1)] * rank
+    bounds[axis] = (distance, n + distance, 1) if backward else (0, n, 1)
+    return b.view(C.pad(b, x, widths, fill), ("slice", tuple(bounds)))
+
+
+@lowers("CumSum", "CumProd")
+def _cumulative(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = ctx.value(node, 0)
+    shape = b.shape(x)
+    if b.dtype(x) == "bool":
+        raise refuse(node, "bool input")
+    if node.input[1] in ctx.consts:
+        axis = _axis(node, int(ctx.consts[node.input[1]].reshape(())), len(shape))
+    elif len(shape) == 1:
+        axis = 0  # the only valid axis of a vector, whatever its value at run time
+    else:
+        raise refuse(node, "an axis computed at run time")
+    n = shape[axis]
+    if not isinstance(n, int):
+        raise refuse(node, "a scan over a symbolic dimension")
+    op, fill = (Op.ADD, 0) if node.op_type == "CumSum" else (Op.MUL, 1)
+    backward = bool(a.get("reverse", 0))
+    if a.get("exclusive", 0):
+        x = _shifted(b, x, axis, 1, fill, backward)
+    # Hillis-Steele scan: log2(n) rounds, each combining with the value `distance` places back
+    distance = 1
+    while distance < n:
+        x = b.binary(op, x, _shifted(b, x, axis, distance, fill, backward))
+        distance *= 2
+    return [x]
+
+
+# ---- normalizations ----------------------------------------------------------------------
+
+
+def _stash_dtype(node: onnx.NodeProto) -> str:
+    stash = attrs(node).get("stash_type", onnx.TensorProto.FLOAT)
+    dtype = ELEM_TYPES.get(stash)
+    if dtype is None or not dtype.startswith("float"):
+        raise refuse(node, f"stash_type={stash}")
+    return dtype
+
+
+def _standardize(b: GraphBuilder, x: int, axes: Sequence[int], epsilon: float) -> tuple[int, int, int]:
+    """(x - mean) / sqrt(var + epsilon) over `axes`, with the mean and 1/std (axes kept)."""
+    mean = _mean_keep(b, x, axes)
+    centered = C.sub(b, x, mean)
+    variance = _mean_keep(b, b.binary(Op.MUL, centered, centered), axes)
+    inv_std = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, variance, epsilon)))
+    return C.mul(b, centered, inv_std), mean, inv_std
+
+
+def _float_input(ctx: Context, node: onnx.NodeProto) -> int:
+    x = ctx.value(node, 0)
+    if not _is_float(ctx.b, x):
+        raise refuse(node, f"{ctx.b.dtype(x)} input")
+    return x
+
+
+def _affine(b: GraphBuilder, x: int, scale: int | None, bias: int | None) -> int:
+    if scale is not None:
+        x = C.mul(b, x, scale)
+    if bias is not None:
+        x = C.add(b, x, bias)
+    return x
+
+
+@lowers("LayerNormalization")
+def _layer_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _float_input(ctx, node)
+    rank = len(b.shape(x))
+    axis = _axis(node, a.get("axis", -1), rank)
+    stash = _stash_dtype(node)
+    normalized, mean, inv_std = _standardize(b, b.cast(x, stash), range(axis, rank), a.get("epsilon", 1e-5))
+    y = _affine(b, b.cast(normalized, b.dtype(x)), ctx.value(node, 1), ctx.optional(node, 2))
+    return [y, mean, inv_std]
+
+
+@lowers("RMSNormalization")
+def _rms_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _float_input(ctx, node)
+    rank = len(b.shape(x))
+    axes = range(_axis(node, a.get("axis", -1), rank), rank)
+    stashed = b.cast(x, _stash_dtype(node))
+    mean_square = _mean_keep(b, b.binary(Op.MUL, stashed, stashed), axes)
+    inv_rms = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, mean_square, a.get("epsilon", 1e-5))))
+    normalized = b.cast(C.mul(b, stashed, inv_rms), b.dtype(x))
+    return [C.mul(b, normalized, ctx.value(node, 1))]
+
+
+def _per_channel(b: GraphBuilder, v: int, rank: int) -> int:
+    """A [C] vector shaped to broadcast against [N, C, *spatial]."""
+    return b.reshape(v, (1, b.shape(v)[0], *([1] * (rank - 2))))
+
+
+@lowers("InstanceNormalization")
+def _instance_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = _float_input(ctx, node)
+    rank = len(b.shape(x))
+    if rank < 3:
+        raise ShapeError(f"InstanceNormalization of a rank-{rank} input")
+    normalized, _, _ = _standardize(b, x, range(2, rank), attrs(node).get("epsilon", 1e-5))
+    scale, bias = (_per_channel(b, ctx.value(node, i), rank) for i in (1, 2))
+    return [_affine(b, normalized, scale, bias)]
+
+
+@lowers("GroupNormalization")
+def _group_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _float_input(ctx, node)
+    shape = b.shape(x)
+    rank = len(shape)
+    groups, channels = a["num_groups"], shape[1]
+    if rank < 3 or not isinstance(channels, int) or channels % groups:
+        raise ShapeError(f"GroupNormalization of {list(shape)} into {groups} groups")
+    grouped_shape = (shape[0], groups, channels // groups, *shape[2:])
+    stash = _stash_dtype(node) if ctx.opset >= 21 else b.dtype(x)
+    grouped = b.reshape(b.cast(x, stash), grouped_shape)
+    normalized, _, _ = _standardize(b, grouped, range(2, rank + 1), a.get("epsilon", 1e-5))
+    normalized = b.cast(normalized, b.dtype(x))
+    scale, bias = ctx.value(node, 1), ctx.value(node, 2)
+    if ctx.opset >= 21:  # one scale and bias per channel
+        y = b.reshape(normalized, shape)
+        return [_affine(b, y, _per_channel(b, scale, rank), _per_channel(b, bias, rank))]
+    # before opset 21, one scale and bias per group
+    scale, bias = (b.reshape(v, (1, groups, *([1] * (rank - 1)))) for v in (scale, bias))
+    return [b.reshape(_affine(b, normalized, scale, bias), shape)]
+
+
+@lowers("LpNormalization")
+def _lp_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _float_input(ctx, node)
+    axis = _axis(node, a.get("axis", -1), len(b.shape(x)))
+    p = a.get("p", 2)
+    if p == 1:
+        norm = C.reduce_keep(b, Op.SUM_REDUCE, _abs(b, x), [axis])
+    elif p == 2:
+        norm = b.unary(Op.SQRT, C.reduce_keep(b, Op.SUM_REDUCE, b.binary(Op.MUL, x, x), [axis]))
+    else:
+        raise refuse(node, f"p={p}")
+    norm = b.expand(norm, b.shape(x))
+    # a zero norm gives zeros, not 0/0 (below the smallest subnormal means zero, and not NaN)
+    is_zero = _less(b, norm, b.scalar_like(np.finfo(b.dtype(x)).smallest_subnormal, norm))
+    return [C.where(b, is_zero, b.scalar_like(0, x), b.binary(Op.MUL, x, b.unary(Op.RECIP, norm)))]
+
+
+@lowers("MeanVarianceNormalization")
+def _mvn(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = _float_input(ctx, node)
+    rank = len(b.shape(x))
+    axes = sorted({_axis(node, v, rank) for v in attrs(node).get("axes", [0, 2, 3])})
+    # the ONNX definition: (x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9)
+    mean = _mean_keep(b, x, axes)
+    variance = C.sub(b, _mean_keep(b, b.binary(Op.MUL, x, x), axes), b.binary(Op.MUL, mean, mean))
+    std = C.shift(b, b.unary(Op.SQRT, variance), 1e-9)
+    return [C.div(b, C.sub(b, x, mean), std)]
+
+
+@lowers("LRN")
+def _lrn(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = _float_input(ctx, node)
+    shape = b.shape(x)
+    size = a["size"]
+    if len(shape) < 3 or not isinstance(shape[1], int):
+        raise refuse(node, f"input shape {list(shape)}")
+    before, after = (size - 1) // 2, size // 2
+    widths = [(0, 0)] * len(shape)
+    widths[1] = (before, after)
+    squares = C.pad(b, b.binary(Op.MUL, x, x), widths, 0)
+    windows = b.view(squares, ("window", (1,), (size,), (1,), (1,)))
+    square_sum = b.reduce(Op.SUM_REDUCE, windows, [-1])
+    base = C.shift(b, C.scale(b, square_sum, a.get("alpha", 1e-4) / size), a.get("bias", 1.0))
+    return [b.binary(Op.MUL, x, _power(b, base, -a.get("beta", 0.75)))]
+
+
+# ---- einsum ------------------------------------------------------------------------------
+
+
+def _einsum_terms(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """Input and output subscripts, each letter one axis, with ellipses spelled out."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ShapeError(f"Einsum equation {equation!r} names {len(terms)} operands, got {len(ranks)}")
+    ellipsis_rank = max(
+        (rank - len(t.replace("...", "")) for t, rank in zip(terms, ranks) if "..." in t), default=0
+    )
+    # characters outside the ASCII letters stand for the axes an ellipsis covers
+    broadcast = "".join(chr(0x100 + i) for i in range(ellipsis_rank))
+    expanded = []
+    for term, rank in zip(terms, ranks):
+        if "..." in term:
+            covered = rank - len(term.replace("...", ""))
+            if covered < 0:
+                raise ShapeError(f"Einsum term {term!r} has more letters than rank {rank}")
+            term = term.replace("...", broadcast[ellipsis_rank - covered :])
+        if len(term) != rank or not all(c.isalpha() for c in term):
+            raise ShapeError(f"Einsum term {term!r} does not fit an operand of rank {rank}")
+        expanded.append(term)
+    if arrow:
+        output = rhs.replace("...", broadcast)
+    else:
+        letters = "".join(expanded)
+        output = broadcast + "".join(sorted(c for c in set(letters) if c.isascii() and letters.count(c) == 1))
+    if len(set(output)) != len(output) or not set(output) <= set("".join(expanded)):
+        raise ShapeError(f"Einsum output {rhs!r} is not a set of input subscripts")
+    return expanded, output
+
+
+def _diagonal(node: onnx.NodeProto, b: GraphBuilder, x: int, term: str) -> tuple[int, str]:
+    """Take diagonals until no subscript repeats within the term."""
+    while repeated := next((c for c in term if term.count(c) > 1), None):
+        first = term.index(repeated)
+        second = term.index(repeated, first + 1)
+        n = b.shape(x)[first]
+        if not isinstance(n, int):
+            raise refuse(node, "a diagonal over a symbolic dimension")
+        rest = [i for i in range(len(term)) if i not in (first, second)]
+        moved = b.permute(x, [*rest, first, second])
+        flat = b.reshape(moved, (*b.shape(moved)[:-2], n * n))
+        # every (n+1)-th element of the flattened square is on the diagonal
+        x = b.view(flat, ("slice", (*(((0, None, 1),) * len(rest)), (0, None, n + 1))))
+        term = "".join(term[i] for i in rest) + repeated
+    return x, term
+
+
+def _sum_out(b: GraphBuilder, x: int, term: str, keep: set[str]) -> tuple[int, str]:
+    axes = [i for i, c in enumerate(term) if c not in keep]
+    return b.reduce(Op.SUM_REDUCE, x, axes), "".join(c for c in term if c in keep)
+
+
+def _aligned(b: GraphBuilder, x: int, term: str, target: str, sizes: dict[str, Dim]) -> int:
+    """x, whose axes are `term`, laid out over the axes `target` (absent ones broadcast)."""
+    present = [c for c in target if c in term]
+    x = b.permute(x, [term.index(c) for c in present])
+    x = b.reshape(x, [b.shape(x)[present.index(c)] if c in term else 1 for c in target])
+    return b.expand(x, [sizes[c] for c in target])
+
+
+@lowers("Einsum")
+def _einsum(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    operands = [ctx.value(node, i) for i in range(len(node.input))]
+    equation = attrs(node)["equation"]
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    terms, output = _einsum_terms(equation, [len(b.shape(x)) for x in operands])
+    sizes: dict[str, Dim] = {}
+    for x, term in zip(operands, terms):
+        for c, d in zip(term, b.shape(x)):
+            if sizes.get(c, 1) == 1:
+                sizes[c] = d
+    pending = []
+    for i, (x, term) in enumerate(zip(operands, terms)):
+        x, term = _diagonal(node, b, x, term)
+        others = "".join(terms[:i] + terms[i + 1 :])
+        pending.append(_sum_out(b, x, term, set(output) | set(others)))
+    result, term = pending[0]
+    for i, (x, x_term) in enumerate(pending[1:], start=1):
+        union = term + "".join(c for c in dict.fromkeys(x_term) if c not in term)
+        product = b.binary(
+            Op.MUL, _aligned(b, result, term, union, sizes), _aligned(b, x, x_term, union, sizes)
+        )
+        later = set(output) | set("".join(t for _, t in pending[i + 1 :]))
+        result, term = _sum_out(b, product, union, later)
+    return [b.permute(result, [term.index(c) for c in output])]
+
+
+# ---- losses ------------------------------------------------------------------------------
+
+
+def _reduction_attr(node: onnx.NodeProto) -> str:
+    reduction = attrs(node).get("reduction", b"mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction not in ("none", "sum", "mean"):
+        raise refuse(node, f"reduction={reduction}")
+    return reduction
+
+
+def _negative_log_likelihood(ctx: Context, node: onnx.NodeProto, log_prob: int) -> int:
+    """-log_prob[n, target[n, ...], ...] * weight[target], reduced as `node` asks."""
+    b = ctx.b
+    shape = b.shape(log_prob)
+    if len(shape) < 2 or not isinstance(shape[1], int):
+        raise refuse(node, f"input shape {list(shape)}")
+    classes = shape[1]
+    target = b.cast(ctx.value(node, 1), "int64")
+    target_shape = b.shape(target)
+    if target_shape != (shape[0], *shape[2:]):
+        raise ShapeError(f"{node.op_type} target {list(target_shape)} does not fit input {list(shape)}")
+    count = numel(target_shape)
+    target = b.reshape(target, (count,))
+    ignore_index = attrs(node).get("ignore_index")
+    ignored = None
+    if ignore_index is not None:
+        ignored = _equal(b, target, b.scalar_like(ignore_index, target))
+        target = C.where(b, ignored, b.scalar_like(0, target), target)
+    # out-of-range targets are undefined; wrapping them keeps the gathers in bounds
+    target = b.binary(Op.MOD, target, b.scalar_like(classes, target))
+    rows = C.flatten(b, b.permute(log_prob, [0, *range(2, len(shape)), 1]), len(shape) - 1)
+    flat = b.reshape(rows, (numel(b.shape(rows)),))
+    picked = b.gather(flat, b.binary(Op.ADD, C.scale(b, b.iota(count), classes), target), 0)
+    weight = ctx.optional(node, 2)
+    weights = b.scalar_like(1, picked) if weight is None else b.gather(weight, target, 0)
+    zero = b.scalar_like(0, picked)
+    if ignored is not None:
+        weights = C.where(b, ignored, zero, weights)
+    loss = C.neg(b, b.binary(Op.MUL, picked, weights))
+    if ignored is not None:  # an ignored -inf log-probability still contributes 0, not NaN
+        loss = C.where(b, ignored, zero, loss)
+    reduction = _reduction_attr(node)
+    if reduction == "none":
+        return b.reshape(loss, target_shape)
+    total = b.reduce(Op.SUM_REDUCE, loss, [0])
+    if reduction == "sum":
+        return total
+    return C.div(b, total, b.reduce(Op.SUM_REDUCE, weights, [0]))
+
+
+@lowers("NegativeLogLikelihoodLoss")
+def _nll_loss(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    return [_negative_log_likelihood(ctx, node, _float_input(ctx, node))]
+
+
+@lowers("SoftmaxCrossEntropyLoss")
+def _softmax_cross_entropy(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    scores = _float_input(ctx, node)
+    if len(ctx.b.shape(scores)) < 2:
+        raise ShapeError("SoftmaxCrossEntropyLoss of a rank-1 input")
+    log_prob = _log_softmax(ctx.b, scores, 1)
+    return [_negative_log_likelihood(ctx, node, log_prob), log_prob]
