@@ -301,3 +301,69 @@ def _batch_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
     scale, bias, mean, var = (b.reshape(ctx.value(node, i), channel_shape) for i in range(1, 5))
     inv_std = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, var, eps)))
     return [C.add(b, C.mul(b, C.sub(b, x, mean), C.mul(b, inv_std, scale)), bias)]
+
+
+@lowers("Trilu")
+def _trilu(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """Zero every element whose column minus row lies outside the kept band (k may be a run-time value)."""
+    b = ctx.b
+    x = ctx.value(node, 0)
+    shape = b.shape(x)
+    if len(shape) < 2:
+        raise ShapeError(f"Trilu needs a rank-2 or higher input, got {list(shape)}")
+    rows, cols = shape[-2:]
+    plane = (rows, cols)
+    row = b.expand(b.reshape(b.iota(rows), (rows, 1)), plane)
+    col = b.expand(b.reshape(b.iota(cols), (1, cols)), plane)
+    offset = b.binary(Op.ADD, col, C.neg(b, row))
+    k = ctx.optional(node, 1)
+    k = b.scalar_like(0, offset) if k is None else b.expand(b.reshape(b.cast(k, "int64"), (1, 1)), plane)
+    # upper keeps col - row >= k, lower keeps col - row <= k
+    if attrs(node).get("upper", 1):
+        outside = b.binary(Op.LESS_THAN, offset, k)
+    else:
+        outside = b.binary(Op.LESS_THAN, k, offset)
+    outside = b.broadcast_to(outside, shape)
+    return [C.where(b, outside, b.scalar_like(0, x), x)]
+
+
+def _block_size(node: onnx.NodeProto, x_shape: tuple[Dim, ...]) -> int:
+    if len(x_shape) != 4:
+        raise ShapeError(f"{node.op_type} needs a rank-4 input, got {list(x_shape)}")
+    return attrs(node)["blocksize"]
+
+
+def _mode(node: onnx.NodeProto) -> str:
+    mode = attrs(node).get("mode", b"DCR").decode()
+    if mode not in ("DCR", "CRD"):
+        raise refuse(node, f"mode={mode}")
+    return mode
+
+
+@lowers("DepthToSpace")
+def _depth_to_space(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    n, c, h, w = b.shape(x)
+    bs = _block_size(node, b.shape(x))
+    if not isinstance(c, int) or c % (bs * bs):
+        raise ShapeError(f"DepthToSpace channels {c} do not split into blocks of {bs}x{bs}")
+    depth = c // (bs * bs)
+    if _mode(node) == "DCR":
+        blocks, perm = b.reshape(x, (n, bs, bs, depth, h, w)), (0, 3, 4, 1, 5, 2)
+    else:
+        blocks, perm = b.reshape(x, (n, depth, bs, bs, h, w)), (0, 1, 4, 2, 5, 3)
+    return [b.reshape(b.permute(blocks, perm), (n, depth, dim_mul(h, bs), dim_mul(w, bs)))]
+
+
+@lowers("SpaceToDepth")
+def _space_to_depth(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    n, c, h, w = b.shape(x)
+    bs = _block_size(node, b.shape(x))
+    if not isinstance(h, int) or not isinstance(w, int) or h % bs or w % bs:
+        raise ShapeError(f"SpaceToDepth spatial size {h}x{w} does not split into blocks of {bs}")
+    blocks = b.reshape(x, (n, c, h // bs, bs, w // bs, bs))
+    perm = (0, 3, 5, 1, 2, 4) if _mode(node) == "DCR" else (0, 1, 3, 5, 2, 4)
+    return [b.reshape(b.permute(blocks, perm), (n, dim_mul(c, bs * bs), h // bs, w // bs))]
