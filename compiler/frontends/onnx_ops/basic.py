@@ -1,8 +1,6 @@
-"""Lowerings of the core ONNX ops: arithmetic, activations, matmul, softmax and layout."""
+"""Lowerings of the core ONNX ops: matmul, softmax and layout (arithmetic is in elementwise)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -10,7 +8,6 @@ from onnx import numpy_helper
 
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
-from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, dim_div, numel
 
 
@@ -20,42 +17,6 @@ def _identity(ctx: Context, node: onnx.NodeProto) -> list[int]:
         if ctx.const(node, 2, "training_mode").item():
             raise refuse(node, "training_mode=1")
     return [ctx.value(node, 0)]
-
-
-_BINARY: dict[str, Callable[[GraphBuilder, int, int], int]] = {
-    "Add": C.add,
-    "Sub": C.sub,
-    "Mul": C.mul,
-    "Div": C.div,
-}
-
-
-@lowers(*_BINARY)
-def _binary(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    if ctx.opset < 7 and attrs(node).get("broadcast"):
-        raise refuse(node, "legacy broadcast attribute")
-    return [_BINARY[node.op_type](ctx.b, ctx.value(node, 0), ctx.value(node, 1))]
-
-
-_UNARY: dict[str, Callable[[GraphBuilder, int], int]] = {
-    "Relu": C.relu,
-    "Sigmoid": C.sigmoid,
-    "Tanh": C.tanh,
-    "Neg": C.neg,
-    "Exp": C.exp,
-    "Log": C.log,
-    "Sqrt": lambda b, x: b.unary(Op.SQRT, x),
-    "Reciprocal": lambda b, x: b.unary(Op.RECIP, x),
-    "Sin": lambda b, x: b.unary(Op.SIN, x),
-}
-
-
-@lowers(*_UNARY)
-def _unary(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    x = ctx.value(node, 0)
-    if not ctx.b.dtype(x).startswith("float"):
-        raise refuse(node, f"{ctx.b.dtype(x)} input")
-    return [_UNARY[node.op_type](ctx.b, x)]
 
 
 @lowers("Gemm")
