@@ -367,3 +367,60 @@ def _space_to_depth(ctx: Context, node: onnx.NodeProto) -> list[int]:
     blocks = b.reshape(x, (n, c, h // bs, bs, w // bs, bs))
     perm = (0, 3, 5, 1, 2, 4) if _mode(node) == "DCR" else (0, 1, 3, 5, 2, 4)
     return [b.reshape(b.permute(blocks, perm), (n, dim_mul(c, bs * bs), h // bs, w // bs))]
+
+
+@lowers("Pad")
+def _pad(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = ctx.value(node, 0)
+    shape = b.shape(x)
+    rank = len(shape)
+    mode = a.get("mode", b"constant").decode()
+    # the fill value: known at compile time (a number), a run-time value (a node id) or zero
+    fill: float | int | None = 0
+    if ctx.opset < 11:
+        raw = [int(p) for p in a.get("pads", a.get("paddings", []))]
+        fill = a.get("value", 0.0)
+    else:
+        raw = [int(p) for p in ctx.const(node, 1, "pads").reshape(-1)]
+        if len(node.input) > 2 and node.input[2]:
+            known = ctx.consts.get(node.input[2])
+            fill = None if known is None else known.reshape(-1)[0].item()
+    axes = list(range(rank))
+    if len(node.input) > 3 and node.input[3]:
+        axes = [int(i) % rank for i in ctx.const(node, 3, "axes").reshape(-1)]
+    if len(raw) != 2 * len(axes):
+        raise ShapeError(f"Pad has {len(raw)} pads for {len(axes)} axes")
+    widths = [(0, 0)] * rank
+    for i, axis in enumerate(axes):
+        widths[axis] = (raw[i], raw[i + len(axes)])
+    for axis, w in enumerate(widths):
+        if w != (0, 0) and not isinstance(shape[axis], int):
+            raise refuse(node, "padding along a symbolic dimension")
+    if mode == "constant":
+        if fill is None:
+            return [_pad_with_runtime_fill(b, x, widths, ctx.value(node, 2))]
+        fill = np.asarray(fill).astype(b.dtype(x)).item()
+        cropped = _pad_or_crop(b, x, [(min(0, lo), min(0, hi)) for lo, hi in widths])
+        return [C.pad(b, cropped, [(max(0, lo), max(0, hi)) for lo, hi in widths], fill)]
+    if mode not in ("reflect", "edge", "wrap"):
+        raise refuse(node, f"mode={mode}")
+    for axis, (lo, hi) in enumerate(widths):
+        if lo < 0 or hi < 0:
+            # whether cropping comes before or after the reflection is not pinned down
+            raise refuse(node, f"negative pads in mode={mode}")
+        if mode == "reflect" and max(lo, hi) >= shape[axis] and (lo, hi) != (0, 0):
+            raise refuse(node, "reflect padding as wide as the axis")
+        if (lo, hi) != (0, 0):
+            source = np.pad(np.arange(shape[axis], dtype=np.int64), (lo, hi), mode=mode)
+            x = b.gather(x, b.constant(source), axis)
+    return [x]
+
+
+def _pad_with_runtime_fill(b: GraphBuilder, x: int, widths, value: int) -> int:
+    """Pad with zeros, then select the run-time fill value outside the original extent."""
+    rank = len(widths)
+    inside = _pad_or_crop(b, b.expand(b.constant(np.ones((1,) * rank, dtype=bool)), b.shape(x)), widths)
+    fill = b.expand(b.reshape(value, (1,) * rank), b.shape(inside))
+    return C.where(b, inside, _pad_or_crop(b, x, widths), fill)
