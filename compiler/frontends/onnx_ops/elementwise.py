@@ -236,11 +236,28 @@ _ERF_DEN = (
 )  # fmt: skip
 
 
+def _clamp(b: GraphBuilder, x: int, low: float, high: float) -> int:
+    return _min(b, [_max(b, [x, _full(b, low, x)]), _full(b, high, x)])
+
+
 def _erf(b: GraphBuilder, x: int) -> int:
-    x = _min(b, [_max(b, [x, _full(b, -4.0, x)]), _full(b, 4.0, x)])
+    x = _clamp(b, x, -4.0, 4.0)
     z = b.binary(Op.MUL, x, x)
     num = b.binary(Op.MUL, x, _horner(b, z, _ERF_NUM))
-    return _recip_mul(b, num, _horner(b, z, _ERF_DEN))
+    return _clamp(b, _recip_mul(b, num, _horner(b, z, _ERF_DEN)), -1.0, 1.0)
+
+
+# Numerical Recipes' erfcc: erfc(z) for z >= 0 with a relative error below 1.2e-7 everywhere
+_ERFC_POLY = (
+    0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418,
+    0.37409196, 1.00002368, -1.26551223,
+)  # fmt: skip
+
+
+def _erfc_nonnegative(b: GraphBuilder, z: int) -> int:
+    t = b.unary(Op.RECIP, C.shift(b, C.scale(b, z, 0.5), 1.0))
+    exponent = _sub(b, _horner(b, t, _ERFC_POLY), b.binary(Op.MUL, z, z))
+    return b.binary(Op.MUL, t, _exp(b, exponent))
 
 
 def _atan(b: GraphBuilder, x: int) -> int:
@@ -273,7 +290,9 @@ def _acos(b: GraphBuilder, x: int) -> int:
 
 
 def _cos(b: GraphBuilder, x: int) -> int:
-    return b.unary(Op.SIN, C.shift(b, x, math.pi / 2))
+    # 1 - 2 sin^2(x/2): no argument shift, so huge |x| stays as accurate as SIN itself
+    half_sine = b.unary(Op.SIN, C.scale(b, x, 0.5))
+    return C.shift(b, C.scale(b, b.binary(Op.MUL, half_sine, half_sine), -2.0), 1.0)
 
 
 def _tan(b: GraphBuilder, x: int) -> int:
@@ -288,15 +307,27 @@ def _cosh(b: GraphBuilder, x: int) -> int:
     return C.scale(b, _add(b, _exp(b, x), _exp(b, C.neg(b, x))), 0.5)
 
 
+# beyond this, sqrt(x^2 +- 1) is |x| to double precision (and x^2 may overflow float32)
+_HUGE = 1e8
+
+
+def _log_twice(b: GraphBuilder, x: int) -> int:
+    return C.shift(b, _log(b, x), math.log(2.0))
+
+
 def _asinh(b: GraphBuilder, x: int) -> int:
     # odd symmetry: log(|x| + sqrt(x^2 + 1)) has no cancellation for |x|
     a = _abs(b, x)
-    magnitude = _log(b, _add(b, a, _sqrt(b, C.shift(b, b.binary(Op.MUL, a, a), 1.0))))
+    moderate = _log(b, _add(b, a, _sqrt(b, C.shift(b, b.binary(Op.MUL, a, a), 1.0))))
+    magnitude = _where(b, _lt(b, _full(b, _HUGE, x), a), _log_twice(b, a), moderate)
     return _where(b, _lt(b, x, _full(b, 0.0, x)), C.neg(b, magnitude), magnitude)
 
 
 def _acosh(b: GraphBuilder, x: int) -> int:
-    return _log(b, _add(b, x, _sqrt(b, C.shift(b, b.binary(Op.MUL, x, x), -1.0))))
+    # sqrt(x-1) sqrt(x+1) is NaN below 1 and precise near 1
+    root = b.binary(Op.MUL, _sqrt(b, C.shift(b, x, -1.0)), _sqrt(b, C.shift(b, x, 1.0)))
+    moderate = _log(b, _add(b, x, root))
+    return _where(b, _lt(b, _full(b, _HUGE, x), x), _log_twice(b, x), moderate)
 
 
 def _atanh(b: GraphBuilder, x: int) -> int:
@@ -379,11 +410,13 @@ def _gelu(b: GraphBuilder, x: int, a: dict) -> int:
     if approximate == "tanh":
         inner = _add(b, x, C.scale(b, b.binary(Op.MUL, b.binary(Op.MUL, x, x), x), 0.044715))
         gate = _tanh(b, C.scale(b, inner, math.sqrt(2.0 / math.pi)))
-    elif approximate == "none":
-        gate = _erf(b, C.scale(b, x, 1.0 / math.sqrt(2.0)))
-    else:
+        return C.scale(b, b.binary(Op.MUL, x, C.shift(b, gate, 1.0)), 0.5)
+    if approximate != "none":
         raise ValueError(f"approximate={approximate!r}")
-    return C.scale(b, b.binary(Op.MUL, x, C.shift(b, gate, 1.0)), 0.5)
+    # 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2), taken from erfc directly where it is small
+    tail = _erfc_nonnegative(b, C.scale(b, _abs(b, x), 1.0 / math.sqrt(2.0)))
+    factor = _where(b, _lt(b, x, _full(b, 0.0, x)), tail, C.shift(b, C.neg(b, tail), 2.0))
+    return C.scale(b, b.binary(Op.MUL, x, factor), 0.5)
 
 
 def _shrink(b: GraphBuilder, x: int, a: dict) -> int:
@@ -648,11 +681,16 @@ def _float_power(b: GraphBuilder, x: int, y: int) -> int:
         whole = _eq(b, b.binary(Op.MOD, yf, one), zero)
         integral = _any(b, whole, _lt(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf)))
         odd = _eq(b, _abs(b, b.binary(Op.MOD, yf, _full(b, 2.0, x))), one)
-    negative = _lt(b, x, zero)
-    signed = _where(b, _all(b, negative, odd), C.neg(b, magnitude), magnitude)
-    result = _where(b, _all(b, negative, _not(b, integral)), _full(b, np.nan, x), signed)
-    # pow(x, 0) and pow(1, y) are 1 even for NaN
-    return _where(b, _any(b, _eq(b, yf, zero), _eq(b, x, one)), one, result)
+    below_zero = _lt(b, x, zero)
+    # the sign bit, -0.0 included (its reciprocal is -inf)
+    sign_bit = _any(b, below_zero, _lt(b, b.unary(Op.RECIP, x), zero))
+    signed = _where(b, _all(b, sign_bit, odd), C.neg(b, magnitude), magnitude)
+    finite_negative = _all(b, below_zero, _lt(b, _full(b, -np.inf, x), x))
+    result = _where(b, _all(b, finite_negative, _not(b, integral)), _full(b, np.nan, x), signed)
+    # pow(x, 0), pow(1, y) and pow(-1, +-inf) are 1 even where y or x is NaN
+    infinite_y = _lt(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf))
+    minus_one_infinite = _all(b, _eq(b, x, C.neg(b, one)), infinite_y)
+    return _where(b, _any(b, _eq(b, yf, zero), _eq(b, x, one), minus_one_infinite), one, result)
 
 
 def _constant_exponent(ctx: Context, node: onnx.NodeProto) -> int | None:
