@@ -444,6 +444,8 @@ def _instance_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 @lowers("GroupNormalization")
 def _group_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    if ctx.opset < 21:  # opset 18 scaled per group, and onnx.checker rejects it as deprecated
+        raise refuse(node, f"opset {ctx.opset} semantics (one scale per group)")
     b = ctx.b
     a = attrs(node)
     x = _float_input(ctx, node)
@@ -453,17 +455,11 @@ def _group_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
     if rank < 3 or not isinstance(channels, int) or channels % groups:
         raise ShapeError(f"GroupNormalization of {list(shape)} into {groups} groups")
     grouped_shape = (shape[0], groups, channels // groups, *shape[2:])
-    stash = _stash_dtype(node) if ctx.opset >= 21 else b.dtype(x)
-    grouped = b.reshape(b.cast(x, stash), grouped_shape)
+    grouped = b.reshape(b.cast(x, _stash_dtype(node)), grouped_shape)
     normalized, _, _ = _standardize(b, grouped, range(2, rank + 1), a.get("epsilon", 1e-5))
-    normalized = b.cast(normalized, b.dtype(x))
-    scale, bias = ctx.value(node, 1), ctx.value(node, 2)
-    if ctx.opset >= 21:  # one scale and bias per channel
-        y = b.reshape(normalized, shape)
-        return [_affine(b, y, _per_channel(b, scale, rank), _per_channel(b, bias, rank))]
-    # before opset 21, one scale and bias per group
-    scale, bias = (b.reshape(v, (1, groups, *([1] * (rank - 1)))) for v in (scale, bias))
-    return [b.reshape(_affine(b, normalized, scale, bias), shape)]
+    normalized = b.reshape(b.cast(normalized, b.dtype(x)), shape)
+    scale, bias = (_per_channel(b, ctx.value(node, i), rank) for i in (1, 2))
+    return [_affine(b, normalized, scale, bias)]
 
 
 @lowers("LpNormalization")
