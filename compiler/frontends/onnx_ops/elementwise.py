@@ -216,6 +216,22 @@ def _exp(b: GraphBuilder, x: int) -> int:
     return C.exp(b, x)
 
 
+# below this |x|, a short Taylor series beats formulas that cancel (error under 1e-10)
+_SMALL = 0.125
+
+
+def _expm1(b: GraphBuilder, x: int) -> int:
+    """exp(x) - 1 without the cancellation near 0."""
+    series = b.binary(Op.MUL, x, _horner(b, x, [1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0]))
+    small = _lt(b, _abs(b, x), _full(b, _SMALL, x))
+    return _where(b, small, series, C.shift(b, _exp(b, x), -1.0))
+
+
+def _with_sign_of(b: GraphBuilder, magnitude: int, x: int) -> int:
+    sign = C.shift(b, C.scale(b, _as_number(b, _lt(b, x, _full(b, 0.0, x)), x), -2.0), 1.0)
+    return b.binary(Op.MUL, magnitude, sign)
+
+
 def _log(b: GraphBuilder, x: int) -> int:
     return C.log(b, x)
 
@@ -271,8 +287,7 @@ def _atan(b: GraphBuilder, x: int) -> int:
     z = b.binary(Op.MUL, t, t)
     poly = _horner(b, z, (8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1))
     r = _add(b, offset, _add(b, b.binary(Op.MUL, b.binary(Op.MUL, poly, z), t), t))
-    sign = C.shift(b, C.scale(b, _as_number(b, _lt(b, x, _full(b, 0.0, x)), x), -2.0), 1.0)
-    return b.binary(Op.MUL, r, sign)
+    return _with_sign_of(b, r, x)
 
 
 def _one_minus_square(b: GraphBuilder, x: int) -> int:
@@ -289,18 +304,34 @@ def _acos(b: GraphBuilder, x: int) -> int:
     return C.scale(b, _atan(b, _sqrt(b, ratio)), 2.0)
 
 
-def _cos(b: GraphBuilder, x: int) -> int:
-    # 1 - 2 sin^2(x/2): no argument shift, so huge |x| stays as accurate as SIN itself
+def _near_cos_zero(b: GraphBuilder, x: int) -> tuple[int, int]:
+    """(cos x as 1 - 2 sin^2(x/2), whether x is near a zero of cos)
+
+    The first form needs no shifted argument, so huge |x| stays as accurate as SIN itself, but
+    its absolute error becomes a large relative one near the zeros of cos.
+    """
     half_sine = b.unary(Op.SIN, C.scale(b, x, 0.5))
-    return C.shift(b, C.scale(b, b.binary(Op.MUL, half_sine, half_sine), -2.0), 1.0)
+    cos = C.shift(b, C.scale(b, b.binary(Op.MUL, half_sine, half_sine), -2.0), 1.0)
+    return cos, _lt(b, _abs(b, cos), _full(b, 0.5, x))
+
+
+def _cos(b: GraphBuilder, x: int) -> int:
+    cos, near_zero = _near_cos_zero(b, x)
+    # sin(2x) / (2 sin x) is accurate relative to cos where sin x is near +-1
+    double = _recip_mul(b, b.unary(Op.SIN, C.scale(b, x, 2.0)), C.scale(b, b.unary(Op.SIN, x), 2.0))
+    return _where(b, near_zero, double, cos)
 
 
 def _tan(b: GraphBuilder, x: int) -> int:
-    return _recip_mul(b, b.unary(Op.SIN, x), _cos(b, x))
+    cos, near_pole = _near_cos_zero(b, x)
+    sine = b.unary(Op.SIN, x)
+    # near the poles 2 sin^2 x / sin 2x keeps its relative accuracy
+    pole = _recip_mul(b, C.scale(b, b.binary(Op.MUL, sine, sine), 2.0), b.unary(Op.SIN, C.scale(b, x, 2.0)))
+    return _where(b, near_pole, pole, _recip_mul(b, sine, cos))
 
 
 def _sinh(b: GraphBuilder, x: int) -> int:
-    return C.scale(b, _sub(b, _exp(b, x), _exp(b, C.neg(b, x))), 0.5)
+    return C.scale(b, _sub(b, _expm1(b, x), _expm1(b, C.neg(b, x))), 0.5)
 
 
 def _cosh(b: GraphBuilder, x: int) -> int:
@@ -336,7 +367,9 @@ def _atanh(b: GraphBuilder, x: int) -> int:
 
 
 def _tanh(b: GraphBuilder, x: int) -> int:
-    return C.tanh(b, x)
+    # tanh|x| = -t / (t + 2) with t = expm1(-2|x|) in (-1, 0]: no overflow, no cancellation
+    t = _expm1(b, C.scale(b, _abs(b, x), -2.0))
+    return _with_sign_of(b, C.neg(b, _recip_mul(b, t, C.shift(b, t, 2.0))), x)
 
 
 def _softplus(b: GraphBuilder, x: int) -> int:
@@ -363,7 +396,7 @@ def _positive(b: GraphBuilder, x: int) -> int:
 
 def _elu(b: GraphBuilder, x: int, a: dict) -> int:
     alpha = a.get("alpha", 1.0)
-    return _where(b, _positive(b, x), x, C.scale(b, C.shift(b, _exp(b, x), -1.0), alpha))
+    return _where(b, _positive(b, x), x, C.scale(b, _expm1(b, x), alpha))
 
 
 def _selu(b: GraphBuilder, x: int, a: dict) -> int:
@@ -374,7 +407,7 @@ def _selu(b: GraphBuilder, x: int, a: dict) -> int:
 
 def _celu(b: GraphBuilder, x: int, a: dict) -> int:
     alpha = a.get("alpha", 1.0)
-    negative = C.scale(b, C.shift(b, _exp(b, C.scale(b, x, 1.0 / alpha)), -1.0), alpha)
+    negative = C.scale(b, _expm1(b, C.scale(b, x, 1.0 / alpha)), alpha)
     return _where(b, _positive(b, x), x, negative)
 
 
@@ -409,8 +442,8 @@ def _gelu(b: GraphBuilder, x: int, a: dict) -> int:
         approximate = approximate.decode()
     if approximate == "tanh":
         inner = _add(b, x, C.scale(b, b.binary(Op.MUL, b.binary(Op.MUL, x, x), x), 0.044715))
-        gate = _tanh(b, C.scale(b, inner, math.sqrt(2.0 / math.pi)))
-        return C.scale(b, b.binary(Op.MUL, x, C.shift(b, gate, 1.0)), 0.5)
+        # 0.5 (1 + tanh y) = sigmoid(2y), which keeps its precision where it is tiny
+        return b.binary(Op.MUL, x, C.sigmoid(b, C.scale(b, inner, 2 * math.sqrt(2.0 / math.pi))))
     if approximate != "none":
         raise ValueError(f"approximate={approximate!r}")
     # 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2), taken from erfc directly where it is small
