@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 
 from compiler import composite as C
+from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, dim_mul, numel
@@ -424,3 +427,274 @@ def _pad_with_runtime_fill(b: GraphBuilder, x: int, widths, value: int) -> int:
     inside = _pad_or_crop(b, b.expand(b.constant(np.ones((1,) * rank, dtype=bool)), b.shape(x)), widths)
     fill = b.expand(b.reshape(value, (1,) * rank), b.shape(inside))
     return C.where(b, inside, _pad_or_crop(b, x, widths), fill)
+
+
+# ---- Resize and Upsample: per resized axis, a gather with a compile-time index table of the
+# taps each output reads, times compile-time tap weights, summed (nearest: the gather alone) ----
+
+
+def _source_coords(transform: str, out: int, size: int, scale: float, roi: tuple[float, float]):
+    """Where each output position samples the input (float64), as ONNX's reference computes it,
+    and which positions fall outside a tf_crop_and_resize crop (None for the other modes)."""
+    y = np.arange(out, dtype=np.float64)
+    width = scale * size
+    if transform == "align_corners":
+        return (np.zeros(out) if width == 1 else y * (size - 1) / (width - 1)), None
+    if transform == "asymmetric":
+        return y / scale, None
+    if transform == "pytorch_half_pixel":
+        return (np.full(out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
+    if transform == "half_pixel":
+        return (y + 0.5) / scale - 0.5, None
+    if transform == "half_pixel_symmetric":
+        offset = size / 2 * (1 - out / width)
+        return offset + (y + 0.5) / scale - 0.5, None
+    start, end = roi  # tf_crop_and_resize
+    if width == 1:
+        coords = np.full(out, (end - start) * (size - 1) / 2)
+    else:
+        coords = y * (end - start) * (size - 1) / (width - 1)
+    coords = coords + start * (size - 1)
+    return coords, (coords < 0) | (coords > size - 1)
+
+
+def _tap_weights(mode: str, ratio: float, scale: float, cubic_a: float, antialias: bool) -> np.ndarray:
+    if mode == "linear" and not antialias:
+        return np.array([1 - ratio, ratio])
+    if mode == "linear":
+        scale = min(scale, 1.0)
+        start = int(np.floor(-1 / scale) + 1)
+        args = (np.arange(start, 2 - start) - ratio) * scale
+        weights = np.clip(1 - np.abs(args), 0, 1)
+        return weights / weights.sum()
+    a = cubic_a
+    if not antialias:
+        r, s = ratio, 1 - ratio
+        return np.array(
+            [
+                ((a * (r + 1) - 5 * a) * (r + 1) + 8 * a) * (r + 1) - 4 * a,
+                ((a + 2) * r - (a + 3)) * r * r + 1,
+                ((a + 2) * s - (a + 3)) * s * s + 1,
+                ((a * (s + 1) - 5 * a) * (s + 1) + 8 * a) * (s + 1) - 4 * a,
+            ]
+        )
+    scale = min(scale, 1.0)
+    start = int(np.floor(-2 / scale) + 1)
+    args = np.abs(scale * (np.arange(start, 2 - start) - ratio))
+    near = (a + 2) * args**3 - (a + 3) * args**2 + 1
+    far = a * args**3 - 5 * a * args**2 + 8 * a * args - 4 * a
+    weights = np.where(args <= 1, near, np.where(args < 2, far, 0.0))
+    return weights / weights.sum()
+
+
+def _taps(coords: np.ndarray, count: int) -> np.ndarray:
+    """The `count` input positions around each coordinate (unclamped), chosen as ONNX's
+    reference chooses them: the nearest ones, preferring the lower on a tie."""
+    half = int(np.ceil(count / 2))
+    shifted = coords + half
+    base = np.floor(shifted).astype(np.int64)
+    frac = shifted - base
+    if count % 2 == 0:
+        offset = np.where(frac == 0, -(count // 2), -(count // 2) + 1)
+    else:
+        lowest = -((count - 1) // 2)
+        offset = np.where(frac <= 0.5, lowest, lowest + 1)
+    return (base + offset)[:, None] + np.arange(count)[None, :] - half
+
+
+def _ratios(coords: np.ndarray) -> np.ndarray:
+    whole = np.floor(coords)
+    return np.where(coords == whole, 1.0, coords - whole)
+
+
+def _nearest_source(coords: np.ndarray, rounding: str) -> np.ndarray:
+    ratios = _ratios(coords)
+    if rounding == "round_prefer_floor":
+        upper = ratios > 0.5
+    elif rounding == "round_prefer_ceil":
+        upper = ratios >= 0.5
+    elif rounding == "floor":
+        upper = np.zeros(len(coords), dtype=bool)
+    else:  # ceil
+        upper = np.ones(len(coords), dtype=bool)
+    # integral coordinates count as ratio 1 between the position below and themselves
+    upper |= ratios == 1.0
+    return _taps(coords, 2)[np.arange(len(coords)), upper.astype(np.int64)]
+
+
+@dataclass(frozen=True)
+class _ResizeSpec:
+    mode: str  # nearest, linear or cubic
+    transform: str  # coordinate_transformation_mode
+    rounding: str = "round_prefer_floor"  # nearest_mode
+    cubic_a: float = -0.75
+    exclude_outside: bool = False
+    antialias: bool = False
+    extrapolation: float = 0.0
+
+
+def _resize_axis(
+    b: GraphBuilder, x: int, axis: int, out: int, scale: float, roi: tuple[float, float], spec: _ResizeSpec
+) -> int:
+    size = b.shape(x)[axis]
+    coords, outside_crop = _source_coords(spec.transform, out, size, scale, roi)
+    if spec.mode == "nearest":
+        source = _nearest_source(coords, spec.rounding)
+        if spec.exclude_outside and ((source < 0) | (source >= size)).any():
+            raise UnsupportedModel(["Resize nearest with exclude_outside sampling outside the input"])
+        y = b.gather(x, b.constant(np.clip(source, 0, size - 1)), axis)
+    else:
+        ratios = _ratios(coords)
+        weights = np.stack([_tap_weights(spec.mode, r, scale, spec.cubic_a, spec.antialias) for r in ratios])
+        taps = _taps(coords, weights.shape[1])
+        if spec.exclude_outside:
+            weights = np.where((taps < 0) | (taps >= size), 0.0, weights)
+            sums = weights.sum(axis=1, keepdims=True)
+            weights = weights / np.where(sums == 0, 1.0, sums)
+        count = weights.shape[1]
+        shape = b.shape(x)
+        gathered = b.gather(x, b.constant(np.clip(taps, 0, size - 1).reshape(-1)), axis)
+        gathered = b.reshape(gathered, (*shape[:axis], out, count, *shape[axis + 1 :]))
+        lead, trail = (1,) * axis, (1,) * (len(shape) - axis - 1)
+        weight_node = b.constant(weights.astype(b.dtype(x)).reshape(*lead, out, count, *trail))
+        y = b.reduce(Op.SUM_REDUCE, C.mul(b, gathered, weight_node), [axis + 1])
+    if outside_crop is not None and outside_crop.any():
+        shape = b.shape(y)
+        mask = b.constant(outside_crop.reshape((1,) * axis + (out,) + (1,) * (len(shape) - axis - 1)))
+        fill = b.scalar_like(spec.extrapolation, y)
+        y = C.where(b, b.expand(mask, shape), fill, y)
+    return y
+
+
+def _resize(
+    node: onnx.NodeProto,
+    b: GraphBuilder,
+    x: int,
+    scales: list[float],
+    sizes: list[int],
+    rois: list[tuple[float, float]],
+    spec: _ResizeSpec,
+) -> int:
+    if spec.mode not in ("nearest", "linear", "cubic"):
+        raise refuse(node, f"mode={spec.mode}")
+    if spec.mode != "nearest" and not b.dtype(x).startswith("float"):
+        raise refuse(node, f"mode={spec.mode} on {b.dtype(x)} data")
+    for axis, (scale, out, roi) in enumerate(zip(scales, sizes, rois)):
+        size = b.shape(x)[axis]
+        if np.isclose(scale, 1.0) and out == size and np.allclose(roi, (0.0, 1.0)):
+            continue
+        if not isinstance(size, int):
+            raise refuse(node, "resizing a symbolic dimension")
+        if out < 1 or scale <= 0:
+            raise ShapeError(f"Resize to size {out} (scale {scale}) along axis {axis}")
+        x = _resize_axis(b, x, axis, out, scale, roi, spec)
+    return x
+
+
+@lowers("Resize")
+def _resize_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x = ctx.value(node, 0)
+    shape = b.shape(x)
+    rank = len(shape)
+    text = {k: v.decode() for k, v in a.items() if isinstance(v, bytes)}
+    if ctx.opset < 11:  # Resize-10 is Upsample-9 under a new name
+        scales = [float(s) for s in ctx.const(node, 1, "scales").reshape(-1)]
+        return [_upsample(node, b, x, scales, text.get("mode", "nearest"))]
+    spec = _ResizeSpec(
+        mode=text.get("mode", "nearest"),
+        transform=text.get("coordinate_transformation_mode", "half_pixel"),
+        rounding=text.get("nearest_mode", "round_prefer_floor"),
+        cubic_a=a.get("cubic_coeff_a", -0.75),
+        exclude_outside=bool(a.get("exclude_outside", 0)),
+        antialias=bool(a.get("antialias", 0)),
+        extrapolation=a.get("extrapolation_value", 0.0),
+    )
+    known_transforms = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners")
+    if spec.transform not in (*known_transforms, "asymmetric", "tf_crop_and_resize"):
+        raise refuse(node, f"coordinate_transformation_mode={spec.transform}")
+    if spec.rounding not in ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil"):
+        raise refuse(node, f"nearest_mode={spec.rounding}")
+    if spec.antialias and spec.mode == "nearest":
+        raise refuse(node, "antialias in mode nearest")
+    axes = [int(i) % rank for i in a.get("axes", range(rank))]
+    if len(set(axes)) != len(axes):
+        raise ShapeError(f"Resize axes {a['axes']} repeat an axis")
+
+    def given(index: int, what: str) -> np.ndarray | None:
+        if index >= len(node.input) or not node.input[index]:
+            return None
+        array = ctx.const(node, index, what).reshape(-1)
+        return array if array.size else None
+
+    roi_in, scale_in, size_in = given(1, "roi"), given(2, "scales"), given(3, "sizes")
+    if (scale_in is None) == (size_in is None):
+        raise ShapeError("Resize needs exactly one of scales and sizes")
+    full_scales = [1.0] * rank
+    rois = [(0.0, 1.0)] * rank
+    if spec.transform == "tf_crop_and_resize":
+        if roi_in is None or len(roi_in) != 2 * len(axes):
+            raise ShapeError(f"Resize roi {roi_in} does not match {len(axes)} axes")
+        for i, axis in enumerate(axes):
+            rois[axis] = (float(roi_in[i]), float(roi_in[len(axes) + i]))
+    if scale_in is not None:
+        if len(scale_in) != len(axes):
+            raise ShapeError(f"Resize has {len(scale_in)} scales for {len(axes)} axes")
+        for axis, scale in zip(axes, scale_in):
+            full_scales[axis] = float(scale)
+        dims = [_static_dim(node, shape, axis) if axis in axes else shape[axis] for axis in range(rank)]
+        sizes = [int(s * d) if axis in axes else d for axis, (s, d) in enumerate(zip(full_scales, dims))]
+        if spec.transform == "tf_crop_and_resize" and any(r != (0.0, 1.0) for r in rois):
+            # the spec scales the cropped extent, ONNX's reference the whole input
+            raise refuse(node, "tf_crop_and_resize with scales and a crop")
+    else:
+        if len(size_in) != len(axes):
+            raise ShapeError(f"Resize has {len(size_in)} sizes for {len(axes)} axes")
+        sizes = list(shape)
+        for axis, out in zip(axes, size_in):
+            full_scales[axis] = int(out) / _static_dim(node, shape, axis)
+            sizes[axis] = int(out)
+        policy = text.get("keep_aspect_ratio_policy", "stretch")
+        if policy != "stretch":
+            if policy not in ("not_larger", "not_smaller"):
+                raise refuse(node, f"keep_aspect_ratio_policy={policy}")
+            pick = min if policy == "not_larger" else max
+            common = pick(full_scales[axis] for axis in axes)
+            for axis in axes:
+                full_scales[axis] = common
+                sizes[axis] = int(common * shape[axis] + 0.5)
+    return [_resize(node, b, x, full_scales, sizes, rois, spec)]
+
+
+def _static_dim(node: onnx.NodeProto, shape: tuple[Dim, ...], axis: int) -> int:
+    d = shape[axis]
+    if not isinstance(d, int):
+        raise refuse(node, "resizing a symbolic dimension")
+    return d
+
+
+def _upsample(node: onnx.NodeProto, b: GraphBuilder, x: int, scales: list[float], mode: str) -> int:
+    """Upsample (and Resize-10): asymmetric coordinates, nearest rounding down."""
+    shape = b.shape(x)
+    if len(scales) != len(shape):
+        raise ShapeError(f"{node.op_type} has {len(scales)} scales for rank {len(shape)}")
+    if mode not in ("nearest", "linear"):
+        raise refuse(node, f"mode={mode}")
+    spec = _ResizeSpec(
+        mode="nearest" if mode == "nearest" else "linear", transform="asymmetric", rounding="floor"
+    )
+    sizes = [
+        d if s == 1 else int(s * _static_dim(node, shape, i)) for i, (s, d) in enumerate(zip(scales, shape))
+    ]
+    return _resize(node, b, x, scales, sizes, [(0.0, 1.0)] * len(shape), spec)
+
+
+@lowers("Upsample")
+def _upsample_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    a = attrs(node)
+    if "scales" in a:
+        scales = [float(s) for s in a["scales"]]
+    else:
+        scales = [float(s) for s in ctx.const(node, 1, "scales").reshape(-1)]
+    return [_upsample(node, ctx.b, ctx.value(node, 0), scales, a.get("mode", b"nearest").decode())]
