@@ -18,7 +18,7 @@ import onnx
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import broadcast_shapes
+from compiler.shape import broadcast_shapes, dim_mul, numel
 
 # ---- dtype classes -------------------------------------------------------------------------
 
@@ -833,37 +833,97 @@ def _is_inf(ctx: Context, node: onnx.NodeProto) -> list[int]:
 # ---- bit operations ------------------------------------------------------------------------
 
 
-def _bit_shift_factors(b: GraphBuilder, y: int, table: np.ndarray) -> int:
-    """table[y], with every y outside [0, bits) reading the last entry of the table."""
-    bits = len(table) - 1
+def _powers_of_two(dtype: str) -> np.ndarray:
+    bits = _bits(dtype)
+    return np.array([1 << i for i in range(bits)], dtype=f"uint{bits}")
+
+
+def _bit_planes(b: GraphBuilder, x: int) -> int:
+    """The bits of an integer tensor, least significant first, as bools along a new last axis.
+
+    Bit i is set when x mod 2**(i+1) >= 2**i (on the unsigned view); the top bit compares x
+    itself, since 2**bits does not fit the type.
+    """
+    bits = _bits(b.dtype(x))
+    unsigned = b.unsqueeze(b.cast(x, f"uint{bits}"), -1)
+    shape = b.shape(unsigned)[:-1]
+    powers = _powers_of_two(b.dtype(x))
+    moduli = b.broadcast_to(b.constant(powers[1:]), (*shape, bits - 1))
+    low = b.binary(Op.MOD, b.expand(unsigned, (*shape, bits - 1)), moduli)
+    low = C.concat(b, [low, unsigned], axis=-1)
+    return _not(b, b.binary(Op.LESS_THAN, low, b.broadcast_to(b.constant(powers), b.shape(low))))
+
+
+def _from_bit_planes(b: GraphBuilder, planes: int, dtype: str) -> int:
+    powers = b.constant(_powers_of_two(dtype))
+    weighted = b.binary(Op.MUL, b.cast(planes, b.dtype(powers)), b.broadcast_to(powers, b.shape(planes)))
+    return b.cast(b.reduce(Op.SUM_REDUCE, weighted, [-1]), dtype)
+
+
+def _integer_inputs(ctx: Context, node: onnx.NodeProto) -> tuple[int, int]:
+    x, y = _comparison_inputs(ctx, node)
+    dtype = ctx.b.dtype(x)
+    if _is_float(dtype) or dtype == "bool":
+        raise refuse(node, f"{dtype} inputs")
+    return C.broadcast_pair(ctx.b, x, y)
+
+
+@lowers("BitwiseAnd", "BitwiseOr", "BitwiseXor")
+def _bitwise(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x, y = _integer_inputs(ctx, node)
+    combine = {"BitwiseAnd": _all, "BitwiseOr": _any, "BitwiseXor": _xor}[node.op_type]
+    return [_from_bit_planes(b, combine(b, _bit_planes(b, x), _bit_planes(b, y)), b.dtype(x))]
+
+
+@lowers("BitwiseNot")
+def _bitwise_not(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    dtype = ctx.b.dtype(x)
+    if _is_float(dtype) or dtype == "bool":
+        raise refuse(node, f"{dtype} input")
+    return [_flip(ctx.b, x)]
+
+
+def _shift_amount(b: GraphBuilder, y: int, bits: int) -> int:
+    """y as int64, with every y outside [0, bits) replaced by bits."""
     in_range = _all(b, _lt(b, y, _full(b, bits, y)), _not(b, _lt(b, y, _full(b, 0, y))))
-    index = b.cast(y, "int64")
-    index = _where(b, in_range, index, _full(b, bits, index))
-    return b.gather(b.constant(table), index, 0)
+    amount = b.cast(y, "int64")
+    return _where(b, in_range, amount, _full(b, bits, amount))
+
+
+def _shift_left(b: GraphBuilder, x: int, y: int) -> int:
+    """x * 2**y modulo 2**bits; a shift of bits or more (or a negative one) gives 0."""
+    bits = _bits(b.dtype(x))
+    powers = _powers_of_two(b.dtype(x)).astype(b.dtype(x))  # wraps to the sign bit where signed
+    table = b.constant(np.concatenate([powers, np.zeros(1, dtype=b.dtype(x))]))
+    return b.binary(Op.MUL, x, b.gather(table, _shift_amount(b, y, bits), 0))
+
+
+def _shift_right(b: GraphBuilder, x: int, y: int) -> int:
+    """Bit j of the result is bit j + y of x: the sign bit (signed) or 0 (unsigned) past the top."""
+    dtype = b.dtype(x)
+    bits = _bits(dtype)
+    planes = _bit_planes(b, x)
+    shape = b.shape(x)
+    count = numel(shape)
+    source = C.add(b, b.unsqueeze(_shift_amount(b, y, bits), -1), b.iota(bits))
+    top = _full(b, bits - 1, source)
+    clamped = _where(b, _lt(b, top, source), top, source)
+    rows = C.scale(b, b.reshape(b.iota(count), (*shape, 1)), bits)
+    index = b.reshape(C.add(b, rows, clamped), (dim_mul(count, bits),))
+    shifted = b.reshape(b.gather(b.reshape(planes, (dim_mul(count, bits),)), index, 0), b.shape(planes))
+    if not _is_signed(dtype):
+        shifted = _all(b, shifted, _lt(b, source, _full(b, bits, source)))
+    return _from_bit_planes(b, shifted, dtype)
 
 
 @lowers("BitShift")
 def _bit_shift(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    x, y = _comparison_inputs(ctx, node)
-    dtype = b.dtype(x)
-    if _is_float(dtype) or dtype == "bool":
-        raise refuse(node, f"{dtype} inputs")
-    x, y = C.broadcast_pair(b, x, y)
-    bits = _bits(dtype)
+    x, y = _integer_inputs(ctx, node)
     direction = attrs(node).get("direction", b"")
     if direction == b"LEFT":
-        ones = np.ones(bits, dtype=dtype)
-        with np.errstate(over="ignore"):
-            powers = np.left_shift(ones, np.arange(bits, dtype=dtype))  # wraps for the sign bit
-        table = np.concatenate([powers, np.zeros(1, dtype=dtype)])
-        return [b.binary(Op.MUL, x, _bit_shift_factors(b, y, table))]
-    if direction != b"RIGHT":
-        raise refuse(node, f"direction={direction!r}")
-    if bits > 32:
-        raise refuse(node, f"{dtype} inputs (exact 64-bit right shift)")
-    # floor(x / 2**y) in float64, where every operand is exact; too far a shift divides by
-    # 2**bits, which leaves -1 for negative x and 0 otherwise
-    table = np.exp2(-np.arange(bits + 1, dtype=np.float64))
-    scaled = b.binary(Op.MUL, b.cast(x, "float64"), _bit_shift_factors(b, y, table))
-    return [b.cast(_floor(b, scaled), dtype)]
+        return [_shift_left(ctx.b, x, y)]
+    if direction == b"RIGHT":
+        return [_shift_right(ctx.b, x, y)]
+    raise refuse(node, f"direction={direction!r}")
