@@ -19,6 +19,8 @@ class SignaturePublic(BaseModel):
     inputs: list[TensorSpecPublic]
     outputs: list[TensorSpecPublic]
     batch_symbol: str | None
+    # the largest size a request may give each symbolic dimension, by symbol name
+    dim_limits: dict[str, int] = Field(default_factory=dict)
 
 
 class VersionCreated(BaseModel):

@@ -38,9 +38,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = 30.0
     # hint sent with 429 when a queue is full
     retry_after_s: int = 1
-    # largest tensor a request may carry, in elements, and the largest batch dimension
+    # largest tensor a request may carry or produce, in elements
     max_request_elements: int = 16 * 1024 * 1024
+    # largest size a request may give a symbolic dimension: the batch symbol, every other
+    # symbol (sequence lengths and the like), and overrides by symbol name ({"seq": 512})
     max_batch_dim: int = 256
+    max_sequence_dim: int = 4096
+    dim_limits: dict[str, int] = {}
     # price of one second of execution, per device type
     price_per_second: dict[str, float] = {"cpu": 0.00002, "cuda": 0.0004}
     # compiled models kept loaded per runtime, and how long an idle one stays

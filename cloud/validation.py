@@ -1,18 +1,22 @@
 """Turning a request's JSON inputs into arrays that match a model's signature.
 
-Every mismatch is an InvalidInput naming the input and the expected signature.
+Every mismatch is an InvalidInput naming the input and the expected signature. Shapes are read
+from the nested lists and checked (rank, fixed dims, each symbol's size and limit, one size per
+symbol across inputs, element counts of inputs and outputs) before any array is allocated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
 import numpy as np
 
 from cloud.errors import InvalidInput
+from cloud.settings import Settings
 from compiler import Signature, TensorSpec
-from compiler.shape import SymDim, shape_to_json
+from compiler.shape import evaluate_shape, shape_to_json, symbols_of
 
 
 def describe(spec: TensorSpec) -> str:
@@ -24,6 +28,20 @@ def describe_signature(signature: Signature) -> str:
     return "; ".join(describe(s) for s in signature.inputs)
 
 
+def symbol_limits(signature: Signature, settings: Settings) -> dict[str, int]:
+    """The largest size a request may give each symbolic dimension of the model's inputs."""
+    limits = {}
+    for symbol in sorted(set().union(*(symbols_of(s.shape) for s in signature.inputs))):
+        if symbol in settings.dim_limits:
+            limits[symbol] = settings.dim_limits[symbol]
+        # the signature's batch symbol, or one named so when outputs do not lead with it
+        elif symbol in (signature.batch_symbol, "batch"):
+            limits[symbol] = settings.max_batch_dim
+        else:
+            limits[symbol] = settings.max_sequence_dim
+    return limits
+
+
 # JSON gives numbers, bools and nested lists; the kinds each declared dtype accepts
 _ACCEPTED_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
 
@@ -32,56 +50,103 @@ def decode_inputs(
     signature: Signature,
     raw: Mapping[str, Any],
     max_elements: int,
-    max_symbol_size: int,
+    limits: Mapping[str, int],
 ) -> tuple[dict[str, np.ndarray], int]:
-    """Arrays by input name, and the rows along the batch dimension (1 when there is none)."""
+    """Arrays by input name, and the rows along the batch dimension (1 when there is none).
+
+    `limits` gives the largest size of each symbolic dimension (see symbol_limits).
+    """
     expected = describe_signature(signature)
     names = {s.name for s in signature.inputs}
     unknown = sorted(set(raw) - names)
     if unknown:
         raise InvalidInput(f"unknown input {unknown[0]!r}; the model expects {expected}")
-    bindings: dict[str, int] = {}
-    arrays: dict[str, np.ndarray] = {}
+    missing = [s.name for s in signature.inputs if s.name not in raw]
+    if missing:
+        raise InvalidInput(f"missing input {missing[0]!r}; the model expects {expected}")
+    shapes = {s.name: _claimed_shape(s, raw[s.name]) for s in signature.inputs}
+    bindings = _bind_symbols(signature, shapes, limits)
     for spec in signature.inputs:
-        if spec.name not in raw:
-            raise InvalidInput(f"missing input {spec.name!r}; the model expects {expected}")
-        arrays[spec.name] = _decode_one(spec, raw[spec.name], bindings, max_elements, max_symbol_size)
+        _check_elements(f"input {spec.name!r}", shapes[spec.name], max_elements)
+    for spec in signature.outputs:
+        if symbols_of(spec.shape) <= bindings.keys():
+            _check_elements(f"output {spec.name!r}", evaluate_shape(spec.shape, bindings), max_elements)
+    arrays = {s.name: _convert(s, raw[s.name], shapes[s.name]) for s in signature.inputs}
     rows = bindings.get(signature.batch_symbol, 1) if signature.batch_symbol else 1
     return arrays, rows
 
 
-def _decode_one(spec, value, bindings, max_elements, max_symbol_size) -> np.ndarray:
+def _claimed_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
+    """The shape a nested list claims along its first elements; np.asarray later proves it."""
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    if len(shape) != len(spec.shape):
+        raise InvalidInput(f"input {spec.name!r} has rank {len(shape)}, expected {describe(spec)}")
+    return tuple(shape)
+
+
+def _bind_symbols(
+    signature: Signature, shapes: Mapping[str, tuple[int, ...]], limits: Mapping[str, int]
+) -> dict[str, int]:
+    """Each symbol's size, after checking fixed dims, limits and agreement between inputs."""
+    bindings: dict[str, int] = {}
+    # symbol -> (input, axis) that bound it, for the message when another input disagrees
+    bound_by: dict[str, tuple[str, int]] = {}
+    products = []
+    for spec in signature.inputs:
+        for axis, (declared, size) in enumerate(zip(spec.shape, shapes[spec.name])):
+            where = f"input {spec.name!r} dimension {axis}"
+            if isinstance(declared, int):
+                if declared != size:
+                    raise InvalidInput(f"{where} is {size}, expected {declared}; expected {describe(spec)}")
+            elif declared.coef != 1 or len(declared.symbols) != 1:
+                products.append((where, declared, size, spec))
+            else:
+                symbol = declared.symbols[0]
+                limit = limits[symbol]
+                if size < 1 or size > limit:
+                    raise InvalidInput(f"{where} ({symbol}) is {size}; allowed 1 to {limit}")
+                if symbol in bindings and bindings[symbol] != size:
+                    other, other_axis = bound_by[symbol]
+                    raise InvalidInput(
+                        f"symbol {symbol!r} is {size} in {where} but {bindings[symbol]} in input "
+                        f"{other!r} dimension {other_axis}; one request gives each symbol one size"
+                    )
+                bindings[symbol] = size
+                bound_by[symbol] = (spec.name, axis)
+    # a product such as 2*seq is checked once its symbols are known from other dims
+    for where, declared, size, spec in products:
+        if not symbols_of([declared]) <= bindings.keys():
+            raise InvalidInput(f"{where} ({declared}) is not fixed by any other dimension; expected {describe(spec)}")
+        want = evaluate_shape([declared], bindings)[0]
+        if want != size:
+            raise InvalidInput(f"{where} ({declared}) is {size}, expected {want}; expected {describe(spec)}")
+    return bindings
+
+
+def _check_elements(what: str, shape: tuple[int, ...], max_elements: int) -> None:
+    count = prod(shape)
+    if count > max_elements:
+        raise InvalidInput(f"{what} would have {count} elements, more than the limit of {max_elements}")
+
+
+def _convert(spec: TensorSpec, value: Any, shape: tuple[int, ...]) -> np.ndarray:
     want = describe(spec)
     try:
         array = np.asarray(value)
     except (ValueError, TypeError):
-        raise InvalidInput(f"input {spec.name!r} is not a rectangular nested list; expected {want}") from None
+        array = None
+    if array is None or array.shape != shape:
+        raise InvalidInput(f"input {spec.name!r} is not a rectangular nested list; expected {want}")
     if array.dtype.kind not in _ACCEPTED_KINDS[np.dtype(spec.dtype).kind]:
         got = {"b": "booleans", "U": "strings", "O": "nulls or mixed values", "f": "floats"}.get(
             array.dtype.kind, str(array.dtype)
         )
         raise InvalidInput(f"input {spec.name!r} has {got} where {spec.dtype} is expected; expected {want}")
-    if array.ndim != len(spec.shape):
-        raise InvalidInput(f"input {spec.name!r} has rank {array.ndim}, expected {want}")
-    if array.size > max_elements:
-        raise InvalidInput(f"input {spec.name!r} has {array.size} elements, more than {max_elements}")
-    for axis, (declared, size) in enumerate(zip(spec.shape, array.shape)):
-        if isinstance(declared, SymDim):
-            symbol = str(declared)
-            if size < 1 or size > max_symbol_size:
-                raise InvalidInput(
-                    f"input {spec.name!r} dimension {axis} ({symbol}) is {size}; "
-                    f"allowed 1 to {max_symbol_size}"
-                )
-            if bindings.setdefault(symbol, size) != size:
-                raise InvalidInput(
-                    f"input {spec.name!r} dimension {axis} ({symbol}) is {size} but "
-                    f"{bindings[symbol]} in another input; expected {want}"
-                )
-        elif declared != size:
-            raise InvalidInput(
-                f"input {spec.name!r} dimension {axis} is {size}, expected {declared}; expected {want}"
-            )
     with np.errstate(all="ignore"):
         converted = array.astype(spec.dtype)
     if spec.dtype.startswith("float") and not np.all(np.isfinite(converted[np.isfinite(array)])):

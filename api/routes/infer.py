@@ -14,7 +14,7 @@ from api.deps import CurrentTenant, ServicesDep
 from api.schemas import InferRequest, InferResponse, InferUsage
 from cloud import metrics
 from cloud.errors import LuminalError
-from cloud.validation import decode_inputs
+from cloud.validation import decode_inputs, symbol_limits
 from compiler import Signature
 from scheduler.engine import Route
 
@@ -48,7 +48,7 @@ async def infer(
         signature = Signature.from_json(found.signature)
         settings = services.settings
         arrays, rows = decode_inputs(
-            signature, body.inputs, settings.max_request_elements, settings.max_batch_dim
+            signature, body.inputs, settings.max_request_elements, symbol_limits(signature, settings)
         )
         route = Route(
             version_id=found.id,

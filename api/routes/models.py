@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, UploadFile, status
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentTenant, ServicesDep
-from api.schemas import ModelDeleted, ModelList, ModelPublic, ModelSummary, VersionCreated, VersionPublic
+from api.schemas import (
+    ModelDeleted,
+    ModelList,
+    ModelPublic,
+    ModelSummary,
+    SignaturePublic,
+    VersionCreated,
+    VersionPublic,
+)
 from cloud.db import Model
 from cloud.errors import InvalidModelFile, PayloadTooLarge
+from cloud.settings import Settings
+from cloud.validation import symbol_limits
+from compiler import Signature
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -60,6 +71,12 @@ async def list_models(tenant: CurrentTenant, services: ServicesDep) -> ModelList
     return ModelList(models=[_summary(m) for m in models if m.versions])
 
 
+def _signature(stored: dict[str, Any] | None, settings: Settings) -> SignaturePublic | None:
+    if stored is None:
+        return None
+    return SignaturePublic(**stored, dim_limits=symbol_limits(Signature.from_json(stored), settings))
+
+
 @router.get("/{name}", response_model=ModelPublic)
 async def get_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> ModelPublic:
     model = await run_in_threadpool(services.registry.get_model, tenant.id, name)
@@ -69,7 +86,7 @@ async def get_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> 
             status=v.status,
             target=v.target,
             created_at=v.created_at,
-            signature=v.signature,
+            signature=_signature(v.signature, services.settings),
             report=v.report,
             error=v.error,
         )
