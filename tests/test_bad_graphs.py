@@ -233,6 +233,13 @@ def test_model_local_function_is_unsupported() -> None:
     assert refused(proto, UnsupportedModel) == "unsupported: model-local functions (local.Twice)"
 
 
+def test_sparse_initializer_is_unsupported() -> None:
+    values = helper.make_tensor("w", TensorProto.FLOAT, [1], [2.0])
+    sparse = helper.make_sparse_tensor(values, helper.make_tensor("idx", TensorProto.INT64, [1], [3]), [4])
+    proto = model([helper.make_node("Add", ["x", "w"], ["y"])], sparse_initializer=[sparse])
+    assert refused(proto, UnsupportedModel) == "unsupported: sparse initializer 'w'"
+
+
 # -- through the API: refused at upload, nothing stored --
 
 
