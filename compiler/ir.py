@@ -162,6 +162,8 @@ def view_to_json(transform: tuple) -> list[Any]:
     kind = transform[0]
     if kind in ("reshape", "expand"):
         return [kind, shape_to_json(transform[1])]
+    if kind == "slice":
+        return [kind, [[start, None if stop is None else dim_to_json(stop), step] for start, stop, step in transform[1]]]
     return [kind, *transform[1:]]
 
 
@@ -169,6 +171,8 @@ def view_from_json(data: list[Any]) -> tuple:
     kind = data[0]
     if kind in ("reshape", "expand"):
         return (kind, shape_from_json(data[1]))
+    if kind == "slice":
+        return (kind, tuple((start, None if stop is None else dim_from_json(stop), step) for start, stop, step in data[1]))
     return (kind, *(_freeze(p) for p in data[1:]))
 
 
@@ -208,9 +212,14 @@ def view_shape(shape: Shape, transform: tuple) -> Shape:
     raise ShapeError(f"unknown view transform {kind!r}")
 
 
-def _sliced_dim(d: Dim, start: int, stop: int | None, step: int) -> Dim:
+def _sliced_dim(d: Dim, start: int, stop: Dim | None, step: int) -> Dim:
     if start == 0 and stop is None and step == 1:
         return d
+    if isinstance(stop, SymDim):
+        # a prefix whose length is a symbol (a buffer cut to the sequence length); must fit at run time
+        if start != 0 or step != 1 or (isinstance(d, SymDim) and d != stop):
+            raise ShapeError(f"slice [{start}:{stop}:{step}] of dimension {d}")
+        return stop
     if not isinstance(d, int):
         raise ShapeError(f"slicing symbolic dimension {d}")
     return len(range(*slice(start, stop, step).indices(d)))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from compiler.ir import Graph, Node, Op
-from compiler.shape import ShapeError, SymDim, evaluate_shape
+from compiler.shape import ShapeError, SymDim, evaluate, evaluate_shape
 
 _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
     Op.LOG2: np.log2,
@@ -60,7 +60,14 @@ def apply_view(x: np.ndarray, transform: tuple, bindings: Mapping[str, int]) -> 
     if kind == "expand":
         return np.broadcast_to(x, evaluate_shape(transform[1], bindings))
     if kind == "slice":
-        return x[tuple(slice(*triple) for triple in transform[1])]
+        index = []
+        for axis, (start, stop, step) in enumerate(transform[1]):
+            if isinstance(stop, SymDim):
+                stop = evaluate(stop, bindings)
+                if stop > x.shape[axis]:
+                    raise ShapeError(f"slice to {stop} of an axis of size {x.shape[axis]}")
+            index.append(slice(start, stop, step))
+        return x[tuple(index)]
     if kind == "pad":
         _, widths, value = transform
         return np.pad(x, widths, mode="constant", constant_values=value)
@@ -92,7 +99,8 @@ def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mappin
     if op is Op.VIEW:
         return apply_view(args[0], node.arg, bindings)
     if op is Op.CAST:
-        return args[0].astype(node.dtype)
+        with np.errstate(all="ignore"):  # NaN or out-of-range floats to ints: undefined in ONNX too
+            return args[0].astype(node.dtype)
     if op is Op.GATHER:
         data, indices = args
         axis = node.arg

@@ -72,9 +72,9 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
     if opset < MIN_OPSET:
         model = _upgrade(model, opset)
         opset = _opset(model)
-    ctx = Context(GraphBuilder(), opset)
-    graph = model.graph
     types = _declared_types(model)
+    ctx = Context(GraphBuilder(), opset, declared_types=types)
+    graph = model.graph
     for tensor in graph.initializer:
         ctx.bind_constant(tensor.name, numpy_helper.to_array(tensor))
     for value in graph.input:
@@ -123,7 +123,15 @@ class _Lowering:
             if name and index >= len(outputs):
                 raise UnsupportedModel([f"{node.op_type} with output {index} ({name!r}) in use"])
             if name:
-                ctx.env[name] = outputs[index]
+                ctx.env[name] = self._rounded(name, outputs[index])
+
+    def _rounded(self, name: str, node_id: int) -> int:
+        """Values the model declares in float16 are rounded to it after every op, like ONNX does."""
+        declared = ELEM_TYPES.get(self.types.get(name, 0))
+        b = self.ctx.b
+        if declared in LOW_PRECISION_FLOATS and b.dtype(node_id) == "float32":
+            return b.cast(b.cast(node_id, declared), "float32")
+        return node_id
 
     def _fold(self, node: onnx.NodeProto) -> bool:
         """Binds the outputs of a node computable at compile time; False when it must be lowered."""

@@ -48,6 +48,8 @@ class Context:
     consts: dict[str, np.ndarray] = field(default_factory=dict)
     # ONNX value name -> object array of ints and SymDims: shapes that depend on symbolic dims
     symbolic: dict[str, np.ndarray] = field(default_factory=dict)
+    # ONNX value name -> ONNX element type, where the model declares it or inference tells it
+    declared_types: dict[str, int] = field(default_factory=dict)
 
     def bind_constant(self, name: str, array: np.ndarray) -> None:
         if array.dtype.name not in ELEM_TYPES.values():

@@ -8,7 +8,7 @@ from onnx import numpy_helper
 
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
-from compiler.shape import Dim, ShapeError, dim_div, numel
+from compiler.shape import Dim, ShapeError, SymDim, dim_div, numel
 
 
 @lowers("Identity", "Dropout")
@@ -55,16 +55,21 @@ def _softmax(ctx: Context, node: onnx.NodeProto) -> list[int]:
 @lowers("Reshape")
 def _reshape(ctx: Context, node: onnx.NodeProto) -> list[int]:
     x = ctx.value(node, 0)
-    requested = [int(v) for v in ctx.const(node, 1, "shape").reshape(-1)]
+    known = ctx.known(node, 1)
+    if known is None:
+        raise refuse(node, "a shape computed at run time")
+    requested = [v if isinstance(v, SymDim) else int(v) for v in known.reshape(-1)]
     allow_zero = attrs(node).get("allowzero", 0)
     return [ctx.b.reshape(x, _resolve_reshape(ctx.b.shape(x), requested, allow_zero))]
 
 
-def _resolve_reshape(shape: tuple[Dim, ...], requested: list[int], allow_zero: int) -> list[Dim]:
+def _resolve_reshape(shape: tuple[Dim, ...], requested: list[Dim], allow_zero: int) -> list[Dim]:
     out: list[Dim] = []
     infer_at = None
     for i, r in enumerate(requested):
-        if r == 0 and not allow_zero:
+        if isinstance(r, SymDim):
+            out.append(r)
+        elif r == 0 and not allow_zero:
             if i >= len(shape):
                 raise ShapeError(f"Reshape copies dimension {i} of a rank-{len(shape)} input")
             out.append(shape[i])

@@ -1,5 +1,369 @@
-"""Lowerings of shape computation, indexing, casts and data movement."""
+"""Lowerings of shape computation, indexing, casts and data movement.
+
+Shape-valued inputs (a Reshape target, an Expand shape, a Range limit) are read with ctx.known,
+so they may hold symbolic dims computed by Shape/Gather/Concat: one compiled program then serves
+every batch and sequence size.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
+from onnx import numpy_helper
 
+from compiler import composite as C
+from compiler.frontends.onnx_context import ELEM_TYPES, LOW_PRECISION_FLOATS, Context, attrs, lowers, refuse
+from compiler.ir import GraphBuilder, Op
+from compiler.shape import Dim, ShapeError, SymDim, broadcast_shapes, dim_mul, numel
+
+# ONNX slice bounds beyond this mean "to the end" (exporters write INT64_MAX or INT32_MAX)
+_TO_END = 2**31 - 1
+
+
+def _dims(ctx: Context, node: onnx.NodeProto, index: int, what: str) -> list[Dim]:
+    """A 1-D shape input as dims, symbolic ones included."""
+    known = ctx.known(node, index)
+    if known is None:
+        raise refuse(node, f"a {what} computed at run time")
+    return [v if isinstance(v, SymDim) else int(v) for v in known.reshape(-1)]
+
+
+def _axes_input(ctx: Context, node: onnx.NodeProto, since: int) -> list[int] | None:
+    """Axes given as an attribute before opset `since` and as an optional input from it on."""
+    if ctx.opset < since:
+        axes = attrs(node).get("axes")
+        return None if axes is None else list(axes)
+    if len(node.input) > 1 and node.input[1]:
+        return [int(v) for v in ctx.const(node, 1, "axes").reshape(-1)]
+    return None
+
+
+def _onnx_dtype(node: onnx.NodeProto, elem_type: int) -> str:
+    dtype = ELEM_TYPES.get(elem_type)
+    if dtype is None:
+        raise refuse(node, f"element type {onnx.TensorProto.DataType.Name(elem_type)}")
+    return dtype
+
+
+def _cast_to(b: GraphBuilder, x: int, dtype: str) -> int:
+    if dtype in LOW_PRECISION_FLOATS:
+        # round to the declared precision, then keep computing in float32
+        return b.cast(b.cast(x, dtype), "float32")
+    return b.cast(x, dtype)
+
+
+@lowers("Cast")
+def _cast(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    a = attrs(node)
+    if a.get("saturate", 1) != 1 and ctx.opset >= 19:
+        raise refuse(node, "saturate=0")
+    x = ctx.value(node, 0)
+    source = ctx.declared_types.get(node.input[0])
+    if source is not None and ELEM_TYPES.get(source) is None:
+        raise refuse(node, f"input type {onnx.TensorProto.DataType.Name(source)}")
+    return [_cast_to(ctx.b, x, _onnx_dtype(node, a["to"]))]
+
+
+@lowers("CastLike")
+def _cast_like(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    target = ctx.declared_types.get(node.input[1])
+    if target is None:
+        like = ctx.known(node, 1)
+        dtype = like.dtype.name if like is not None else ctx.b.dtype(ctx.value(node, 1))
+    else:
+        dtype = _onnx_dtype(node, target)
+    if attrs(node).get("saturate", 1) != 1:
+        raise refuse(node, "saturate=0")
+    return [_cast_to(ctx.b, x, dtype)]
+
+
+@lowers("Unsqueeze")
+def _unsqueeze(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    axes = _axes_input(ctx, node, 13)
+    if axes is None:
+        raise refuse(node, "no axes")
+    shape = list(ctx.b.shape(x))
+    rank = len(shape) + len(axes)
+    normalized = sorted(a % rank for a in axes)
+    if len(set(normalized)) != len(normalized):
+        raise ShapeError(f"repeated Unsqueeze axes {axes}")
+    for axis in normalized:
+        shape.insert(axis, 1)
+    return [ctx.b.reshape(x, shape)]
+
+
+@lowers("Squeeze")
+def _squeeze(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    shape = ctx.b.shape(x)
+    axes = _axes_input(ctx, node, 13)
+    if axes is None:
+        axes = [i for i, d in enumerate(shape) if d == 1]
+    axes = {a % len(shape) for a in axes} if shape else set()
+    for axis in axes:
+        if shape[axis] != 1:
+            raise ShapeError(f"Squeeze of axis {axis}, which has size {shape[axis]}")
+    return [ctx.b.reshape(x, [d for i, d in enumerate(shape) if i not in axes])]
+
+
+@lowers("Expand")
+def _expand(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    target = tuple(_dims(ctx, node, 1, "shape"))
+    return [ctx.b.broadcast_to(x, broadcast_shapes(ctx.b.shape(x), target))]
+
+
+@lowers("ConstantOfShape")
+def _constant_of_shape(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    value = attrs(node).get("value")
+    scalar = numpy_helper.to_array(value).reshape(-1) if value is not None else np.zeros(1, np.float32)
+    if scalar.dtype.name not in ELEM_TYPES.values():
+        raise refuse(node, f"a value of dtype {scalar.dtype}")
+    if scalar.dtype.name in LOW_PRECISION_FLOATS:
+        scalar = scalar.astype(np.float32)
+    shape = tuple(_dims(ctx, node, 0, "shape"))
+    return [ctx.b.broadcast_to(ctx.b.constant(scalar[0]), shape)]
+
+
+@lowers("Range")
+def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    start, limit, delta = (ctx.known(node, i) for i in range(3))
+    if start is None or limit is None or delta is None:
+        raise refuse(node, "bounds computed at run time")
+    if start.dtype == object or delta.dtype == object:
+        raise refuse(node, "a start or step that depends on symbolic dimensions")
+    limit_value = limit.reshape(-1)[0]
+    dtype = ctx.declared_types.get(node.input[0])
+    dtype = ELEM_TYPES.get(dtype, start.dtype.name) if dtype else start.dtype.name
+    first, step = start.reshape(-1)[0], delta.reshape(-1)[0]
+    if isinstance(limit_value, SymDim):
+        if step <= 0:
+            raise refuse(node, "a negative step up to a symbolic limit")
+        if first != 0 or step != 1:
+            raise refuse(node, "a symbolic limit with a start other than 0 or a step other than 1")
+        count: Dim = limit_value
+    else:
+        count = max(int(np.ceil((float(limit_value) - float(first)) / float(step))), 0)
+    values = b.cast(b.iota(count), dtype)
+    if step != 1:
+        values = b.binary(Op.MUL, values, b.scalar_like(step, values))
+    if first != 0:
+        values = b.binary(Op.ADD, values, b.scalar_like(first, values))
+    return [values]
+
+
+@lowers("Gather")
+def _gather(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    data, indices = ctx.value(node, 0), ctx.value(node, 1)
+    axis = attrs(node).get("axis", 0)
+    if ctx.b.dtype(indices) not in ("int64", "int32"):
+        raise refuse(node, f"{ctx.b.dtype(indices)} indices")
+    return [ctx.b.gather(data, indices, axis)]
+
+
+def _slice_params(ctx: Context, node: onnx.NodeProto, rank: int):
+    if ctx.opset < 10:
+        a = attrs(node)
+        starts, ends = list(a["starts"]), list(a["ends"])
+        axes, steps = a.get("axes"), None
+    else:
+        starts = [int(v) for v in ctx.const(node, 1, "starts").reshape(-1)]
+        ends = _dims(ctx, node, 2, "ends")
+        axes = [int(v) for v in ctx.const(node, 3, "axes").reshape(-1)] if len(node.input) > 3 and node.input[3] else None
+        steps = [int(v) for v in ctx.const(node, 4, "steps").reshape(-1)] if len(node.input) > 4 and node.input[4] else None
+    axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    return starts, ends, axes, steps
+
+
+@lowers("Slice")
+def _slice(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    shape = ctx.b.shape(x)
+    starts, ends, axes, steps = _slice_params(ctx, node, len(shape))
+    triples: list[tuple] = [(0, None, 1)] * len(shape)
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        if step == 0:
+            raise ShapeError("Slice with step 0")
+        triples[axis] = _slice_triple(node, shape[axis], start, end, step)
+    return [ctx.b.view(x, ("slice", tuple(triples)))]
+
+
+def _slice_triple(node: onnx.NodeProto, dim: Dim, start: int, end: Dim, step: int) -> tuple:
+    if isinstance(end, SymDim) or isinstance(dim, SymDim):
+        if step == 1 and start == 0 and (end == dim or (isinstance(end, int) and end >= _TO_END)):
+            return (0, None, 1)
+        if step == 1 and start == 0 and isinstance(end, SymDim):
+            return (0, end, 1)
+        raise refuse(node, f"slice [{start}:{end}:{step}] of a symbolic dimension {dim}")
+    # clamp like ONNX (and Python) so the view holds plain in-range bounds
+    lo, hi, st = slice(start, end, step).indices(dim)
+    if st < 0 and hi < 0:
+        hi = None
+    return (lo, hi, st)
+
+
+@lowers("Split")
+def _split(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    a = attrs(node)
+    shape = b.shape(x)
+    axis = a.get("axis", 0) % len(shape)
+    dim = shape[axis]
+    if ctx.opset >= 13 and len(node.input) > 1 and node.input[1]:
+        sizes = [int(v) for v in ctx.const(node, 1, "split").reshape(-1)]
+    elif "split" in a:
+        sizes = list(a["split"])
+    else:
+        parts = a.get("num_outputs", len(node.output))
+        if not isinstance(dim, int):
+            raise refuse(node, f"an even split of symbolic dimension {dim}")
+        chunk = -(-dim // parts)
+        sizes = [min(chunk, dim - i * chunk) for i in range(parts)]
+    if not isinstance(dim, int):
+        raise refuse(node, f"a split of symbolic dimension {dim}")
+    if sum(sizes) != dim:
+        raise ShapeError(f"split sizes {sizes} do not add up to {dim}")
+    outputs, offset = [], 0
+    for size in sizes:
+        triples = [(0, None, 1)] * len(shape)
+        triples[axis] = (offset, offset + size, 1)
+        outputs.append(b.view(x, ("slice", tuple(triples))))
+        offset += size
+    return outputs
+
+
+@lowers("Tile")
+def _tile(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    repeats = [int(v) for v in ctx.const(node, 1, "repeats").reshape(-1)]
+    shape = b.shape(x)
+    if len(repeats) != len(shape):
+        raise ShapeError(f"Tile repeats {repeats} for a rank-{len(shape)} input")
+    interleaved = b.reshape(x, [d for dim in shape for d in (1, dim)])
+    expanded = b.expand(interleaved, [d for r, dim in zip(repeats, shape) for d in (r, dim)])
+    return [b.reshape(expanded, [dim_mul(r, dim) for r, dim in zip(repeats, shape)])]
+
+
+def _flat_index(b: GraphBuilder, shape: tuple[Dim, ...], per_axis: list[int]) -> int:
+    """Row-major linear index from one int64 index tensor per axis (all of one shape)."""
+    total = None
+    stride: Dim = 1
+    for axis in range(len(shape) - 1, -1, -1):
+        if not isinstance(stride, int):
+            raise ShapeError("indexing with a symbolic stride")
+        term = per_axis[axis] if stride == 1 else b.binary(Op.MUL, per_axis[axis], b.scalar_like(stride, per_axis[axis]))
+        total = term if total is None else b.binary(Op.ADD, total, term)
+        stride = dim_mul(stride, shape[axis])
+    return total
+
+
+def _wrap_negative(b: GraphBuilder, index: int, size: Dim) -> int:
+    """index + size where index < 0, as ONNX allows negative indices."""
+    if not isinstance(size, int):
+        raise ShapeError("negative indices into a symbolic dimension")
+    negative = b.cast(b.binary(Op.LESS_THAN, index, b.scalar_like(0, index)), "int64")
+    return b.binary(Op.ADD, index, b.binary(Op.MUL, negative, b.scalar_like(size, negative)))
+
+
+def _axis_positions(b: GraphBuilder, shape: tuple[Dim, ...], axis: int) -> int:
+    """An int64 tensor of `shape` holding each element's coordinate along `axis`."""
+    ramp = b.iota(shape[axis])
+    ramp = b.reshape(ramp, [d if i == axis else 1 for i, d in enumerate(shape)])
+    return b.expand(ramp, shape)
+
+
+@lowers("GatherElements")
+def _gather_elements(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    data, indices = ctx.value(node, 0), ctx.value(node, 1)
+    shape, index_shape = b.shape(data), b.shape(indices)
+    axis = attrs(node).get("axis", 0) % len(shape)
+    along = _wrap_negative(b, b.cast(indices, "int64"), shape[axis])
+    per_axis = [along if i == axis else _axis_positions(b, index_shape, i) for i in range(len(shape))]
+    flat = b.reshape(data, (numel(shape),))
+    return [b.gather(flat, _flat_index(b, shape, per_axis), 0)]
+
+
+@lowers("GatherND")
+def _gather_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    data, indices = ctx.value(node, 0), ctx.value(node, 1)
+    shape, index_shape = b.shape(data), b.shape(indices)
+    batch = attrs(node).get("batch_dims", 0)
+    depth = index_shape[-1]
+    if not isinstance(depth, int):
+        raise refuse(node, "a symbolic index depth")
+    lookup_shape = index_shape[:-1]
+    indices = b.cast(indices, "int64")
+    per_axis = [_axis_positions(b, lookup_shape, i) for i in range(batch)]
+    for k in range(depth):
+        triples = [(0, None, 1)] * (len(index_shape) - 1) + [(k, k + 1, 1)]
+        component = b.reshape(b.view(indices, ("slice", tuple(triples))), lookup_shape)
+        per_axis.append(_wrap_negative(b, component, shape[batch + k]))
+    addressed = shape[: batch + depth]
+    rest = shape[batch + depth :]
+    flat = b.reshape(data, (numel(addressed), *rest))
+    return [b.gather(flat, _flat_index(b, addressed, per_axis), 0)]
+
+
+@lowers("OneHot")
+def _one_hot(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    indices = ctx.value(node, 0)
+    depth = int(np.asarray(ctx.const(node, 1, "depth")).reshape(-1)[0])
+    values = ctx.value(node, 2)
+    axis = attrs(node).get("axis", -1)
+    index_shape = b.shape(indices)
+    rank = len(index_shape) + 1
+    axis %= rank
+    if b.dtype(indices).startswith("float"):
+        indices = b.cast(indices, "int64")  # ONNX casts non-integer indices down
+    indices = _wrap_negative(b, b.cast(indices, "int64"), depth)
+    out_shape = list(index_shape)
+    out_shape.insert(axis, depth)
+    spread = b.expand(b.unsqueeze(indices, axis), out_shape)
+    positions = _axis_positions(b, tuple(out_shape), axis)
+    hot = _equal(b, spread, positions)
+    off = b.view(values, ("slice", ((0, 1, 1),)))
+    on = b.view(values, ("slice", ((1, 2, 1),)))
+    return [C.where(b, hot, b.reshape(on, ()), b.reshape(off, ()))]
+
+
+def _equal(b: GraphBuilder, x: int, y: int) -> int:
+    """x == y for ints: neither is less than the other."""
+    less = b.binary(Op.LESS_THAN, x, y)
+    more = b.binary(Op.LESS_THAN, y, x)
+    either = b.binary(Op.ADD, b.cast(less, "int64"), b.cast(more, "int64"))
+    return b.binary(Op.LESS_THAN, either, b.scalar_like(1, either))
+
+
+@lowers("EyeLike")
+def _eye_like(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    x = ctx.value(node, 0)
+    shape = ctx.b.shape(x)
+    if len(shape) != 2 or not all(isinstance(d, int) for d in shape):
+        raise refuse(node, f"shape {list(shape)}")
+    a = attrs(node)
+    dtype = _onnx_dtype(node, a["dtype"]) if "dtype" in a else ctx.b.dtype(x)
+    if dtype in LOW_PRECISION_FLOATS:
+        dtype = "float32"
+    return [ctx.b.constant(np.eye(shape[0], shape[1], k=a.get("k", 0), dtype=dtype))]
+
+
+@lowers("Compress")
+def _compress(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    x = ctx.value(node, 0)
+    condition = ctx.const(node, 1, "condition").reshape(-1).astype(bool)
+    axis = attrs(node).get("axis")
+    if axis is None:
+        x, axis = b.reshape(x, (numel(b.shape(x)),)), 0
+    dim = b.shape(x)[axis % len(b.shape(x))]
+    picked = np.flatnonzero(condition[: dim if isinstance(dim, int) else None]).astype(np.int64)
+    return [b.gather(x, b.constant(picked), axis)]
