@@ -668,3 +668,55 @@ def _softmax_cross_entropy(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raise ShapeError("SoftmaxCrossEntropyLoss of a rank-1 input")
     log_prob = _log_softmax(ctx.b, scores, 1)
     return [_negative_log_likelihood(ctx, node, log_prob), log_prob]
+
+
+# ---- top k -------------------------------------------------------------------------------
+
+
+def _topk_order_key(b: GraphBuilder, x: int, largest: bool) -> int:
+    """A key whose descending order is the output order; NaN counts as the largest value."""
+    if _is_float(b, x):
+        x = C.where(b, _is_nan(b, x), b.scalar_like(np.inf, x), x)
+    return x if largest else _reverse_order(b, x)
+
+
+@lowers("TopK")
+def _top_k(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """Rank every element by counting who goes before it, then gather ranks 0..k-1.
+
+    Element i's rank is the number of j with key[j] > key[i], or key[j] == key[i] and j < i
+    (ties go to the lower index), so the ranks are a permutation and each output slot finds
+    exactly one element: exact for any dtype, at O(n^2) work per row.
+    """
+    b = ctx.b
+    a = attrs(node)
+    x = _comparable(b, ctx.value(node, 0))
+    shape = b.shape(x)
+    axis = _axis(node, a.get("axis", -1), len(shape))
+    k = int(ctx.const(node, 1, "k").reshape(())) if ctx.opset >= 10 else a["k"]
+    n = shape[axis]
+    if not isinstance(n, int):
+        raise refuse(node, "a symbolic axis length")
+    if not 0 <= k <= n:
+        raise ShapeError(f"TopK k={k} for an axis of length {n}")
+    moved = b.permute(x, [*(i for i in range(len(shape)) if i != axis), axis])
+    rows = numel(b.shape(moved)[:-1])
+    flat_rows = b.reshape(moved, (rows, n))
+    key = _topk_order_key(b, flat_rows, bool(a.get("largest", 1)))
+    mine, theirs = b.reshape(key, (rows, n, 1)), b.reshape(key, (rows, 1, n))
+    above = _less(b, mine, theirs)
+    tied = _equal(b, mine, theirs)
+    earlier = b.constant(np.tri(n, n, -1, dtype=bool))  # [i, j]: j < i
+    before = C.add(b, b.cast(above, "int64"), b.cast(_and(b, tied, earlier), "int64"))
+    rank = b.reduce(Op.SUM_REDUCE, before, [2])
+    slots = b.reshape(b.iota(k), (1, k, 1))
+    chosen = b.cast(_equal(b, b.reshape(rank, (rows, 1, n)), slots), "int64")
+    position = b.reshape(b.iota(n), (1, 1, n))
+    index = b.reduce(Op.SUM_REDUCE, C.mul(b, chosen, position), [2])
+    flat_index = C.add(b, index, C.scale(b, b.reshape(b.iota(rows), (rows, 1)), n))
+    values = b.gather(b.reshape(flat_rows, (numel((rows, n)),)), b.reshape(flat_index, (numel((rows, k)),)), 0)
+    out_moved = (*b.shape(moved)[:-1], k)
+    inverse = [*range(axis), len(shape) - 1, *range(axis, len(shape) - 1)]
+    values = b.permute(b.reshape(values, out_moved), inverse)
+    indices = b.permute(b.reshape(index, out_moved), inverse)
+    return [b.cast(values, b.dtype(ctx.value(node, 0))), indices]
