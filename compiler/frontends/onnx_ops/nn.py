@@ -135,23 +135,84 @@ def _conv_transpose(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raise refuse(node, f"auto_pad={auto_pad}")
     if any(o < 1 for o in out_sizes):
         raise ShapeError(f"ConvTranspose output size {out_sizes} is empty")
+    return [_transposed_conv(b, x, w, ctx.optional(node, 2), strides, dilations, group, begins, out_sizes)]
+
+
+def _transposed_conv(
+    b: GraphBuilder, x: int, w: int, bias, strides, dilations, group, begins, out_sizes
+) -> int:
+    """Transposed convolution of x [N, C, *S] with w [C, M/group, *K]: output position o holds
+    position o + begins of the full result, which is zero past its end."""
+    ws = b.shape(w)
+    nd = len(strides)
+    kernel = ws[2:]
     for i, s in enumerate(strides):
         x = _interleave_zeros(b, x, 2 + i, s)
     widths = [(0, 0), (0, 0)]
     for i in range(nd):
-        left = spans[i] - 1 - begins[i]
-        widths.append((left, out_sizes[i] + spans[i] - 1 - left - b.shape(x)[2 + i]))
+        left = (kernel[i] - 1) * dilations[i] - begins[i]
+        widths.append((left, out_sizes[i] + (kernel[i] - 1) * dilations[i] - left - b.shape(x)[2 + i]))
     x = _pad_or_crop(b, x, widths)
     # weight [C, M/group, *K] -> [M, C/group, *K], each spatial axis reversed
     c, m_per_group = ws[0], ws[1]
     if c % group:
-        raise ShapeError(f"ConvTranspose weight {list(ws)} does not split into {group} groups")
+        raise ShapeError(f"transposed convolution weight {list(ws)} does not split into {group} groups")
     w = b.reshape(w, (group, c // group, m_per_group, *kernel))
     w = b.reshape(b.permute(w, (0, 2, 1, *range(3, 3 + nd))), (group * m_per_group, c // group, *kernel))
     for i in range(nd):
         w = _reverse(b, w, 2 + i)
-    bias = ctx.optional(node, 2)
-    return [C.conv(b, x, w, bias, [(0, 0)] * nd, [1] * nd, dilations, group)]
+    return C.conv(b, x, w, bias, [(0, 0)] * nd, [1] * nd, dilations, group)
+
+
+@lowers("Col2Im")
+def _col2im(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """Sum each column back onto its block: a transposed convolution, grouped by channel, whose
+    kernel is one-hot in the block position a column entry came from."""
+    b = ctx.b
+    a = attrs(node)
+    x = ctx.value(node, 0)
+    image = [int(v) for v in ctx.const(node, 1, "image_shape").reshape(-1)]
+    block = [int(v) for v in ctx.const(node, 2, "block_shape").reshape(-1)]
+    nd = len(image)
+    strides = list(a.get("strides", [1] * nd))
+    dilations = list(a.get("dilations", [1] * nd))
+    pads = list(a.get("pads", [0] * (2 * nd)))
+    n, columns, length = b.shape(x)
+    block_size = int(np.prod(block))
+    if not isinstance(columns, int) or columns % block_size:
+        raise ShapeError(f"Col2Im input {list(b.shape(x))} does not hold blocks of {block}")
+    channels = columns // block_size
+    grid = [
+        (d + pads[i] + pads[i + nd] - dilations[i] * (k - 1) - 1) // strides[i] + 1
+        for i, (d, k) in enumerate(zip(image, block))
+    ]
+    if min(grid) < 1 or int(np.prod(grid)) != length:
+        raise ShapeError(f"Col2Im input length {length} is not the {grid} grid of blocks")
+    x = b.reshape(x, (n, columns, *grid))
+    one_hot = np.eye(block_size, dtype=b.dtype(x)).reshape(block_size, 1, *block)
+    w = b.constant(np.tile(one_hot, (channels, 1, *[1] * nd)))
+    return [_transposed_conv(b, x, w, None, strides, dilations, channels, pads[:nd], image)]
+
+
+@lowers("ConvInteger")
+def _conv_integer(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """Both operands widened to int32 and shifted by their zero points, then an int32 Conv."""
+    b = ctx.b
+    x = b.cast(ctx.value(node, 0), "int32")
+    w = b.cast(ctx.value(node, 1), "int32")
+    x_zero, w_zero = ctx.optional(node, 2), ctx.optional(node, 3)
+    rank = len(b.shape(w))
+    if x_zero is not None:
+        if numel(b.shape(x_zero)) != 1:
+            raise refuse(node, "a per-channel input zero point")
+        x = C.sub(b, x, b.reshape(b.cast(x_zero, "int32"), ()))
+    if w_zero is not None:
+        count = numel(b.shape(w_zero))
+        w_zero = b.reshape(b.cast(w_zero, "int32"), (count, *[1] * (rank - 1)) if count != 1 else ())
+        w = C.sub(b, w, w_zero)
+    kernel = tuple(attrs(node).get("kernel_shape", b.shape(w)[2:]))
+    pads, strides, dilations = _spatialattrs(ctx, node, b.shape(x)[2:], kernel)
+    return [C.conv(b, x, w, None, pads, strides, dilations, attrs(node).get("group", 1))]
 
 
 def _pool_geometry(ctx: Context, node: onnx.NodeProto, x: int):
@@ -628,7 +689,8 @@ def _resize_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
         array = ctx.const(node, index, what).reshape(-1)
         return array if array.size else None
 
-    roi_in, scale_in, size_in = given(1, "roi"), given(2, "scales"), given(3, "sizes")
+    roi_in = given(1, "roi") if spec.transform == "tf_crop_and_resize" else None
+    scale_in, size_in = given(2, "scales"), given(3, "sizes")
     if (scale_in is None) == (size_in is None):
         raise ShapeError("Resize needs exactly one of scales and sizes")
     full_scales = [1.0] * rank
