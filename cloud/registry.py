@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 from cloud.db import Database, Model, ModelVersion
 from cloud.errors import InvalidModelFile, InvalidRequest, NotFound, NotReady
 from cloud.storage import ObjectStore
-from compiler import InvalidModel
+from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -43,7 +43,7 @@ class Registry:
             raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
         try:
             parse_model(data)
-        except InvalidModel as exc:
+        except (InvalidModel, UnsupportedModel) as exc:
             raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
         key = graph_key(data)
         if not self.store.exists(key):

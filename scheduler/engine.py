@@ -166,7 +166,12 @@ class Batcher:
         now = self._loop.time()
         future = self._loop.create_future()
         pending = Pending(
-            request_id, rows, now, now + self.engine.request_timeout_s, _Job(inputs, future)
+            request_id,
+            rows,
+            now,
+            now + self.engine.request_timeout_s,
+            _Job(inputs, future),
+            shape_key=tuple((name, np.shape(x)[1:]) for name, x in sorted(inputs.items())),
         )
         try:
             self.queue.submit(pending, now)

@@ -6,7 +6,9 @@ Contract (the caller is the batcher):
   - `take_batch(now)` returns the next batch when one is due, else None. A batch is due when
     the queued rows fill a batch, or the oldest request has waited `max_delay_s`.
   - `wake_at(now)` says when a batch or an expiry will next be due, so the caller can sleep.
-Requests are taken in arrival order; a request is never split across batches.
+Requests are taken in arrival order; a request is never split across batches, and a batch only
+holds requests with equal `shape_key` (their sizes apart from the batch axis, e.g. a sequence
+length), since only those can be concatenated.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Pending:
     deadline: float
     # whatever the adapter carries along (inputs, future); the policy never looks inside
     payload: Any = field(default=None, repr=False)
+    # requests join one batch only when these agree (the non-batch dims of their inputs)
+    shape_key: tuple = ()
 
 
 class BatchQueue:
@@ -80,7 +84,11 @@ class BatchQueue:
         batch = [self._queue.popleft()]
         if self.policy.batchable:
             rows = batch[0].rows
-            while self._queue and rows + self._queue[0].rows <= self.policy.max_batch_rows:
+            while (
+                self._queue
+                and self._queue[0].shape_key == batch[0].shape_key
+                and rows + self._queue[0].rows <= self.policy.max_batch_rows
+            ):
                 rows += self._queue[0].rows
                 batch.append(self._queue.popleft())
         self._rows -= sum(r.rows for r in batch)

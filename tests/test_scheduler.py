@@ -36,6 +36,15 @@ def test_full_batch_runs_at_once_and_never_splits_a_request() -> None:
     assert [p.rows for p in q.take_batch(now=1.0)] == [3]
 
 
+def test_requests_of_different_sequence_lengths_never_share_a_batch() -> None:
+    q = queue(max_rows=8)
+    for i, key in enumerate([(7,), (7,), (9,), (7,)]):
+        q.submit(Pending(f"r{i}", 1, 0.0, 100.0, shape_key=key), now=0.0)
+    assert [p.request_id for p in q.take_batch(now=1.0)] == ["r0", "r1"]
+    assert [p.request_id for p in q.take_batch(now=1.0)] == ["r2"]
+    assert [p.request_id for p in q.take_batch(now=1.0)] == ["r3"]
+
+
 def test_oversized_request_runs_alone() -> None:
     q = queue(max_rows=4)
     q.submit(req(1, rows=10), now=0.0)

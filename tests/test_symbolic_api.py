@@ -100,11 +100,6 @@ def test_any_sizes_within_the_limits_match_numpy(client, keys, pair, batch, seq)
     np.testing.assert_allclose(y, np.maximum(a + b, 0) * a, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.xfail(
-    reason="the batcher concatenates queued requests along batch even when their seq differs "
-    "(np.concatenate fails and the whole batch gets 500); needs batching by non-batch shape",
-    strict=False,
-)
 def test_concurrent_requests_of_different_lengths_each_get_their_own_answer(client, keys, pair) -> None:
     sizes = [(1, 3), (2, 5), (1, 3), (3, 9), (1, 5), (2, 3)]
     rng = np.random.default_rng(7)
