@@ -4,7 +4,9 @@ Everything is spelled in primitives. Integer arithmetic is exact: ADD and MUL on
 taken modulo 2**bits (as NumPy and two's-complement hardware do), so subtraction and bitwise
 complements are exact without any float round trip. Selections go through composite.where, a
 gather, so inf and NaN in the branch not taken never leak into the result. float16 math that
-takes several roundings is done in float32 and rounded once at the end.
+takes several roundings is done in float32 and rounded once at the end. Where float formulas
+cancel (expm1, tanh, erfc, cos near its zeros), a second form is selected so the result keeps
+its relative precision.
 """
 
 from __future__ import annotations
@@ -557,11 +559,6 @@ def _prelu(ctx: Context, node: onnx.NodeProto) -> list[int]:
 # ---- arithmetic ----------------------------------------------------------------------------
 
 
-def _legacy_broadcast(ctx: Context, node: onnx.NodeProto) -> None:
-    if ctx.opset < 7 and attrs(node).get("broadcast"):
-        raise refuse(node, "legacy broadcast attribute")
-
-
 def _check_numeric(node: onnx.NodeProto, *dtypes: str) -> None:
     if any(d == "bool" for d in dtypes):
         raise refuse(node, "bool inputs")
@@ -585,7 +582,6 @@ def _div_int(b: GraphBuilder, x: int, y: int) -> int:
 
 @lowers("Add", "Sub", "Mul", "Div")
 def _arithmetic(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    _legacy_broadcast(ctx, node)
     b = ctx.b
     x, y = ctx.value(node, 0), ctx.value(node, 1)
     dtype = b.dtype(x)
@@ -610,12 +606,10 @@ def _mod(ctx: Context, node: onnx.NodeProto) -> list[int]:
     _check_numeric(node, b.dtype(x))
     x, y = C.broadcast_pair(b, x, y)
     r = b.binary(Op.MOD, x, y)
-    if attrs(node).get("fmod", 0):
+    if attrs(node).get("fmod", 0) or _is_unsigned(b.dtype(x)):
         return [r]
     # Python-style: a nonzero remainder whose sign differs from the divisor's moves by y
     zero = _full(b, 0, x)
-    if _is_unsigned(b.dtype(x)):
-        return [r]
     differ = _any(
         b,
         _all(b, _lt(b, r, zero), _lt(b, zero, y)),
@@ -739,7 +733,6 @@ def _constant_exponent(ctx: Context, node: onnx.NodeProto) -> int | None:
 
 @lowers("Pow")
 def _pow(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    _legacy_broadcast(ctx, node)
     b = ctx.b
     x, y = ctx.value(node, 0), ctx.value(node, 1)
     _check_numeric(node, b.dtype(x), b.dtype(y))
@@ -761,7 +754,6 @@ def _pow(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 
 def _comparison_inputs(ctx: Context, node: onnx.NodeProto) -> tuple[int, int]:
-    _legacy_broadcast(ctx, node)
     x, y = ctx.value(node, 0), ctx.value(node, 1)
     if ctx.b.dtype(x) != ctx.b.dtype(y):
         raise refuse(node, f"inputs of dtypes {ctx.b.dtype(x)} and {ctx.b.dtype(y)}")
