@@ -17,13 +17,12 @@ from onnx import helper, numpy_helper
 
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.frontends import onnx_ops  # noqa: F401  (registers the lowerings)
-from compiler.frontends.onnx_checks import check_graph
+from compiler.frontends.onnx_checks import ONNX_DOMAINS, check_graph
 from compiler.frontends.onnx_context import ELEM_TYPES, LOW_PRECISION_FLOATS, LOWERINGS, Context
 from compiler.frontends.onnx_fold import fold_numeric, fold_symbolic, shape_of
 from compiler.ir import Graph, GraphBuilder
 from compiler.shape import Dim, ShapeError, SymDim, numel
 
-ONNX_DOMAINS = ("", "ai.onnx")
 MIN_OPSET = 7
 # older models are converted to this opset first
 UPGRADE_TO_OPSET = 13
@@ -39,11 +38,6 @@ def parse_model(data: bytes) -> onnx.ModelProto:
         raise InvalidModel(f"not a valid ONNX model (protobuf decoding failed: {exc})") from None
     if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
         raise InvalidModel("not a valid ONNX model (no IR version, graph or opset import)")
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            raise InvalidModel(
-                f"initializer {tensor.name!r} refers to external data; upload one self-contained file"
-            )
     check_graph(model)
     try:
         onnx.checker.check_model(model)
