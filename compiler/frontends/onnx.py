@@ -56,7 +56,7 @@ def missing_ops(model: onnx.ModelProto) -> list[str]:
     for node in model.graph.node:
         if node.domain not in ONNX_DOMAINS:
             missing.add(f"{node.domain}.{node.op_type}")
-        elif node.op_type not in LOWERINGS and not _has_function(node.op_type, opset):
+        elif node.op_type not in LOWERINGS and node.op_type not in FOLDED and not _has_function(node.op_type, opset):
             missing.add(node.op_type)
     return sorted(missing)
 
@@ -79,8 +79,8 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
                 node_id = ctx.b.cast(node_id, "float32")
             ctx.env[value.name] = node_id
     lowering = _Lowering(ctx, types, missing_ops(model))
-    for node in graph.node:
-        lowering.lower(node)
+    ctx.lower_nodes = lowering.lower_all
+    lowering.lower_all(graph.node)
     result = []
     for out in graph.output:
         if out.name not in ctx.env and out.name not in ctx.consts and out.name not in ctx.symbolic:
@@ -92,6 +92,10 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
     return ctx.b.finish(result)
 
 
+# ops the driver itself evaluates at compile time (a tensor's shape is always known)
+FOLDED = frozenset({"Shape", "Size"})
+
+
 class _Lowering:
     """Lowers nodes one by one: fold what is known, lower what we can, expand ONNX functions."""
 
@@ -100,6 +104,10 @@ class _Lowering:
         self.types = types
         self.missing = missing
         self.expansions = 0
+
+    def lower_all(self, nodes) -> None:
+        for node in nodes:
+            self.lower(node)
 
     def lower(self, node: onnx.NodeProto) -> None:
         ctx = self.ctx
@@ -188,21 +196,23 @@ class _Lowering:
             return None
         body = onnx.FunctionProto()
         body.ParseFromString(raw)
-        return body
+        return body if body.node else None  # an empty body means the builder declined
 
     def _type_proto(self, name: str) -> onnx.TypeProto:
         ctx = self.ctx
         if not name:
             return onnx.TypeProto()
+        known = ctx.consts.get(name, ctx.symbolic.get(name))
+        shape = known.shape if known is not None else ctx.b.shape(ctx.lookup(name))
         if name in self.types:
             elem = self.types[name]
-        elif name in ctx.consts:
-            elem = helper.np_dtype_to_tensor_dtype(ctx.consts[name].dtype)
-        elif name in ctx.symbolic:
-            elem = onnx.TensorProto.INT64
+        elif known is not None:
+            elem = helper.np_dtype_to_tensor_dtype(known.dtype) if known.dtype != object else onnx.TensorProto.INT64
         else:
             elem = helper.np_dtype_to_tensor_dtype(np.dtype(ctx.b.dtype(ctx.lookup(name))))
-        return helper.make_tensor_type_proto(elem, None)
+        # some bodies depend on the rank (RotaryEmbedding), so the shape goes along
+        dims = [d if isinstance(d, int) else str(d) for d in shape]
+        return helper.make_tensor_type_proto(elem, dims)
 
 
 def _qualified(node: onnx.NodeProto) -> str:

@@ -6,7 +6,7 @@ or more op types with @lowers. Lowerings live in compiler.frontends.onnx_ops, gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +50,8 @@ class Context:
     symbolic: dict[str, np.ndarray] = field(default_factory=dict)
     # ONNX value name -> ONNX element type, where the model declares it or inference tells it
     declared_types: dict[str, int] = field(default_factory=dict)
+    # lowers a sequence of NodeProtos into this context (set by the driver; used for subgraphs)
+    lower_nodes: Callable[[Sequence[onnx.NodeProto]], None] | None = None
 
     def bind_constant(self, name: str, array: np.ndarray) -> None:
         if array.dtype.name not in ELEM_TYPES.values():
