@@ -3,6 +3,11 @@
     import compiler.onnx_backend as backend
     rep = backend.prepare(model, device="CPU")
     outputs = rep.run([x])
+
+A model whose output shapes depend on the values of small inputs (Reshape shapes, reduction
+axes, Resize scales, Pad widths fed as graph inputs) cannot be compiled ahead of those values.
+For such a model `prepare` returns a rep that specializes: it compiles once per distinct value
+of those inputs, on first use, and caches the program, as a JIT with value guards would.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from compiler.artifact import Artifact
+from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import onnx_to_graph, parse_model
 from compiler.pipeline import compile_graph, executable
 
@@ -36,6 +43,69 @@ class LuminalRep(BackendRep):
         return tuple(outputs[spec.name] for spec in self.artifact.signature.outputs)
 
 
+# inputs this small with a static shape may be specialized on (axes, shapes, scales, pads)
+MAX_SPECIALIZED_ELEMENTS = 64
+# ops whose first input is itself shape-like
+_SHAPE_FIRST = frozenset({"Range", "ConstantOfShape"})
+
+
+class SpecializingRep(BackendRep):
+    """Compiles per value of the inputs that decide output shapes; other inputs stay inputs."""
+
+    def __init__(self, model: onnx.ModelProto, specialized: list[str]) -> None:
+        self.model = model
+        self.specialized = specialized
+        initializers = {t.name for t in model.graph.initializer}
+        self._input_names = [v.name for v in model.graph.input if v.name not in initializers]
+        self._reps: dict[tuple, LuminalRep] = {}
+
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        if isinstance(inputs, dict):
+            feed = {name: np.asarray(inputs[name]) for name in self._input_names}
+        else:
+            if isinstance(inputs, np.ndarray):
+                inputs = [inputs]
+            feed = {name: np.asarray(x) for name, x in zip(self._input_names, inputs)}
+        key = tuple((name, feed[name].dtype.str, feed[name].shape, feed[name].tobytes()) for name in self.specialized)
+        if key not in self._reps:
+            self._reps[key] = _compile(_bind_inputs(self.model, {n: feed[n] for n in self.specialized}))
+        return self._reps[key].run({n: x for n, x in feed.items() if n not in self.specialized})
+
+
+def _bind_inputs(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    bound = onnx.ModelProto()
+    bound.CopyFrom(model)
+    kept = [v for v in bound.graph.input if v.name not in values]
+    del bound.graph.input[:]
+    bound.graph.input.extend(kept)
+    bound.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in values.items())
+    return bound
+
+
+def _shape_inputs(model: onnx.ModelProto) -> list[str]:
+    """Small static graph inputs read only in shape-deciding positions (not as a node's data)."""
+    initializers = {t.name for t in model.graph.initializer}
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node in model.graph.node:
+        for position, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.op_type, position))
+    picked = []
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in initializers or not all(d.HasField("dim_value") for d in dims):
+            continue
+        if np.prod([d.dim_value for d in dims], dtype=np.int64) > MAX_SPECIALIZED_ELEMENTS:
+            continue
+        uses = readers.get(value.name, [])
+        if uses and all(position > 0 or op in _SHAPE_FIRST for op, position in uses):
+            picked.append(value.name)
+    return picked
+
+
+def _compile(model: onnx.ModelProto) -> LuminalRep:
+    return LuminalRep(compile_graph(onnx_to_graph(model), "cpu"))
+
+
 class LuminalBackend(Backend):
     @classmethod
     def supports_device(cls, device: str) -> bool:
@@ -46,7 +116,13 @@ class LuminalBackend(Backend):
         if not cls.supports_device(device):
             raise ValueError(f"device {device!r} is not supported; use 'CPU'")
         parsed = parse_model(model.SerializeToString())
-        return LuminalRep(compile_graph(onnx_to_graph(parsed), "cpu"))
+        try:
+            return _compile(parsed)
+        except UnsupportedModel as exc:
+            specialized = _shape_inputs(parsed)
+            if not specialized or "computed at run time" not in str(exc):
+                raise
+            return SpecializingRep(parsed, specialized)
 
     @classmethod
     def run_model(
