@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from cloud import metrics
-from cloud.errors import DeadlineExceeded, Overloaded, Unavailable
+from cloud.errors import DeadlineExceeded, InvalidInput, Overloaded, Unavailable
 from cloud.metering import Ledger, Usage, price_for, split_by_rows
 from runtime import Runtime
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
@@ -209,8 +209,18 @@ class Batcher:
     async def _execute(self, batch: list[Pending], started: float) -> None:
         for pending in batch:
             metrics.QUEUE_WAIT.labels(self.route.model_name).observe(started - pending.enqueued_at)
+        await self._run_batch(batch, started)
+
+    async def _run_batch(self, batch: list[Pending], started: float) -> None:
         try:
             results = await asyncio.to_thread(self.engine.run_and_meter, self.route, batch)
+        except IndexError as exc:
+            if len(batch) > 1:  # one request's bad index must not fail the others: run each alone
+                for pending in batch:
+                    await self._run_batch([pending], started)
+                return
+            _fail(batch[0], InvalidInput(f"an input value is out of range for this model ({exc})"))
+            return
         except Exception as exc:  # a failing batch fails its requests, never the batcher
             log.exception("batch for %s failed", self.route.model_name)
             for pending in batch:

@@ -63,3 +63,15 @@ def unsupported_model() -> onnx.ModelProto:
 def int_input_model() -> onnx.ModelProto:
     nodes = [helper.make_node("Identity", ["ids"], ["y"])]
     return make_model(nodes, [tensor("ids", ["batch", 3], TensorProto.INT64)], [tensor("y", ["batch", 3], TensorProto.INT64)])
+
+
+def embedding_model(vocab: int = 10, width: int = 4) -> onnx.ModelProto:
+    """Token ids [batch, seq] looked up in a [vocab, width] table."""
+    table = numpy_helper.from_array(np.arange(vocab * width, dtype=np.float32).reshape(vocab, width), "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["y"])]
+    return make_model(
+        nodes,
+        [tensor("ids", ["batch", "seq"], TensorProto.INT64)],
+        [tensor("y", ["batch", "seq", width])],
+        initializers=[table],
+    )

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from cloud.db import UsageRecord
 from tests.conftest import auth, upload, wait_for
-from tests.onnx_models import fixed_shape_model, int_input_model, mlp, unsupported_model
+from tests.onnx_models import embedding_model, fixed_shape_model, int_input_model, mlp, unsupported_model
 
 MLP = mlp().SerializeToString()
 
@@ -148,6 +148,18 @@ def test_float_given_for_integer_input_gets_400(client, keys) -> None:
     response = infer(client, keys["alice"], "ids", {"ids": [[1.5, 2, 3]]})
     assert response.status_code == 400
     assert "floats where int64 is expected" in response.json()["error"]["message"]
+
+
+def test_out_of_range_token_id_gets_400_and_spares_the_rest_of_its_batch(client, keys) -> None:
+    upload(client, keys["alice"], "embed", embedding_model().SerializeToString())
+    wait_for(client, keys["alice"], "embed", 1)
+    bodies = [{"ids": [[1, 2, 3]]}, {"ids": [[1, 99, 3]]}, {"ids": [[9, 0, 4]]}]
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(lambda body: infer(client, keys["alice"], "embed", body), bodies))
+    assert [r.status_code for r in responses] == [200, 400, 200]
+    assert "out of range" in responses[1].json()["error"]["message"]
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    assert responses[2].json()["outputs"]["y"] == table[[[9, 0, 4]]].tolist()
 
 
 def test_unknown_model_and_version_get_404(client, keys, deployed) -> None:
