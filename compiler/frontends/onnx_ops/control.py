@@ -186,7 +186,11 @@ def _scan(ctx: Context, node: onnx.NodeProto) -> list[int]:
         a.get("scan_input_directions", [0] * num_scan),
     )
     stacked = _scan_outputs(
-        ctx, node, steps, a.get("scan_output_axes", [0] * num_outputs), a.get("scan_output_directions", [0] * num_outputs)
+        ctx,
+        node,
+        steps,
+        a.get("scan_output_axes", [0] * num_outputs),
+        a.get("scan_output_directions", [0] * num_outputs),
     )
     return [*(ctx.lookup(name) for name in _bound_names(ctx, node, final)), *stacked]
 
@@ -249,7 +253,9 @@ def _if(ctx: Context, node: onnx.NodeProto) -> list[int]:
     except (InvalidModel, UnsupportedModel) as exc:
         raise refuse(node, f"a run-time condition and a branch that cannot be lowered ({exc})") from None
     if _may_index_out_of_range(ctx, first_new):
-        raise refuse(node, "a run-time condition and a branch gathering at run-time indices (it may fail when untaken)")
+        raise refuse(
+            node, "a run-time condition and a branch gathering at run-time indices (it may fail when untaken)"
+        )
     b = ctx.b
     cond = ctx.value(node, 0)
     if b.dtype(cond) != "bool" or len(b.shape(cond)) > 1 or b.shape(cond) not in ((), (1,)):
