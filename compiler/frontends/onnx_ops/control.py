@@ -136,6 +136,8 @@ def _scan_steps(
     lengths = {b.shape(x)[a] for a, x in zip(axes, scan_inputs)}
     if len(lengths) != 1:
         raise InvalidModel(f"Scan inputs of different sequence lengths {sorted(map(str, lengths))}")
+    if not lengths:
+        raise InvalidModel("Scan without scan inputs")
     length = lengths.pop()
     if not isinstance(length, int):
         raise refuse(node, f"a symbolic sequence length {length}")
@@ -192,46 +194,42 @@ def _scan(ctx: Context, node: onnx.NodeProto) -> list[int]:
         a.get("scan_output_axes", [0] * num_outputs),
         a.get("scan_output_directions", [0] * num_outputs),
     )
-    return [*(ctx.lookup(name) for name in _bound_names(ctx, node, final)), *stacked]
+    return [*_as_nodes(ctx, node, final), *stacked]
 
 
-def _bound_names(ctx: Context, node: onnx.NodeProto, values: Sequence[Value]) -> list[str]:
-    """Binds values to fresh names, so known ones can be handed back as IR nodes by ctx.lookup."""
+def _as_nodes(ctx: Context, node: onnx.NodeProto, values: Sequence[Value]) -> list[int]:
+    """IR nodes for step values, known ones bound to fresh names so ctx.lookup materializes them."""
     prefix = f"{node.output[0] or node.op_type}/{node.op_type}{next(_instances)}/result"
     names = [f"{prefix}{i}" for i in range(len(values))]
     for name, value in zip(names, values):
         _bind(ctx, name, value)
-    return names
+    return [ctx.lookup(name) for name in names]
 
 
 def _scan_batched(ctx: Context, node: onnx.NodeProto, body: onnx.GraphProto, num_scan: int) -> list[int]:
     """Opset 8 Scan: axis 0 of every input is a batch, each batch row scanned along axis 1."""
     b = ctx.b
-    if node.input[0]:
-        lengths = ctx.const(node, 0, "sequence_lens")
-        if np.any(lengths != _batch_steps(ctx, node, num_scan)):
-            raise refuse(node, "sequence_lens shorter than the sequence (opset 8)")
     num_states = len(node.input) - 1 - num_scan
     states = [ctx.value(node, i) for i in range(1, 1 + num_states)]
     scan_inputs = [ctx.value(node, i) for i in range(1 + num_states, len(node.input))]
     directions = attrs(node).get("directions", [0] * num_scan)
-    batch = b.shape(scan_inputs[0])[0] if scan_inputs else b.shape(states[0])[0]
+    if any(directions):
+        raise refuse(node, "reverse directions (opset 8)")
+    if not scan_inputs:
+        raise InvalidModel("Scan without scan inputs")
+    batch, steps = b.shape(scan_inputs[0])[:2]
+    if node.input[0] and np.any(ctx.const(node, 0, "sequence_lens") != steps):
+        raise refuse(node, "sequence_lens shorter than the sequence (opset 8)")
     if not isinstance(batch, int):
         raise refuse(node, f"a symbolic batch size {batch} (opset 8)")
-    final_rows: list[list[int]] = []
-    output_rows: list[list[int]] = []
+    rows: list[list[int]] = []
     for row in range(batch):
         row_states: list[Value] = [_step_slice(ctx, s, 0, row) for s in states]
         row_inputs = [_step_slice(ctx, x, 0, row) for x in scan_inputs]
-        final, steps = _scan_steps(ctx, node, body, row_states, row_inputs, [0] * num_scan, directions)
-        final_rows.append([ctx.lookup(name) for name in _bound_names(ctx, node, final)])
-        output_rows.append(_scan_outputs(ctx, node, steps, [0] * len(steps), [0] * len(steps)))
-    columns = [*zip(*final_rows), *zip(*output_rows)]
-    return [_stack(ctx, node, list(column), 0) for column in columns]
-
-
-def _batch_steps(ctx: Context, node: onnx.NodeProto, num_scan: int) -> int:
-    return ctx.b.shape(ctx.value(node, len(node.input) - num_scan))[1]
+        final, per_step = _scan_steps(ctx, node, body, row_states, row_inputs, [0] * num_scan, directions)
+        zeros = [0] * len(per_step)
+        rows.append([*_as_nodes(ctx, node, final), *_scan_outputs(ctx, node, per_step, zeros, zeros)])
+    return [_stack(ctx, node, list(column), 0) for column in zip(*rows)]
 
 
 # ---- If -----------------------------------------------------------------------------------------
@@ -313,10 +311,10 @@ def _loop(ctx: Context, node: onnx.NodeProto) -> list[int]:
         for collected, name in zip(steps, outputs[1 + len(carried) :]):
             collected.append(ctx.lookup(name))
         iteration += 1
-    if iteration == 0 and any(n for n in node.output[len(carried) :]):
-        raise refuse(node, "no iterations and scan outputs (their shape is unknown)")
-    stacked = [_stack(ctx, node, parts, 0) if parts else -1 for parts in steps]
-    return [*(ctx.lookup(name) for name in _bound_names(ctx, node, carried)), *stacked]
+    if iteration == 0 and any(node.output[len(carried) :]):
+        raise refuse(node, "no iterations and scan outputs in use (their shape is unknown)")
+    stacked = [_stack(ctx, node, parts, 0) for parts in steps] if iteration else []
+    return [*_as_nodes(ctx, node, carried), *stacked]
 
 
 def _known_condition(ctx: Context, node: onnx.NodeProto, name: str, what: str) -> bool:
