@@ -1,3 +1,3 @@
 """ONNX lowerings, one module per kind of op; importing this package registers them all."""
 
-from compiler.frontends.onnx_ops import basic, control, elementwise, nn, recurrent, reduce, tensor  # noqa: F401
+from compiler.frontends.onnx_ops import basic, control, elementwise, nn, quant, recurrent, reduce, tensor  # noqa: F401
