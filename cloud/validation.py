@@ -16,6 +16,7 @@ import numpy as np
 from cloud.errors import InvalidInput
 from cloud.settings import Settings
 from compiler import Signature, TensorSpec
+from compiler.dtypes import is_float, kind, numpy_dtype
 from compiler.shape import evaluate_shape, shape_to_json, symbols_of
 
 
@@ -142,13 +143,13 @@ def _convert(spec: TensorSpec, value: Any, shape: tuple[int, ...]) -> np.ndarray
         array = None
     if array is None or array.shape != shape:
         raise InvalidInput(f"input {spec.name!r} is not a rectangular nested list; expected {want}")
-    if array.dtype.kind not in _ACCEPTED_KINDS[np.dtype(spec.dtype).kind]:
+    if array.dtype.kind not in _ACCEPTED_KINDS[kind(spec.dtype)]:
         got = {"b": "booleans", "U": "strings", "O": "nulls or mixed values", "f": "floats"}.get(
             array.dtype.kind, str(array.dtype)
         )
         raise InvalidInput(f"input {spec.name!r} has {got} where {spec.dtype} is expected; expected {want}")
     with np.errstate(all="ignore"):
-        converted = array.astype(spec.dtype)
-    if spec.dtype.startswith("float") and not np.all(np.isfinite(converted[np.isfinite(array)])):
+        converted = array.astype(numpy_dtype(spec.dtype))
+    if is_float(spec.dtype) and not np.all(np.isfinite(converted[np.isfinite(array)])):
         raise InvalidInput(f"input {spec.name!r} has values that overflow {spec.dtype}")
     return converted

@@ -5,7 +5,9 @@ An artifact is three files under one prefix of the object store:
     manifest.json   format version, target, graph hash, signature (with symbolic dims by
                     name), the batch symbol, and the compile report
     program.json    the IR graph and the kernels generated for the target
-    weights.npz     every constant, by key (loaded with allow_pickle=False)
+    weights.npz     every constant, by key (loaded with allow_pickle=False); constants in the
+                    ml_dtypes formats NumPy cannot name are stored as unsigned ints of the same
+                    width, with their dtype in the manifest's weight_dtypes
 
 The compiler only turns an Artifact into named byte strings and back; where they are stored
 is the caller's business.
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.dtypes import STANDARD, numpy_dtype
 from compiler.errors import InvalidModel
 from compiler.ir import Graph
 from compiler.shape import Shape, SymDim, shape_from_json, shape_to_json
@@ -100,11 +103,14 @@ class Artifact:
             "signature": self.signature.to_json(),
             "report": self.report,
             "files": list(FILES),
+            "weight_dtypes": {
+                key: array.dtype.name for key, array in self.graph.weights.items() if array.dtype.name not in STANDARD
+            },
         }
 
     def to_files(self) -> dict[str, bytes]:
         weights = io.BytesIO()
-        np.savez(weights, **self.graph.weights)
+        np.savez(weights, **{key: _storable(array) for key, array in self.graph.weights.items()})
         program = {"graph": self.graph.to_json(), "kernels": self.kernels}
         return {
             "manifest.json": json.dumps(self.manifest(), indent=1).encode(),
@@ -120,6 +126,8 @@ class Artifact:
         program = json.loads(read("program.json"))
         with np.load(io.BytesIO(read("weights.npz")), allow_pickle=False) as npz:
             weights = {key: npz[key] for key in npz.files}
+        for key, name in manifest.get("weight_dtypes", {}).items():
+            weights[key] = weights[key].view(numpy_dtype(name))
         return Artifact(
             target=manifest["target"],
             graph_hash=manifest["graph_hash"],
@@ -128,3 +136,10 @@ class Artifact:
             kernels=program["kernels"],
             report=manifest["report"],
         )
+
+
+def _storable(array: np.ndarray) -> np.ndarray:
+    """The array as NumPy can save it without pickling: narrow formats as raw unsigned ints."""
+    if array.dtype.name in STANDARD:
+        return array
+    return np.asarray(array, order="C").view(f"u{array.dtype.itemsize}")

@@ -21,10 +21,12 @@ import onnx
 import onnx.defs
 from onnx import numpy_helper
 
+from compiler.dtypes import is_float
 from compiler.errors import InvalidModel, UnsupportedModel
 
-# two float16 ulps, relative
-FLOAT16_RTOL = 2.0**-9
+# expected values in these formats round every intermediate to them; we compute those in float32,
+# so they match within two ulps (relative)
+ROUNDED_RTOL = {"float16": 2.0**-9, "bfloat16": 2.0**-6}
 
 
 class Outcome(NamedTuple):
@@ -94,10 +96,8 @@ def compare(expected: np.ndarray, actual: np.ndarray, rtol: float, atol: float) 
         return f"shape {actual.shape}, expected {expected.shape}"
     if expected.dtype != actual.dtype:
         return f"dtype {actual.dtype}, expected {expected.dtype}"
-    if expected.dtype == np.float16:
-        # the expected values round every intermediate to float16; we compute those in float32
-        rtol = max(rtol, FLOAT16_RTOL)
-    if expected.dtype.kind in "fc":
+    rtol = max(rtol, ROUNDED_RTOL.get(expected.dtype.name, 0.0))
+    if expected.dtype.kind == "c" or is_float(expected.dtype.name):
         e, a = expected.astype(np.float64), actual.astype(np.float64)
         if not np.array_equal(np.isnan(e), np.isnan(a)):
             return "NaNs differ"

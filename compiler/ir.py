@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.dtypes import DTYPES, numpy_dtype
 from compiler.shape import (
     Dim,
     Shape,
@@ -62,11 +63,6 @@ UNARY_OPS = frozenset({Op.LOG2, Op.EXP2, Op.SIN, Op.SQRT, Op.RECIP})
 BINARY_OPS = frozenset({Op.ADD, Op.MUL, Op.MOD, Op.LESS_THAN})
 REDUCE_OPS = frozenset({Op.SUM_REDUCE, Op.MAX_REDUCE})
 
-# dtypes the IR carries, by numpy name
-DTYPES = frozenset(
-    {"float32", "float64", "float16", "int64", "int32", "int16", "int8"}
-    | {"uint64", "uint32", "uint16", "uint8", "bool"}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +268,7 @@ class GraphBuilder:
         return i
 
     def constant(self, value: np.ndarray | float | int, dtype: str | None = None) -> int:
-        array = np.asarray(value, dtype=dtype)
+        array = np.asarray(value, dtype=None if dtype is None else numpy_dtype(dtype))
         if array.dtype.name not in DTYPES:
             raise ShapeError(f"constant of unsupported dtype {array.dtype}")
         key = "c" + hashlib.sha256(
@@ -286,7 +282,7 @@ class GraphBuilder:
 
     def scalar_like(self, value: float, like: int) -> int:
         """A scalar constant broadcast to the shape and dtype of node `like`."""
-        c = self.constant(np.asarray(value, dtype=self.dtype(like)))
+        c = self.constant(value, self.dtype(like))
         return self.broadcast_to(c, self.shape(like))
 
     def unary(self, op: Op, x: int) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, Signature
 from compiler.codegen import numpy_cpu
+from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph
@@ -55,12 +56,12 @@ def sample_inputs(graph: Graph, seed: int = 0, int_high: int = 3) -> dict[str, n
     inputs = {}
     for name, shape, dtype in graph.input_specs():
         concrete = tuple(VERIFY_SYMBOL_SIZE if isinstance(d, SymDim) else d for d in shape)
-        if dtype.startswith("float"):
-            inputs[name] = rng.standard_normal(concrete).astype(dtype)
+        if is_float(dtype):
+            inputs[name] = rng.standard_normal(concrete).astype(numpy_dtype(dtype))
         elif dtype == "bool":
             inputs[name] = rng.random(concrete) < 0.5
         else:
-            inputs[name] = rng.integers(0, int_high, concrete).astype(dtype)
+            inputs[name] = rng.integers(0, int_high, concrete).astype(numpy_dtype(dtype))
     return inputs
 
 
@@ -80,7 +81,7 @@ def verify(graph: Graph, kernels: list, target: str) -> float:
 def _max_error(expected: np.ndarray, actual: np.ndarray) -> float:
     if expected.shape != actual.shape:
         raise VerificationFailed(f"shape {actual.shape} differs from reference {expected.shape}")
-    if expected.dtype == bool or not expected.dtype.kind == "f":
+    if not is_float(expected.dtype.name):
         if not np.array_equal(expected, actual):
             raise VerificationFailed("integer outputs differ from the reference")
         return 0.0

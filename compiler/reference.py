@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from compiler.dtypes import numpy_dtype
 from compiler.ir import Graph, Node, Op
 from compiler.shape import ShapeError, SymDim, evaluate, evaluate_shape
 
@@ -86,21 +87,22 @@ def apply_view(x: np.ndarray, transform: tuple, bindings: Mapping[str, int]) -> 
 
 def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mapping[str, int]):
     op = node.op
+    dtype = numpy_dtype(node.dtype)
     if op in _UNARY:
         with np.errstate(all="ignore"):
-            return _UNARY[op](args[0]).astype(node.dtype, copy=False)
+            return _UNARY[op](args[0]).astype(dtype, copy=False)
     if op in _BINARY:
         with np.errstate(all="ignore"):
-            return np.asarray(_BINARY[op](args[0], args[1])).astype(node.dtype, copy=False)
+            return np.asarray(_BINARY[op](args[0], args[1])).astype(dtype, copy=False)
     if op is Op.SUM_REDUCE:
-        return np.sum(args[0], axis=node.arg, dtype=node.dtype)
+        return np.sum(args[0], axis=node.arg, dtype=dtype)
     if op is Op.MAX_REDUCE:
         return np.max(args[0], axis=node.arg)
     if op is Op.VIEW:
         return apply_view(args[0], node.arg, bindings)
     if op is Op.CAST:
         with np.errstate(all="ignore"):  # NaN or out-of-range floats to ints: undefined in ONNX too
-            return args[0].astype(node.dtype)
+            return args[0].astype(dtype)
     if op is Op.GATHER:
         data, indices = args
         axis = node.arg
@@ -118,7 +120,7 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nd
     values: list[np.ndarray | None] = [None] * len(graph.nodes)
     for i, node in enumerate(graph.nodes):
         if node.op is Op.INPUT:
-            values[i] = np.asarray(inputs[node.arg], dtype=node.dtype)
+            values[i] = np.asarray(inputs[node.arg], dtype=numpy_dtype(node.dtype))
             continue
         values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
     return {name: np.asarray(values[i], order="C") for name, i in graph.outputs}

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.dtypes import numpy_dtype
 from compiler.ir import Graph, Op
 from compiler.reference import bind_symbols, eval_node
 
@@ -47,7 +48,8 @@ def _einsum_kernel(graph: Graph, reduce_id: int, users: dict[int, list[int]]) ->
     product = graph.nodes[reduce.srcs[0]]
     if product.op is not Op.MUL or users.get(reduce.srcs[0]) != [reduce_id]:
         return None
-    if not product.dtype.startswith("float") or len(product.shape) > len(string.ascii_letters):
+    # BLAS dtypes only; the narrow formats are storage and never multiplied
+    if product.dtype not in ("float16", "float32", "float64") or len(product.shape) > len(string.ascii_letters):
         return None
     letters = string.ascii_letters[: len(product.shape)]
     operands, subscripts, squeezes = [], [], []
@@ -104,10 +106,10 @@ class Executable:
                     for d, sq in zip(kernel["deps"], kernel["squeeze"])
                 ]
                 values[i] = np.einsum(kernel["subscripts"], *args, optimize=True).astype(
-                    node.dtype, copy=False
+                    numpy_dtype(node.dtype), copy=False
                 )
             elif node.op is Op.INPUT:
-                values[i] = np.asarray(inputs[node.arg], dtype=node.dtype)
+                values[i] = np.asarray(inputs[node.arg], dtype=numpy_dtype(node.dtype))
             else:
                 values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
             for dead in self._free_after[step]:

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.frontends import onnx_ops  # noqa: F401  (registers the lowerings)
 from compiler.frontends.onnx_checks import ONNX_DOMAINS, check_graph
-from compiler.frontends.onnx_context import ELEM_TYPES, LOW_PRECISION_FLOATS, LOWERINGS, Context
+from compiler.frontends.onnx_context import COMPUTED_AS, ELEM_TYPES, LOWERINGS, Context
 from compiler.frontends.onnx_fold import fold_numeric, fold_symbolic, shape_of
 from compiler.ir import Graph, GraphBuilder
 from compiler.shape import Dim, ShapeError, SymDim, numel
@@ -75,8 +75,8 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
         if value.name not in ctx.consts:
             shape, dtype = _value_type(value)
             node_id = ctx.b.input(value.name, shape, dtype)
-            if dtype in LOW_PRECISION_FLOATS:
-                node_id = ctx.b.cast(node_id, "float32")
+            if dtype in COMPUTED_AS:
+                node_id = ctx.b.cast(node_id, COMPUTED_AS[dtype])
             ctx.env[value.name] = node_id
     lowering = _Lowering(ctx, types, missing_ops(model))
     ctx.lower_nodes = lowering.lower_all
@@ -86,7 +86,7 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
         if out.name not in ctx.env and out.name not in ctx.consts and out.name not in ctx.symbolic:
             raise InvalidModel(f"graph output {out.name!r} is produced by no node")
         node_id = ctx.lookup(out.name)
-        if ELEM_TYPES.get(types.get(out.name, 0)) in LOW_PRECISION_FLOATS:
+        if ELEM_TYPES.get(types.get(out.name, 0)) in COMPUTED_AS:
             node_id = ctx.b.cast(node_id, ELEM_TYPES[types[out.name]])
         result.append((out.name, node_id))
     return ctx.b.finish(result)
@@ -128,11 +128,11 @@ class _Lowering:
                 ctx.env[name] = self._rounded(name, outputs[index])
 
     def _rounded(self, name: str, node_id: int) -> int:
-        """Values the model declares in float16 are rounded to it after every op, like ONNX does."""
+        """Values the model declares in a narrow format are rounded to it after every op, like ONNX does."""
         declared = ELEM_TYPES.get(self.types.get(name, 0))
         b = self.ctx.b
-        if declared in LOW_PRECISION_FLOATS and b.dtype(node_id) == "float32":
-            return b.cast(b.cast(node_id, declared), "float32")
+        if declared in COMPUTED_AS and b.dtype(node_id) == COMPUTED_AS[declared]:
+            return b.cast(b.cast(node_id, declared), COMPUTED_AS[declared])
         return node_id
 
     def _fold(self, node: onnx.NodeProto) -> bool:

@@ -14,6 +14,7 @@ import onnx
 from onnx import helper
 
 from compiler import composite
+from compiler.dtypes import NARROW_FLOATS, NARROW_INTS, NARROW_UINTS
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import SymDim
@@ -31,11 +32,28 @@ ELEM_TYPES: dict[int, str] = {
     onnx.TensorProto.UINT16: "uint16",
     onnx.TensorProto.UINT8: "uint8",
     onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.FLOAT8E4M3FN: "float8_e4m3fn",
+    onnx.TensorProto.FLOAT8E4M3FNUZ: "float8_e4m3fnuz",
+    onnx.TensorProto.FLOAT8E5M2: "float8_e5m2",
+    onnx.TensorProto.FLOAT8E5M2FNUZ: "float8_e5m2fnuz",
+    onnx.TensorProto.FLOAT8E8M0: "float8_e8m0fnu",
+    onnx.TensorProto.FLOAT4E2M1: "float4_e2m1fn",
+    onnx.TensorProto.INT4: "int4",
+    onnx.TensorProto.UINT4: "uint4",
+    onnx.TensorProto.INT2: "int2",
+    onnx.TensorProto.UINT2: "uint2",
 }
 
 
-# computed in float32 inside the graph; cast back where the model declares it (inputs, outputs, Cast)
-LOW_PRECISION_FLOATS = frozenset({"float16"})
+# storage formats computed in a wider dtype inside the graph; cast back where the model declares
+# them (inputs, outputs, Cast)
+COMPUTED_AS: dict[str, str] = (
+    {name: "float32" for name in NARROW_FLOATS | {"float16"}}
+    | {name: "int8" for name in NARROW_INTS}
+    | {name: "uint8" for name in NARROW_UINTS}
+)
+LOW_PRECISION_FLOATS = frozenset(name for name, wide in COMPUTED_AS.items() if wide == "float32")
 
 
 @dataclass
@@ -85,8 +103,8 @@ class Context:
             return self.env[name]
         if name in self.consts:
             array = self.consts[name]
-            if array.dtype.name in LOW_PRECISION_FLOATS:
-                array = array.astype(np.float32)
+            if array.dtype.name in COMPUTED_AS:
+                array = array.astype(COMPUTED_AS[array.dtype.name])
             self.env[name] = self.b.constant(array)
         elif name in self.symbolic:
             self.env[name] = materialize(self.b, self.symbolic[name])

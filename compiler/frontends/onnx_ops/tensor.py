@@ -7,12 +7,21 @@ every batch and sequence size.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from compiler import composite as C
-from compiler.frontends.onnx_context import ELEM_TYPES, LOW_PRECISION_FLOATS, Context, attrs, lowers, refuse
+from compiler.frontends.onnx_context import (
+    COMPUTED_AS,
+    ELEM_TYPES,
+    LOW_PRECISION_FLOATS,
+    Context,
+    attrs,
+    lowers,
+    refuse,
+)
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, SymDim, broadcast_shapes, dim_mul, numel
 
@@ -45,23 +54,41 @@ def _onnx_dtype(node: onnx.NodeProto, elem_type: int) -> str:
     return dtype
 
 
-def _cast_to(b: GraphBuilder, x: int, dtype: str) -> int:
-    if dtype in LOW_PRECISION_FLOATS:
-        # round to the declared precision, then keep computing in float32
-        return b.cast(b.cast(x, dtype), "float32")
-    return b.cast(x, dtype)
+# float8 formats that ONNX's Cast clamps to their largest finite value unless saturate=0
+_SATURATING = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+
+
+def _cast_to(b: GraphBuilder, x: int, dtype: str, saturate: bool = True) -> int:
+    wide = COMPUTED_AS.get(dtype)
+    if wide is None:
+        return b.cast(x, dtype)
+    if saturate and dtype in _SATURATING:
+        if not b.dtype(x).startswith("float"):
+            x = b.cast(x, "float32")
+        # NaN-preserving clamp, as np.clip does in onnx.numpy_helper.saturate_cast
+        limit = float(ml_dtypes.finfo(dtype).max)
+        high, low = b.scalar_like(limit, x), b.scalar_like(-limit, x)
+        x = C.where(b, b.binary(Op.LESS_THAN, high, x), high, x)
+        x = C.where(b, b.binary(Op.LESS_THAN, x, low), low, x)
+    # round to the declared format, then keep computing in the wider dtype
+    return b.cast(b.cast(x, dtype), wide)
+
+
+def _cast_with(ctx: Context, node: onnx.NodeProto, x: int, dtype: str) -> int:
+    """Cast and CastLike share saturate (opset 19) and round_mode (opset 24, float8e8m0 only)."""
+    if dtype == "float8_e8m0fnu":
+        # ONNX rounds up by default, drops the sign and saturates; ml_dtypes rounds to nearest
+        raise refuse(node, "element type FLOAT8E8M0 as the target")
+    return _cast_to(ctx.b, x, dtype, saturate=attrs(node).get("saturate", 1) == 1)
 
 
 @lowers("Cast")
 def _cast(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    a = attrs(node)
-    if a.get("saturate", 1) != 1 and ctx.opset >= 19:
-        raise refuse(node, "saturate=0")
     x = ctx.value(node, 0)
     source = ctx.declared_types.get(node.input[0])
     if source is not None and ELEM_TYPES.get(source) is None:
         raise refuse(node, f"input type {onnx.TensorProto.DataType.Name(source)}")
-    return [_cast_to(ctx.b, x, _onnx_dtype(node, a["to"]))]
+    return [_cast_with(ctx, node, x, _onnx_dtype(node, attrs(node)["to"]))]
 
 
 @lowers("CastLike")
@@ -73,9 +100,7 @@ def _cast_like(ctx: Context, node: onnx.NodeProto) -> list[int]:
         dtype = like.dtype.name if like is not None else ctx.b.dtype(ctx.value(node, 1))
     else:
         dtype = _onnx_dtype(node, target)
-    if attrs(node).get("saturate", 1) != 1:
-        raise refuse(node, "saturate=0")
-    return [_cast_to(ctx.b, x, dtype)]
+    return [_cast_with(ctx, node, x, dtype)]
 
 
 @lowers("Unsqueeze")
