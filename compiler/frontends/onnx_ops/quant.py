@@ -11,25 +11,31 @@ target of every update, a [positions, updates] matrix, and reduces over the upda
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 
 from compiler import composite as C
 from compiler.frontends.onnx_context import ELEM_TYPES, Context, attrs, lowers, refuse
 from compiler.frontends.onnx_ops.elementwise import (
+    _all,
+    _any,
     _clamp,
     _eq,
     _flip,
+    _floor,
     _lt,
     _max,
     _min,
+    _not,
     _round_half_even,
     _sub,
     _where,
 )
 from compiler.frontends.onnx_ops.nn import _spatialattrs
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, numel
+from compiler.shape import Dim, dim_mul, numel
 
 # ---- quantization --------------------------------------------------------------------------
 
@@ -410,3 +416,169 @@ def _scatter_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
         b, b.reshape(data, (rows, width)), b.reshape(updates, (count, width)), target, reduction
     )
     return [b.reshape(flat, data_shape)]
+
+
+# ---- GridSample ----------------------------------------------------------------------------
+
+_GRID_MODES = {
+    "bilinear": "linear",
+    "linear": "linear",
+    "nearest": "nearest",
+    "bicubic": "cubic",
+    "cubic": "cubic",
+}
+_CUBIC_ALPHA = -0.75
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _reflect(b: GraphBuilder, v: int, low: float, high: float) -> int:
+    """v (float64) reflected by the near border until it lies in [low, high], as ONNX does it."""
+    span = high - low
+    below, above = _lt(b, v, b.scalar_like(low, v)), _lt(b, b.scalar_like(high, v), v)
+    distance = _where(b, below, C.shift(b, C.neg(b, v), low), C.shift(b, v, -high))
+    # whole spans crossed; the float quotient is corrected so the remainder is exact
+    turns = _floor(b, C.scale(b, distance, 1.0 / span))
+    rest = _sub(b, distance, C.scale(b, turns, span))
+    under = _lt(b, rest, b.scalar_like(0.0, rest))
+    turns = _where(b, under, C.shift(b, turns, -1.0), turns)
+    rest = _where(b, under, C.shift(b, rest, span), rest)
+    over = _not(b, _lt(b, rest, b.scalar_like(span, rest)))
+    turns = _where(b, over, C.shift(b, turns, 1.0), turns)
+    rest = _where(b, over, C.shift(b, rest, -span), rest)
+    even = _eq(b, b.binary(Op.MOD, turns, b.scalar_like(2.0, turns)), b.scalar_like(0.0, turns))
+    # an even number of turns leaves v reflected once off the near border
+    near_low = _where(b, even, C.shift(b, rest, low), C.shift(b, C.neg(b, rest), high))
+    near_high = _where(b, even, C.shift(b, C.neg(b, rest), high), C.shift(b, rest, low))
+    return _where(b, below, near_low, _where(b, above, near_high, v))
+
+
+def _cubic_weights(b: GraphBuilder, t: int) -> list[int]:
+    """Keys' cubic convolution weights of the taps at -1, 0, 1, 2 for a fraction t."""
+    a = _CUBIC_ALPHA
+
+    def outer(d: int) -> int:  # 1 < d < 2
+        return C.shift(
+            b,
+            b.binary(Op.MUL, C.shift(b, b.binary(Op.MUL, C.shift(b, C.scale(b, d, a), -5 * a), d), 8 * a), d),
+            -4 * a,
+        )
+
+    def inner(d: int) -> int:  # 0 <= d <= 1
+        return C.shift(
+            b, b.binary(Op.MUL, b.binary(Op.MUL, C.shift(b, C.scale(b, d, a + 2), -(a + 3)), d), d), 1.0
+        )
+
+    one_minus = C.shift(b, C.neg(b, t), 1.0)
+    return [outer(C.shift(b, t, 1.0)), inner(t), inner(one_minus), outer(C.shift(b, one_minus, 1.0))]
+
+
+def _axis_taps(b: GraphBuilder, x: int, extent: int, mode: str, padding: str, align: bool):
+    """Per sample along one axis: tap indices (int64), weights (None for nearest) and, for zeros
+    padding, whether each tap lies inside the input (None otherwise), each [..., taps]."""
+    low, high = (0.0, extent - 1.0) if align else (-0.5, extent - 0.5)
+    if mode == "nearest":
+        x = _round_half_even(b, x)
+    outside = _any(b, _lt(b, x, b.scalar_like(low, x)), _lt(b, b.scalar_like(high, x), x))
+    if padding == "border":
+        x = _where(b, outside, _clamp(b, x, 0.0, extent - 1.0), x)
+    elif padding == "reflection":
+        # the reference reflects in double precision and stores the result in float32
+        x = b.cast(_reflect(b, b.cast(x, "float64"), low, high), "float32")
+    if mode == "nearest":
+        taps, weights = b.unsqueeze(x, -1), None
+    else:
+        start = _floor(b, x)
+        t = _sub(b, x, start)
+        offsets = [0.0, 1.0] if mode == "linear" else [-1.0, 0.0, 1.0, 2.0]
+        taps = C.stack_last(b, [C.shift(b, start, o) for o in offsets])
+        if mode == "linear":
+            weights = C.stack_last(b, [C.shift(b, C.neg(b, t), 1.0), t])
+        else:
+            weights = C.stack_last(b, _cubic_weights(b, t))
+    if padding == "reflection":
+        taps = _reflect(b, b.cast(taps, "float64"), low, high)
+    # truncation, as the reference's int(); clamped first so no huge float is cast
+    index = b.cast(_clamp(b, taps, -1.0, float(extent)), "int64")
+    valid = None
+    if padding == "zeros":
+        valid = _all(
+            b, _not(b, _lt(b, index, b.scalar_like(0, index))), _lt(b, index, b.scalar_like(extent, index))
+        )
+    # out-of-range taps (zeros padding) still gather somewhere in range, then are masked
+    index = _clamp(b, index, 0, extent - 1)
+    return index, weights, valid
+
+
+def _outer(
+    b: GraphBuilder, acc: int | None, term: int | None, combine: Callable[[int, int], int]
+) -> int | None:
+    """Combines [..., taps] of one more axis into acc [..., taps, ..., taps], its taps last."""
+    if term is None or acc is None:
+        return term
+    shape = (*b.shape(acc), b.shape(term)[-1])
+    placed = (*b.shape(term)[:-1], *[1] * (len(shape) - len(b.shape(term))), b.shape(term)[-1])
+    return combine(b.expand(b.unsqueeze(acc, -1), shape), b.expand(b.reshape(term, placed), shape))
+
+
+@lowers("GridSample")
+def _grid_sample(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    b = ctx.b
+    a = attrs(node)
+    x, grid = ctx.value(node, 0), ctx.value(node, 1)
+    mode = _GRID_MODES.get(_text(a.get("mode", b"bilinear")))
+    padding = _text(a.get("padding_mode", b"zeros"))
+    align = bool(a.get("align_corners", 0))
+    if mode is None or padding not in ("zeros", "border", "reflection"):
+        raise refuse(node, f"mode={_text(a.get('mode', b''))} padding_mode={padding}")
+    if b.dtype(x) != "float32" or b.dtype(grid) != "float32":
+        raise refuse(node, f"{b.dtype(x)} input and {b.dtype(grid)} grid")
+    x_shape, grid_shape = b.shape(x), b.shape(grid)
+    batch, channels, spatial = x_shape[0], x_shape[1], _static_shape(node, x_shape[2:], "spatial")
+    nd = len(spatial)
+    out_spatial = _static_shape(node, grid_shape[1:-1], "grid")
+    if grid_shape[-1] != nd or len(out_spatial) != nd or grid_shape[0] != batch:
+        raise refuse(node, f"input of shape {list(x_shape)} and grid of shape {list(grid_shape)}")
+    if padding == "reflection" and align and 1 in spatial:
+        raise refuse(node, "reflection padding with align_corners over an axis of size 1")
+    samples = numel(out_spatial)
+    taps_per_axis = {"nearest": 1, "linear": 2, "cubic": 4}[mode]
+    _check_scatter_size(node, samples, taps_per_axis**nd, channels)
+    # the grid's last axis lists coordinates innermost (x = width) first
+    coords = b.reshape(grid, (batch, samples, nd))
+    flat_index = weight = valid = None
+    for axis, extent in enumerate(spatial):
+        column = nd - 1 - axis
+        g = b.reshape(
+            b.view(coords, ("slice", ((0, None, 1), (0, None, 1), (column, column + 1, 1)))), (batch, samples)
+        )
+        half = C.scale(b, C.shift(b, g, 1.0), 0.5)
+        pos = C.scale(b, half, extent - 1.0) if align else C.shift(b, C.scale(b, half, float(extent)), -0.5)
+        index, w, ok = _axis_taps(b, pos, extent, mode, padding, align)
+        stride = int(np.prod(spatial[axis + 1 :]))
+        flat_index = _outer(b, flat_index, C.scale(b, index, stride), lambda p, q: b.binary(Op.ADD, p, q))
+        valid = _outer(b, valid, ok, lambda p, q: _all(b, p, q))
+        weight = _outer(b, weight, w, lambda p, q: b.binary(Op.MUL, p, q))
+    assert flat_index is not None
+    positions = numel(spatial)
+    taps = taps_per_axis**nd
+    rows = C.add(
+        b,
+        b.reshape(flat_index, (batch, samples * taps)),
+        C.scale(b, b.reshape(b.iota(batch), (batch, 1)), positions),
+    )
+    table = b.reshape(
+        b.permute(b.reshape(x, (batch, channels, positions)), (0, 2, 1)),
+        (dim_mul(batch, positions), channels),
+    )
+    picked = b.gather(table, b.reshape(rows, (dim_mul(batch, samples * taps),)), 0)
+    picked = b.reshape(picked, (batch, samples, taps, channels))
+    if valid is not None:
+        valid = b.expand(b.reshape(valid, (batch, samples, taps, 1)), b.shape(picked))
+        picked = _where(b, valid, picked, b.scalar_like(0.0, picked))
+    if weight is not None:
+        picked = C.mul(b, picked, b.reshape(weight, (batch, samples, taps, 1)))
+    out = b.reduce(Op.SUM_REDUCE, picked, [2])  # [N, samples, C]
+    return [b.reshape(b.permute(out, (0, 2, 1)), (batch, channels, *out_spatial))]
