@@ -42,13 +42,14 @@ def _renamed_graph(graph: onnx.GraphProto, rename: dict[str, str]) -> onnx.Graph
     copy = onnx.GraphProto()
     copy.CopyFrom(graph)
     del copy.node[:]
-    copy.node.extend(_renamed_node(n, inner_rename) for n in graph.node)
+    copy.node.extend(renamed_node(n, inner_rename) for n in graph.node)
     for out in copy.output:
         out.name = inner_rename.get(out.name, out.name)
     return copy
 
 
-def _renamed_node(node: onnx.NodeProto, rename: dict[str, str]) -> onnx.NodeProto:
+def renamed_node(node: onnx.NodeProto, rename: dict[str, str]) -> onnx.NodeProto:
+    """A copy of node reading and writing renamed values, also inside its nested graphs."""
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
     copy.input[:] = [rename.get(n, n) for n in node.input]
@@ -90,7 +91,7 @@ def _run_instance(
     for tensor in graph.initializer:
         ctx.bind_constant(rename[tensor.name], onnx.numpy_helper.to_array(tensor))
     assert ctx.lower_nodes is not None, "the driver sets lower_nodes"
-    ctx.lower_nodes([_renamed_node(n, rename) for n in graph.node])
+    ctx.lower_nodes([renamed_node(n, rename) for n in graph.node])
     return [rename.get(out.name, out.name) for out in graph.output]
 
 
