@@ -283,11 +283,14 @@ def _matmul_integer(ctx: Context, node: onnx.NodeProto) -> list[int]:
 _MAX_SCATTER_ELEMENTS = 10**8
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _scatter_inputs(ctx: Context, node: onnx.NodeProto) -> tuple[int, int, int, str]:
     """data, indices, updates and the reduction."""
     data, indices, updates = (ctx.value(node, i) for i in range(3))
-    reduction = attrs(node).get("reduction", b"none")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    reduction = _text(attrs(node).get("reduction", b"none"))
     if reduction not in ("none", "add", "mul", "max", "min"):
         raise refuse(node, f"reduction={reduction}")
     if reduction != "none" and ctx.b.dtype(data) == "bool":
@@ -418,6 +421,43 @@ def _scatter_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
     return [b.reshape(flat, data_shape)]
 
 
+@lowers("TensorScatter")
+def _tensor_scatter(ctx: Context, node: onnx.NodeProto) -> list[int]:
+    """Each cache position m of batch row b takes update position m - write_indices[b] when that
+    lies in the update (modulo the cache length in circular mode)."""
+    b = ctx.b
+    a = attrs(node)
+    cache, update, write = ctx.value(node, 0), ctx.value(node, 1), ctx.optional(node, 2)
+    mode = _text(a.get("mode", b"linear"))
+    if mode not in ("linear", "circular"):
+        raise refuse(node, f"mode={mode}")
+    shape = _static_shape(node, b.shape(cache), "cache")
+    axis = a.get("axis", -2) % len(shape)
+    if axis == 0:
+        raise refuse(node, "axis=0")
+    length, written = shape[axis], _static_shape(node, b.shape(update), "update")[axis]
+    outer, inner, width = numel(shape[:axis]), numel(shape[1:axis]), numel(shape[axis + 1 :])
+    batch_of_row = b.constant(np.arange(outer, dtype=np.int64) // inner)
+    start = (
+        b.constant(np.zeros(outer, np.int64))
+        if write is None
+        else b.gather(b.cast(write, "int64"), batch_of_row, 0)
+    )
+    source = _sub(b, b.reshape(b.iota(length), (1, length)), b.reshape(start, (outer, 1)))  # [rows, length]
+    if mode == "circular":
+        source = b.binary(Op.MOD, source, b.scalar_like(length, source))
+        source = _where(b, _lt(b, source, b.scalar_like(0, source)), C.shift(b, source, length), source)
+    hit = _all(
+        b, _not(b, _lt(b, source, b.scalar_like(0, source))), _lt(b, source, b.scalar_like(written, source))
+    )
+    within = _clamp(b, source, 0, written - 1)
+    flat = C.add(b, within, C.scale(b, b.reshape(b.iota(outer), (outer, 1)), written))
+    rows = b.gather(b.reshape(update, (outer * written, width)), b.reshape(flat, (outer * length,)), 0)
+    hit = b.expand(b.reshape(hit, (outer * length, 1)), (outer * length, width))
+    result = _where(b, hit, rows, b.reshape(cache, (outer * length, width)))
+    return [b.reshape(result, shape)]
+
+
 # ---- GridSample ----------------------------------------------------------------------------
 
 _GRID_MODES = {
@@ -428,10 +468,6 @@ _GRID_MODES = {
     "cubic": "cubic",
 }
 _CUBIC_ALPHA = -0.75
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _reflect(b: GraphBuilder, v: int, low: float, high: float) -> int:
