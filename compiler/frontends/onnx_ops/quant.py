@@ -59,7 +59,8 @@ def _round_to(b: GraphBuilder, x: int, dtype: str) -> int:
 def _quotient(b: GraphBuilder, x: int, y: int, dtype: str) -> int:
     """x / y correctly rounded to `dtype` (float32 or float16), returned as float32."""
     x, y = C.broadcast_pair(b, b.cast(x, "float64"), b.cast(y, "float64"))
-    return _round_to(b, b.cast(b.binary(Op.MUL, x, b.unary(Op.RECIP, y)), "float32"), dtype)
+    # rounded straight from float64: a detour through float32 could round twice
+    return b.cast(b.cast(b.binary(Op.MUL, x, b.unary(Op.RECIP, y)), dtype), "float32")
 
 
 def _quant_type(node: onnx.NodeProto, elem_type: int) -> str:
@@ -279,8 +280,8 @@ def _matmul_integer(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 # ---- scatter -------------------------------------------------------------------------------
 
-# the [positions, updates, row] comparison tensors are materialized: cap their size
-_MAX_SCATTER_ELEMENTS = 10**8
+# the [positions, updates, row] comparison tensors (and GridSample's taps) are materialized
+_MAX_ELEMENTS = 10**8
 
 
 def _text(value: bytes | str) -> str:
@@ -360,11 +361,9 @@ def _scatter_rows(b: GraphBuilder, data: int, updates: int, target: int, reducti
     return _flip(b, result) if reduction == "min" else result
 
 
-def _check_scatter_size(node: onnx.NodeProto, *sizes: int) -> None:
-    if int(np.prod(sizes)) > _MAX_SCATTER_ELEMENTS:
-        raise refuse(
-            node, f"{' x '.join(map(str, sizes))} position-update pairs (more than {_MAX_SCATTER_ELEMENTS})"
-        )
+def _check_size(node: onnx.NodeProto, what: str, *sizes: int) -> None:
+    if int(np.prod(sizes)) > _MAX_ELEMENTS:
+        raise refuse(node, f"{' x '.join(map(str, sizes))} {what} (more than {_MAX_ELEMENTS})")
 
 
 @lowers("ScatterElements", "Scatter")
@@ -376,7 +375,7 @@ def _scatter_elements(ctx: Context, node: onnx.NodeProto) -> list[int]:
     rank = len(data_shape)
     axis = attrs(node).get("axis", 0) % rank
     positions, count = numel(data_shape), numel(update_shape)
-    _check_scatter_size(node, positions, count)
+    _check_size(node, "position-update pairs", positions, count)
     # the flat data position of every update, with its coordinate along axis still to add
     coords = list(np.indices(update_shape))
     coords[axis] = np.zeros(update_shape, dtype=np.int64)
@@ -399,7 +398,7 @@ def _scatter_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
     depth = index_shape[-1]
     rows, width = numel(data_shape[:depth]), numel(data_shape[depth:])
     count = numel(index_shape[:-1])
-    _check_scatter_size(node, rows, count, width)
+    _check_size(node, "position-update pairs", rows, count, width)
     strides = np.array([int(np.prod(data_shape[i + 1 : depth])) for i in range(depth)], dtype=np.int64)
     columns = [
         _wrapped(
@@ -582,7 +581,7 @@ def _grid_sample(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raise refuse(node, "reflection padding with align_corners over an axis of size 1")
     samples = numel(out_spatial)
     taps_per_axis = {"nearest": 1, "linear": 2, "cubic": 4}[mode]
-    _check_scatter_size(node, samples, taps_per_axis**nd, channels)
+    _check_size(node, "sampled taps", samples, taps_per_axis**nd, channels)
     # the grid's last axis lists coordinates innermost (x = width) first
     coords = b.reshape(grid, (batch, samples, nd))
     flat_index = weight = valid = None
