@@ -81,10 +81,12 @@ def with_random_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
 def expose_logits(model: onnx.ModelProto) -> None:
     """Adds the input of a final Softmax as an output: random deep nets saturate their softmax,
     whose probabilities alone would then hide errors in the logits."""
-    outputs = {value.name for value in model.graph.output}
+    outputs = {value.name: value for value in model.graph.output}
     for node in model.graph.node:
         if node.op_type == "Softmax" and node.output[0] in outputs:
-            model.graph.output.append(helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, None))
+            logits = model.graph.output.add()
+            logits.CopyFrom(outputs[node.output[0]])  # Softmax keeps the shape
+            logits.name = node.input[0]
 
 
 @pytest.mark.parametrize("path", LIGHT_MODELS, ids=lambda path: path.stem.removeprefix("light_"))

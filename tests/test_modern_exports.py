@@ -50,6 +50,7 @@ class Model:
     make_inputs: Callable[[np.random.Generator, int, int], dict[str, np.ndarray]]
     # the input specs the artifact's signature must show, symbolic dims by name
     signature: list[dict]
+    output_shape: list
     # (batch, seq) sizes run through one compiled artifact; seq is unused by fixed-length models
     sizes: tuple[tuple[int, int], ...]
     tolerance: float = 1e-4
@@ -60,15 +61,18 @@ MODELS = {
     "bert": Model(
         token_ids_and_mask,
         [{"name": "input_ids", **TOKENS}, {"name": "attention_mask", **TOKENS}],
+        ["batch", "seq", HIDDEN],
         ((1, 5), (3, 11), (2, 64)),
     ),
-    "gpt2": Model(token_ids, [{"name": "input_ids", **TOKENS}], ((1, 5), (3, 11), (2, 64))),
+    # 64 is the longest sequence: the causal mask buffer is sliced to the run-time length
+    "gpt2": Model(token_ids, [{"name": "input_ids", **TOKENS}], ["batch", "seq", VOCAB], ((1, 5), (3, 11), (2, 64))),
     "resnet": Model(
-        images, [{"name": "input", "shape": ["batch", 3, 32, 32], "dtype": "float32"}], ((1, 0), (4, 0))
+        images, [{"name": "input", "shape": ["batch", 3, 32, 32], "dtype": "float32"}], ["batch", 10], ((1, 0), (4, 0))
     ),
     "attention_fp16": Model(
         half_sequences,
         [{"name": "input", "shape": ["batch", FP16_SEQ, HIDDEN], "dtype": "float16"}],
+        ["batch", FP16_SEQ, HIDDEN],
         ((1, 0), (5, 0)),
         tolerance=1e-2,
     ),
@@ -109,6 +113,7 @@ def test_fixture_is_self_contained_and_small(file: str) -> None:
 def test_signature_keeps_symbolic_dims(file: str) -> None:
     signature = compiled(file).signature
     assert [spec.to_json() for spec in signature.inputs] == model_of(file).signature
+    assert [spec.to_json()["shape"] for spec in signature.outputs] == [model_of(file).output_shape]
     assert signature.batch_symbol == "batch"
 
 
