@@ -78,7 +78,7 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
             if dtype in COMPUTED_AS:
                 node_id = ctx.b.cast(node_id, COMPUTED_AS[dtype])
             ctx.env[value.name] = node_id
-    lowering = _Lowering(ctx, types, missing_ops(model))
+    lowering = _Lowering(ctx, types, missing_ops(model), _read_names(graph))
     ctx.lower_nodes = lowering.lower_all
     lowering.lower_all(graph.node)
     result = []
@@ -99,8 +99,10 @@ FOLDED = frozenset({"Shape", "Size"})
 class _Lowering:
     """Lowers nodes one by one: fold what is known, lower what we can, expand ONNX functions."""
 
-    def __init__(self, ctx: Context, types: dict[str, int], missing: list[str]) -> None:
+    def __init__(self, ctx: Context, types: dict[str, int], missing: list[str], read: set[str]) -> None:
         self.ctx = ctx
+        # every value name some node, subgraph or graph output reads
+        self.read = read
         self.types = types
         self.missing = missing
         self.expansions = 0
@@ -123,7 +125,9 @@ class _Lowering:
             raise InvalidModel(f"node {node.name or node.op_type!r} ({node.op_type}): {exc}") from None
         for index, name in enumerate(node.output):
             if name and index >= len(outputs):
-                raise UnsupportedModel([f"{node.op_type} with output {index} ({name!r}) in use"])
+                if name in self.read:
+                    raise UnsupportedModel([f"{node.op_type} with output {index} ({name!r}) in use"])
+                continue
             if name:
                 ctx.env[name] = self._rounded(name, outputs[index])
 
@@ -215,6 +219,16 @@ class _Lowering:
         return helper.make_tensor_type_proto(elem, dims)
 
 
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    names = {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                names |= _read_names(sub)
+    return names
+
+
 def _qualified(node: onnx.NodeProto) -> str:
     return node.op_type if node.domain in ONNX_DOMAINS else f"{node.domain}.{node.op_type}"
 
@@ -274,10 +288,28 @@ def _opset(model: onnx.ModelProto) -> int:
 
 def _upgrade(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     """Old opsets are converted with onnx.version_converter rather than lowered twice."""
+    model = _channel_slopes(model)
     try:
         return onnx.version_converter.convert_version(model, UPGRADE_TO_OPSET)
     except Exception as exc:  # the converter raises bare RuntimeErrors and more
         raise UnsupportedModel([f"opset {opset}, which could not be converted ({exc})"]) from None
+
+
+def _channel_slopes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Before opset 7 a 1-D PRelu slope is per channel (axis 1); the converter leaves it 1-D."""
+    ranks = {}
+    for value in [*onnx.shape_inference.infer_shapes(model).graph.value_info, *model.graph.input]:
+        if value.type.tensor_type.HasField("shape"):
+            ranks[value.name] = len(value.type.tensor_type.shape.dim)
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    weights = {t.name: t for t in fixed.graph.initializer}
+    for node in fixed.graph.node:
+        slope = weights.get(node.input[1]) if node.op_type == "PRelu" and len(node.input) > 1 else None
+        rank = ranks.get(node.input[0], 0)
+        if slope is not None and len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
+    return fixed
 
 
 def load_graph(data: bytes) -> Graph:
