@@ -45,8 +45,8 @@ class LuminalRep(BackendRep):
 
 # inputs this small with a static shape may be specialized on (axes, shapes, scales, pads)
 MAX_SPECIALIZED_ELEMENTS = 64
-# ops whose first input is itself shape-like
-_SHAPE_FIRST = frozenset({"Range", "ConstantOfShape"})
+# ops whose first input is itself shape-like (a Loop's trip count decides its unrolling)
+_SHAPE_FIRST = frozenset({"Range", "ConstantOfShape", "Loop"})
 
 
 class SpecializingRep(BackendRep):

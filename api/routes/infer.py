@@ -16,6 +16,7 @@ from cloud import metrics
 from cloud.errors import LuminalError
 from cloud.validation import decode_inputs, symbol_limits
 from compiler import Signature
+from compiler.dtypes import is_float
 from scheduler.engine import Route
 
 router = APIRouter(prefix="/v1/models", tags=["inference"])
@@ -23,7 +24,9 @@ router = APIRouter(prefix="/v1/models", tags=["inference"])
 
 def encode_output(array: np.ndarray) -> Any:
     """Nested lists; non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
-    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+    if is_float(array.dtype.name) and array.dtype.itemsize < 4:
+        array = array.astype(np.float32)  # bfloat16 and float8 scalars are not JSON numbers
+    if is_float(array.dtype.name) and not np.all(np.isfinite(array)):
         as_object = array.astype(object)
         as_object[np.isnan(array)] = "NaN"
         as_object[np.isposinf(array)] = "Infinity"

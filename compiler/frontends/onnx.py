@@ -20,6 +20,7 @@ from compiler.frontends import onnx_ops  # noqa: F401  (registers the lowerings)
 from compiler.frontends.onnx_checks import ONNX_DOMAINS, check_graph
 from compiler.frontends.onnx_context import COMPUTED_AS, ELEM_TYPES, LOWERINGS, Context
 from compiler.frontends.onnx_fold import fold_numeric, fold_symbolic, shape_of
+from compiler.frontends.onnx_ops.control import renamed_node
 from compiler.ir import Graph, GraphBuilder
 from compiler.shape import Dim, ShapeError, SymDim, numel
 
@@ -247,6 +248,8 @@ def _instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, prefix: str) ->
     rename.update(zip(body.output, list(node.output) + [""] * len(body.output)))
     given = {a.name: a for a in node.attribute}
     defaults = {a.name: a for a in body.attribute_proto}
+    scope = {k: v for k, v in rename.items() if v}
+    scope.update({o: prefix + o for inner in body.node for o in inner.output if o and o not in scope})
     nodes = []
     for inner in body.node:
         copy = onnx.NodeProto()
@@ -265,6 +268,9 @@ def _instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, prefix: str) ->
                 copy.attribute.append(bound)
             else:
                 copy.attribute.append(attribute)
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in copy.attribute):
+            # nested graphs (a Scan body) read the function's values by their outer names
+            copy = renamed_node(copy, scope)
         nodes.append(copy)
     return nodes
 
