@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+import os
+import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,9 @@ from compiler import UnsupportedModel, compile_onnx, executable
 DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 LIGHT_MODELS = sorted((DATA / "light").glob("light_*.onnx"))
 SUITES = ("pytorch-converted", "pytorch-operator", "simple")
+# what one light model may add to the process's address space: the machine is shared, and a
+# process the kernel kills for memory takes the whole test session with it
+LIGHT_MEMORY_BUDGET = 8 << 30
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -89,19 +96,35 @@ def expose_logits(model: onnx.ModelProto) -> None:
             logits.name = node.input[0]
 
 
+@contextmanager
+def address_space_budget(extra: int) -> Iterator[None]:
+    """Allocations past `extra` more bytes raise MemoryError instead of summoning the OOM killer."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        in_use = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = in_use + extra if hard == resource.RLIM_INFINITY else min(in_use + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @pytest.mark.parametrize("path", LIGHT_MODELS, ids=lambda path: path.stem.removeprefix("light_"))
 def test_light_model_matches_onnxruntime(path: Path) -> None:
-    model = with_random_weights(onnx.load(str(path)))
-    expose_logits(model)
-    data = model.SerializeToString()
-    (image,) = graph_inputs(model)
-    shape = [d.dim_value for d in image.type.tensor_type.shape.dim]
-    feed = {image.name: np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    wanted = dict(zip([value.name for value in model.graph.output], session.run(None, feed)))
-    del session
-
-    got = executable(compile_onnx(data, "cpu")).run(feed)
+    with address_space_budget(LIGHT_MEMORY_BUDGET):
+        model = with_random_weights(onnx.load(str(path)))
+        expose_logits(model)
+        (image,) = graph_inputs(model)
+        shape = [d.dim_value for d in image.type.tensor_type.shape.dim]
+        feed = {image.name: np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+        output_names = [value.name for value in model.graph.output]
+        data = model.SerializeToString()
+        del model  # the big models hold hundreds of MB of weights in each copy
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+        wanted = dict(zip(output_names, session.run(None, feed)))
+        del session
+        got = executable(compile_onnx(data, "cpu")).run(feed)
     for name, want in wanted.items():
         assert got[name].shape == want.shape and got[name].dtype == want.dtype, name
         # float32 sums over thousands of terms, in another order than onnxruntime's
