@@ -118,10 +118,15 @@ def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mappin
 def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     bindings = bind_symbols(graph, inputs)
     values: list[np.ndarray | None] = [None] * len(graph.nodes)
+    last_use = {s: i for i, node in enumerate(graph.nodes) for s in node.srcs}
+    keep = {i for _, i in graph.outputs}
     for i, node in enumerate(graph.nodes):
         if node.op is Op.INPUT:
             values[i] = np.asarray(inputs[node.arg], dtype=numpy_dtype(node.dtype))
             continue
         values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
+        for s in set(node.srcs):
+            if last_use[s] == i and s not in keep:
+                values[s] = None  # free values once their last reader ran, to bound peak memory
     return {name: np.asarray(values[i], order="C") for name, i in graph.outputs}
 

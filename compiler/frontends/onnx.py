@@ -310,11 +310,15 @@ def _channel_slopes(model: onnx.ModelProto) -> onnx.ModelProto:
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
     weights = {t.name: t for t in fixed.graph.initializer}
+    declared = {v.name: v for v in fixed.graph.input}
     for node in fixed.graph.node:
-        slope = weights.get(node.input[1]) if node.op_type == "PRelu" and len(node.input) > 1 else None
-        rank = ranks.get(node.input[0], 0)
-        if slope is not None and len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+        if node.op_type != "PRelu" or len(node.input) < 2 or node.input[1] not in weights:
+            continue
+        slope, rank = weights[node.input[1]], ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
             slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
+            if slope.name in declared:  # IR 3 also lists initializers as graph inputs
+                declared[slope.name].CopyFrom(helper.make_tensor_value_info(slope.name, slope.data_type, list(slope.dims)))
     return fixed
 
 
