@@ -121,21 +121,7 @@ def _limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIGHT_MEMORY_BUDGET, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-# VGG-19's verification materializes each convolution's broadcast product in the reference
-# interpreter (gigabytes at 224x224x64); open until the reference contracts without materializing
-OVER_MEMORY_BUDGET = {"light_vgg19"}
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(reason="reference interpreter over the memory budget", strict=True))
-        if p.stem in OVER_MEMORY_BUDGET
-        else p
-        for p in LIGHT_MODELS
-    ],
-    ids=lambda path: path.stem.removeprefix("light_"),
-)
+@pytest.mark.parametrize("path", LIGHT_MODELS, ids=lambda path: path.stem.removeprefix("light_"))
 def test_light_model_matches_onnxruntime(path: Path) -> None:
     child = subprocess.run(
         [sys.executable, "-m", "tests.test_model_zoo", str(path)],
