@@ -108,6 +108,45 @@ def where(b: GraphBuilder, cond: int, x: int, y: int) -> int:
     return b.reshape(b.gather(pairs, index, 0), shape)
 
 
+def less(b: GraphBuilder, x: int, y: int) -> int:
+    return b.binary(Op.LESS_THAN, *broadcast_pair(b, x, y))
+
+
+def logical_not(b: GraphBuilder, cond: int) -> int:
+    # False < True is the only true case, so c < True is not c
+    cond = b.cast(cond, "bool")
+    return b.binary(Op.LESS_THAN, cond, b.scalar_like(True, cond))
+
+
+def logical_and(b: GraphBuilder, p: int, q: int) -> int:
+    return b.cast(mul(b, b.cast(p, "int8"), b.cast(q, "int8")), "bool")
+
+
+def equal(b: GraphBuilder, x: int, y: int) -> int:
+    """x == y for non-NaN values: neither is below the other."""
+    return logical_and(b, logical_not(b, less(b, x, y)), logical_not(b, less(b, y, x)))
+
+
+def is_nan(b: GraphBuilder, x: int) -> int:
+    # NaN is the only value neither below +inf nor above -inf
+    below_inf = less(b, x, b.scalar_like(np.inf, x))
+    above_minus_inf = less(b, b.scalar_like(-np.inf, x), x)
+    return logical_and(b, logical_not(b, below_inf), logical_not(b, above_minus_inf))
+
+
+def power_by_squaring(b: GraphBuilder, x: int, n: int) -> int | None:
+    """x**n for a compile-time n >= 1 (exact modulo 2**bits for integers); None for n == 0."""
+    result = None
+    square = x
+    while n:
+        if n & 1:
+            result = square if result is None else b.binary(Op.MUL, result, square)
+        n >>= 1
+        if n:
+            square = b.binary(Op.MUL, square, square)
+    return result
+
+
 def relu(b: GraphBuilder, x: int) -> int:
     # max over (x, 0) keeps relu(-inf) = 0 and propagates NaN, unlike x * (x > 0)
     zero_padded = b.view(b.unsqueeze(x, -1), ("pad", ((0, 0),) * len(b.shape(x)) + ((0, 1),), 0))

@@ -87,15 +87,6 @@ def _recip_mul(b: GraphBuilder, x: int, y: int) -> int:
 # ---- booleans and comparisons --------------------------------------------------------------
 
 
-def _lt(b: GraphBuilder, x: int, y: int) -> int:
-    return b.binary(Op.LESS_THAN, *C.broadcast_pair(b, x, y))
-
-
-def _not(b: GraphBuilder, cond: int) -> int:
-    # False < True is the only true case, so c < True is not c
-    return b.binary(Op.LESS_THAN, cond, _full(b, True, cond))
-
-
 def _any(b: GraphBuilder, *conds: int) -> int:
     counts = [b.cast(c, "uint8") for c in _broadcast_all(b, conds)]
     total = counts[0]
@@ -105,7 +96,7 @@ def _any(b: GraphBuilder, *conds: int) -> int:
 
 
 def _all(b: GraphBuilder, *conds: int) -> int:
-    return _not(b, _any(b, *(_not(b, c) for c in conds)))
+    return C.logical_not(b, _any(b, *(C.logical_not(b, c) for c in conds)))
 
 
 def _xor(b: GraphBuilder, x: int, y: int) -> int:
@@ -116,15 +107,15 @@ def _xor(b: GraphBuilder, x: int, y: int) -> int:
 
 def _isnan(b: GraphBuilder, x: int) -> int:
     # every number but NaN is below +inf or above -inf
-    return _not(b, _any(b, _lt(b, x, _full(b, np.inf, x)), _lt(b, _full(b, -np.inf, x), x)))
+    return C.logical_not(b, _any(b, C.less(b, x, _full(b, np.inf, x)), C.less(b, _full(b, -np.inf, x), x)))
 
 
 def _eq(b: GraphBuilder, x: int, y: int) -> int:
     x, y = C.broadcast_pair(b, x, y)
-    differ = [_lt(b, x, y), _lt(b, y, x)]
+    differ = [C.less(b, x, y), C.less(b, y, x)]
     if _is_float(b.dtype(x)):
         differ += [_isnan(b, x), _isnan(b, y)]
-    return _not(b, _any(b, *differ))
+    return C.logical_not(b, _any(b, *differ))
 
 
 def _as_number(b: GraphBuilder, cond: int, like: int) -> int:
@@ -165,14 +156,14 @@ def _abs(b: GraphBuilder, x: int) -> int:
 
 
 def _sign(b: GraphBuilder, x: int) -> int:
-    positive = _as_number(b, _lt(b, _full(b, 0, x), x), x)
+    positive = _as_number(b, C.less(b, _full(b, 0, x), x), x)
     if _is_unsigned(b.dtype(x)):
         return positive
     if _is_float(b.dtype(x)):
         # keeps NaN (and the sign of zero) by falling through to x itself
-        rest = _where(b, _lt(b, _full(b, 0, x), x), _full(b, 1, x), x)
-        return _where(b, _lt(b, x, _full(b, 0, x)), _full(b, -1, x), rest)
-    return _sub(b, positive, _as_number(b, _lt(b, x, _full(b, 0, x)), x))
+        rest = _where(b, C.less(b, _full(b, 0, x), x), _full(b, 1, x), x)
+        return _where(b, C.less(b, x, _full(b, 0, x)), _full(b, -1, x), rest)
+    return _sub(b, positive, _as_number(b, C.less(b, x, _full(b, 0, x)), x))
 
 
 # ---- rounding ------------------------------------------------------------------------------
@@ -186,20 +177,20 @@ def _trunc(b: GraphBuilder, x: int) -> int:
 
 def _floor(b: GraphBuilder, x: int) -> int:
     t = _trunc(b, x)
-    return _sub(b, t, _as_number(b, _lt(b, x, t), x))
+    return _sub(b, t, _as_number(b, C.less(b, x, t), x))
 
 
 def _ceil(b: GraphBuilder, x: int) -> int:
     t = _trunc(b, x)
-    return _add(b, t, _as_number(b, _lt(b, t, x), x))
+    return _add(b, t, _as_number(b, C.less(b, t, x), x))
 
 
 def _round_half_even(b: GraphBuilder, x: int) -> int:
     f = _floor(b, x)
     frac = _sub(b, x, f)  # exact except just below zero, where it rounds up towards 1
     half = _full(b, 0.5, x)
-    odd = _not(b, _eq(b, b.binary(Op.MOD, f, _full(b, 2.0, x)), _full(b, 0.0, x)))
-    up = _any(b, _lt(b, half, frac), _all(b, _eq(b, frac, half), odd))
+    odd = C.logical_not(b, _eq(b, b.binary(Op.MOD, f, _full(b, 2.0, x)), _full(b, 0.0, x)))
+    up = _any(b, C.less(b, half, frac), _all(b, _eq(b, frac, half), odd))
     return _add(b, f, _as_number(b, up, x))
 
 
@@ -225,12 +216,12 @@ _SMALL = 0.125
 def _expm1(b: GraphBuilder, x: int) -> int:
     """exp(x) - 1 without the cancellation near 0."""
     series = b.binary(Op.MUL, x, _horner(b, x, [1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0]))
-    small = _lt(b, _abs(b, x), _full(b, _SMALL, x))
+    small = C.less(b, _abs(b, x), _full(b, _SMALL, x))
     return _where(b, small, series, C.shift(b, _exp(b, x), -1.0))
 
 
 def _with_sign_of(b: GraphBuilder, magnitude: int, x: int) -> int:
-    sign = C.shift(b, C.scale(b, _as_number(b, _lt(b, x, _full(b, 0.0, x)), x), -2.0), 1.0)
+    sign = C.shift(b, C.scale(b, _as_number(b, C.less(b, x, _full(b, 0.0, x)), x), -2.0), 1.0)
     return b.binary(Op.MUL, magnitude, sign)
 
 
@@ -281,8 +272,8 @@ def _erfc_nonnegative(b: GraphBuilder, z: int) -> int:
 def _atan(b: GraphBuilder, x: int) -> int:
     """Cephes atanf: reduce |x| to [-tan(pi/8), tan(pi/8)], then an odd polynomial."""
     a = _abs(b, x)
-    big = _lt(b, _full(b, 2.414213562373095, x), a)  # tan(3pi/8)
-    mid = _lt(b, _full(b, 0.4142135623730950, x), a)  # tan(pi/8)
+    big = C.less(b, _full(b, 2.414213562373095, x), a)  # tan(3pi/8)
+    mid = C.less(b, _full(b, 0.4142135623730950, x), a)  # tan(pi/8)
     moderate = _recip_mul(b, _add(b, a, _full(b, -1.0, x)), _add(b, a, _full(b, 1.0, x)))
     t = _where(b, big, C.neg(b, b.unary(Op.RECIP, a)), _where(b, mid, moderate, a))
     offset = C.scale(b, _add(b, _as_number(b, big, x), _as_number(b, mid, x)), math.pi / 4)
@@ -314,7 +305,7 @@ def _near_cos_zero(b: GraphBuilder, x: int) -> tuple[int, int]:
     """
     half_sine = b.unary(Op.SIN, C.scale(b, x, 0.5))
     cos = C.shift(b, C.scale(b, b.binary(Op.MUL, half_sine, half_sine), -2.0), 1.0)
-    return cos, _lt(b, _abs(b, cos), _full(b, 0.5, x))
+    return cos, C.less(b, _abs(b, cos), _full(b, 0.5, x))
 
 
 def _cos(b: GraphBuilder, x: int) -> int:
@@ -352,15 +343,15 @@ def _asinh(b: GraphBuilder, x: int) -> int:
     # odd symmetry: log(|x| + sqrt(x^2 + 1)) has no cancellation for |x|
     a = _abs(b, x)
     moderate = _log(b, _add(b, a, _sqrt(b, C.shift(b, b.binary(Op.MUL, a, a), 1.0))))
-    magnitude = _where(b, _lt(b, _full(b, _HUGE, x), a), _log_twice(b, a), moderate)
-    return _where(b, _lt(b, x, _full(b, 0.0, x)), C.neg(b, magnitude), magnitude)
+    magnitude = _where(b, C.less(b, _full(b, _HUGE, x), a), _log_twice(b, a), moderate)
+    return _where(b, C.less(b, x, _full(b, 0.0, x)), C.neg(b, magnitude), magnitude)
 
 
 def _acosh(b: GraphBuilder, x: int) -> int:
     # sqrt(x-1) sqrt(x+1) is NaN below 1 and precise near 1
     root = b.binary(Op.MUL, _sqrt(b, C.shift(b, x, -1.0)), _sqrt(b, C.shift(b, x, 1.0)))
     moderate = _log(b, _add(b, x, root))
-    return _where(b, _lt(b, _full(b, _HUGE, x), x), _log_twice(b, x), moderate)
+    return _where(b, C.less(b, _full(b, _HUGE, x), x), _log_twice(b, x), moderate)
 
 
 def _atanh(b: GraphBuilder, x: int) -> int:
@@ -393,7 +384,7 @@ def _mish(b: GraphBuilder, x: int) -> int:
 
 
 def _positive(b: GraphBuilder, x: int) -> int:
-    return _lt(b, _full(b, 0.0, x), x)
+    return C.less(b, _full(b, 0.0, x), x)
 
 
 def _elu(b: GraphBuilder, x: int, a: dict) -> int:
@@ -418,7 +409,7 @@ def _leaky_relu(b: GraphBuilder, x: int, a: dict) -> int:
 
 
 def _thresholded_relu(b: GraphBuilder, x: int, a: dict) -> int:
-    above = _lt(b, _full(b, a.get("alpha", 1.0), x), x)
+    above = C.less(b, _full(b, a.get("alpha", 1.0), x), x)
     return _where(b, above, x, _full(b, 0.0, x))
 
 
@@ -450,14 +441,14 @@ def _gelu(b: GraphBuilder, x: int, a: dict) -> int:
         raise ValueError(f"approximate={approximate!r}")
     # 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2), taken from erfc directly where it is small
     tail = _erfc_nonnegative(b, C.scale(b, _abs(b, x), 1.0 / math.sqrt(2.0)))
-    factor = _where(b, _lt(b, x, _full(b, 0.0, x)), tail, C.shift(b, C.neg(b, tail), 2.0))
+    factor = _where(b, C.less(b, x, _full(b, 0.0, x)), tail, C.shift(b, C.neg(b, tail), 2.0))
     return C.scale(b, b.binary(Op.MUL, x, factor), 0.5)
 
 
 def _shrink(b: GraphBuilder, x: int, a: dict) -> int:
     lambd, bias = a.get("lambd", 0.5), a.get("bias", 0.0)
-    below = _lt(b, x, _full(b, -lambd, x))
-    above = _lt(b, _full(b, lambd, x), x)
+    below = C.less(b, x, _full(b, -lambd, x))
+    above = C.less(b, _full(b, lambd, x), x)
     inner = _where(b, above, C.shift(b, x, -bias), _full(b, 0.0, x))
     return _where(b, below, C.shift(b, x, bias), inner)
 
@@ -576,7 +567,7 @@ def _div_int(b: GraphBuilder, x: int, y: int) -> int:
     y = _add(b, y, _as_number(b, _eq(b, y, _full(b, 0, y)), y))
     multiple = _sub(b, x, b.binary(Op.MOD, x, y))
     approx = _recip_mul(b, b.cast(multiple, "float64"), b.cast(y, "float64"))
-    away = C.shift(b, C.neg(b, _as_number(b, _lt(b, approx, _full(b, 0.0, approx)), approx)), 0.5)
+    away = C.shift(b, C.neg(b, _as_number(b, C.less(b, approx, _full(b, 0.0, approx)), approx)), 0.5)
     return b.cast(b.cast(_add(b, approx, away), "int64"), dtype)
 
 
@@ -612,8 +603,8 @@ def _mod(ctx: Context, node: onnx.NodeProto) -> list[int]:
     zero = _full(b, 0, x)
     differ = _any(
         b,
-        _all(b, _lt(b, r, zero), _lt(b, zero, y)),
-        _all(b, _lt(b, zero, r), _lt(b, y, zero)),
+        _all(b, C.less(b, r, zero), C.less(b, zero, y)),
+        _all(b, C.less(b, zero, r), C.less(b, y, zero)),
     )
     return [_where(b, differ, b.binary(Op.ADD, r, y), r)]
 
@@ -662,14 +653,7 @@ def _clip(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 def _power_by_squaring(b: GraphBuilder, x: int, n: int) -> int:
     """x**n for a compile-time n >= 0, in x's dtype (exact modulo 2**bits for integers)."""
-    result = None
-    square = x
-    while n:
-        if n & 1:
-            result = square if result is None else b.binary(Op.MUL, result, square)
-        n >>= 1
-        if n:
-            square = b.binary(Op.MUL, square, square)
+    result = C.power_by_squaring(b, x, n)
     return _full(b, 1, x) if result is None else result
 
 
@@ -681,10 +665,10 @@ def _int_power(b: GraphBuilder, x: int, y: int) -> int:
     result, square = one, x
     for i in range(value_bits):
         if i == value_bits - 1:
-            bit = _not(b, _lt(b, y, _full(b, 2**i, y)))
+            bit = C.logical_not(b, C.less(b, y, _full(b, 2**i, y)))
         else:
             low = b.binary(Op.MOD, y, _full(b, 2 ** (i + 1), y))
-            bit = _not(b, _lt(b, low, _full(b, 2**i, y)))
+            bit = C.logical_not(b, C.less(b, low, _full(b, 2**i, y)))
         # factor = 1 + bit * (square - 1)
         factor = b.binary(Op.ADD, one, b.binary(Op.MUL, _as_number(b, bit, x), _sub(b, square, one)))
         result = b.binary(Op.MUL, result, factor)
@@ -706,16 +690,16 @@ def _float_power(b: GraphBuilder, x: int, y: int) -> int:
         odd = b.cast(b.binary(Op.MOD, y, _full(b, 2, y)), "bool")
     else:
         whole = _eq(b, b.binary(Op.MOD, yf, one), zero)
-        integral = _any(b, whole, _lt(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf)))
+        integral = _any(b, whole, C.less(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf)))
         odd = _eq(b, _abs(b, b.binary(Op.MOD, yf, _full(b, 2.0, x))), one)
-    below_zero = _lt(b, x, zero)
+    below_zero = C.less(b, x, zero)
     # the sign bit, -0.0 included (its reciprocal is -inf)
-    sign_bit = _any(b, below_zero, _lt(b, b.unary(Op.RECIP, x), zero))
+    sign_bit = _any(b, below_zero, C.less(b, b.unary(Op.RECIP, x), zero))
     signed = _where(b, _all(b, sign_bit, odd), C.neg(b, magnitude), magnitude)
-    finite_negative = _all(b, below_zero, _lt(b, _full(b, -np.inf, x), x))
-    result = _where(b, _all(b, finite_negative, _not(b, integral)), _full(b, np.nan, x), signed)
+    finite_negative = _all(b, below_zero, C.less(b, _full(b, -np.inf, x), x))
+    result = _where(b, _all(b, finite_negative, C.logical_not(b, integral)), _full(b, np.nan, x), signed)
     # pow(x, 0), pow(1, y) and pow(-1, +-inf) are 1 even where y or x is NaN
-    infinite_y = _lt(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf))
+    infinite_y = C.less(b, _full(b, np.finfo(b.dtype(x)).max, x), _abs(b, yf))
     minus_one_infinite = _all(b, _eq(b, x, C.neg(b, one)), infinite_y)
     return _where(b, _any(b, _eq(b, yf, zero), _eq(b, x, one), minus_one_infinite), one, result)
 
@@ -769,8 +753,8 @@ def _compare(ctx: Context, node: onnx.NodeProto) -> list[int]:
     if node.op_type == "Equal":
         return [_eq(b, x, y)]
     if node.op_type in ("Less", "Greater"):
-        return [_lt(b, x, y)]
-    return [_any(b, _lt(b, x, y), _eq(b, x, y))]
+        return [C.less(b, x, y)]
+    return [_any(b, C.less(b, x, y), _eq(b, x, y))]
 
 
 @lowers("And", "Or", "Xor")
@@ -786,7 +770,7 @@ def _logic(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 @lowers("Not")
 def _logical_not(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    return [_not(ctx.b, ctx.value(node, 0))]
+    return [C.logical_not(ctx.b, ctx.value(node, 0))]
 
 
 @lowers("Where")
@@ -814,11 +798,11 @@ def _is_inf(ctx: Context, node: onnx.NodeProto) -> list[int]:
     largest = np.finfo(b.dtype(x)).max
     checks = []
     if a.get("detect_positive", 1):
-        checks.append(_lt(b, _full(b, largest, x), x))
+        checks.append(C.less(b, _full(b, largest, x), x))
     if a.get("detect_negative", 1):
-        checks.append(_lt(b, x, _full(b, -largest, x)))
+        checks.append(C.less(b, x, _full(b, -largest, x)))
     if not checks:
-        return [_lt(b, x, x)]  # all False
+        return [C.less(b, x, x)]  # all False
     return [_any(b, *checks)]
 
 
@@ -843,7 +827,7 @@ def _bit_planes(b: GraphBuilder, x: int) -> int:
     moduli = b.broadcast_to(b.constant(powers[1:]), (*shape, bits - 1))
     low = b.binary(Op.MOD, b.expand(unsigned, (*shape, bits - 1)), moduli)
     low = C.concat(b, [low, unsigned], axis=-1)
-    return _not(b, b.binary(Op.LESS_THAN, low, b.broadcast_to(b.constant(powers), b.shape(low))))
+    return C.logical_not(b, b.binary(Op.LESS_THAN, low, b.broadcast_to(b.constant(powers), b.shape(low))))
 
 
 def _from_bit_planes(b: GraphBuilder, planes: int, dtype: str) -> int:
@@ -879,7 +863,7 @@ def _bitwise_not(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 def _shift_amount(b: GraphBuilder, y: int, bits: int) -> int:
     """y as int64, with every y outside [0, bits) replaced by bits."""
-    in_range = _all(b, _lt(b, y, _full(b, bits, y)), _not(b, _lt(b, y, _full(b, 0, y))))
+    in_range = _all(b, C.less(b, y, _full(b, bits, y)), C.logical_not(b, C.less(b, y, _full(b, 0, y))))
     amount = b.cast(y, "int64")
     return _where(b, in_range, amount, _full(b, bits, amount))
 
@@ -901,12 +885,12 @@ def _shift_right(b: GraphBuilder, x: int, y: int) -> int:
     count = numel(shape)
     source = C.add(b, b.unsqueeze(_shift_amount(b, y, bits), -1), b.iota(bits))
     top = _full(b, bits - 1, source)
-    clamped = _where(b, _lt(b, top, source), top, source)
+    clamped = _where(b, C.less(b, top, source), top, source)
     rows = C.scale(b, b.reshape(b.iota(count), (*shape, 1)), bits)
     index = b.reshape(C.add(b, rows, clamped), (dim_mul(count, bits),))
     shifted = b.reshape(b.gather(b.reshape(planes, (dim_mul(count, bits),)), index, 0), b.shape(planes))
     if not _is_signed(dtype):
-        shifted = _all(b, shifted, _lt(b, source, _full(b, bits, source)))
+        shifted = _all(b, shifted, C.less(b, source, _full(b, bits, source)))
     return _from_bit_planes(b, shifted, dtype)
 
 

@@ -285,15 +285,7 @@ def _max_pool_indices(b: GraphBuilder, x: int, peak: int, geometry, column_major
 def _abs_power(b: GraphBuilder, x: int, p: int) -> int:
     """|x|**p for a positive integer p, by repeated squaring."""
     base = x if p % 2 == 0 else C.maximum(b, x, C.neg(b, x))
-    result = None
-    while p:
-        if p & 1:
-            result = base if result is None else b.binary(Op.MUL, result, base)
-        p >>= 1
-        if p:
-            base = b.binary(Op.MUL, base, base)
-    assert result is not None
-    return result
+    return C.power_by_squaring(b, base, p)
 
 
 def _root(b: GraphBuilder, x: int, p: int) -> int:

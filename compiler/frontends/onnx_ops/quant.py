@@ -25,10 +25,8 @@ from compiler.frontends.onnx_ops.elementwise import (
     _eq,
     _flip,
     _floor,
-    _lt,
     _max,
     _min,
-    _not,
     _round_half_even,
     _sub,
     _where,
@@ -308,7 +306,7 @@ def _static_shape(node: onnx.NodeProto, shape: tuple[Dim, ...], what: str) -> tu
 def _wrapped(b: GraphBuilder, index: int, extent: int) -> int:
     """A negative index counted from the end (int64)."""
     index = b.cast(index, "int64")
-    negative = b.cast(_lt(b, index, b.scalar_like(0, index)), "int64")
+    negative = b.cast(C.less(b, index, b.scalar_like(0, index)), "int64")
     return b.binary(Op.ADD, index, b.binary(Op.MUL, negative, b.scalar_like(extent, index)))
 
 
@@ -445,9 +443,9 @@ def _tensor_scatter(ctx: Context, node: onnx.NodeProto) -> list[int]:
     source = _sub(b, b.reshape(b.iota(length), (1, length)), b.reshape(start, (outer, 1)))  # [rows, length]
     if mode == "circular":
         source = b.binary(Op.MOD, source, b.scalar_like(length, source))
-        source = _where(b, _lt(b, source, b.scalar_like(0, source)), C.shift(b, source, length), source)
+        source = _where(b, C.less(b, source, b.scalar_like(0, source)), C.shift(b, source, length), source)
     hit = _all(
-        b, _not(b, _lt(b, source, b.scalar_like(0, source))), _lt(b, source, b.scalar_like(written, source))
+        b, C.logical_not(b, C.less(b, source, b.scalar_like(0, source))), C.less(b, source, b.scalar_like(written, source))
     )
     within = _clamp(b, source, 0, written - 1)
     flat = C.add(b, within, C.scale(b, b.reshape(b.iota(outer), (outer, 1)), written))
@@ -472,15 +470,15 @@ _CUBIC_ALPHA = -0.75
 def _reflect(b: GraphBuilder, v: int, low: float, high: float) -> int:
     """v (float64) reflected by the near border until it lies in [low, high], as ONNX does it."""
     span = high - low
-    below, above = _lt(b, v, b.scalar_like(low, v)), _lt(b, b.scalar_like(high, v), v)
+    below, above = C.less(b, v, b.scalar_like(low, v)), C.less(b, b.scalar_like(high, v), v)
     distance = _where(b, below, C.shift(b, C.neg(b, v), low), C.shift(b, v, -high))
     # whole spans crossed; the float quotient is corrected so the remainder is exact
     turns = _floor(b, C.scale(b, distance, 1.0 / span))
     rest = _sub(b, distance, C.scale(b, turns, span))
-    under = _lt(b, rest, b.scalar_like(0.0, rest))
+    under = C.less(b, rest, b.scalar_like(0.0, rest))
     turns = _where(b, under, C.shift(b, turns, -1.0), turns)
     rest = _where(b, under, C.shift(b, rest, span), rest)
-    over = _not(b, _lt(b, rest, b.scalar_like(span, rest)))
+    over = C.logical_not(b, C.less(b, rest, b.scalar_like(span, rest)))
     turns = _where(b, over, C.shift(b, turns, 1.0), turns)
     rest = _where(b, over, C.shift(b, rest, -span), rest)
     even = _eq(b, b.binary(Op.MOD, turns, b.scalar_like(2.0, turns)), b.scalar_like(0.0, turns))
@@ -516,7 +514,7 @@ def _axis_taps(b: GraphBuilder, x: int, extent: int, mode: str, padding: str, al
     low, high = (0.0, extent - 1.0) if align else (-0.5, extent - 0.5)
     if mode == "nearest":
         x = _round_half_even(b, x)
-    outside = _any(b, _lt(b, x, b.scalar_like(low, x)), _lt(b, b.scalar_like(high, x), x))
+    outside = _any(b, C.less(b, x, b.scalar_like(low, x)), C.less(b, b.scalar_like(high, x), x))
     if padding == "border":
         x = _where(b, outside, _clamp(b, x, 0.0, extent - 1.0), x)
     elif padding == "reflection":
@@ -540,7 +538,7 @@ def _axis_taps(b: GraphBuilder, x: int, extent: int, mode: str, padding: str, al
     valid = None
     if padding == "zeros":
         valid = _all(
-            b, _not(b, _lt(b, index, b.scalar_like(0, index))), _lt(b, index, b.scalar_like(extent, index))
+            b, C.logical_not(b, C.less(b, index, b.scalar_like(0, index))), C.less(b, index, b.scalar_like(extent, index))
         )
     # out-of-range taps (zeros padding) still gather somewhere in range, then are masked
     index = _clamp(b, index, 0, extent - 1)

@@ -24,33 +24,8 @@ def _is_float(b: GraphBuilder, x: int) -> bool:
     return b.dtype(x).startswith("float")
 
 
-def _less(b: GraphBuilder, x: int, y: int) -> int:
-    return b.binary(Op.LESS_THAN, *C.broadcast_pair(b, x, y))
-
-
-def _not(b: GraphBuilder, mask: int) -> int:
-    as_int = b.cast(mask, "int8")
-    return b.binary(Op.LESS_THAN, as_int, b.scalar_like(1, as_int))
-
-
-def _and(b: GraphBuilder, p: int, q: int) -> int:
-    return b.cast(C.mul(b, b.cast(p, "int8"), b.cast(q, "int8")), "bool")
-
-
-def _equal(b: GraphBuilder, x: int, y: int) -> int:
-    """x == y for non-NaN values: neither is below the other."""
-    return _and(b, _not(b, _less(b, x, y)), _not(b, _less(b, y, x)))
-
-
-def _is_nan(b: GraphBuilder, x: int) -> int:
-    # NaN is the only value neither below +inf nor above -inf
-    below_inf = _less(b, x, b.scalar_like(np.inf, x))
-    above_minus_inf = _less(b, b.scalar_like(-np.inf, x), x)
-    return _and(b, _not(b, below_inf), _not(b, above_minus_inf))
-
-
 def _is_finite(b: GraphBuilder, x: int) -> int:
-    return _and(b, _less(b, b.scalar_like(-np.inf, x), x), _less(b, x, b.scalar_like(np.inf, x)))
+    return C.logical_and(b, C.less(b, b.scalar_like(-np.inf, x), x), C.less(b, x, b.scalar_like(np.inf, x)))
 
 
 def _reverse_order(b: GraphBuilder, x: int) -> int:
@@ -61,7 +36,7 @@ def _reverse_order(b: GraphBuilder, x: int) -> int:
     """
     dtype = b.dtype(x)
     if dtype == "bool":
-        return _not(b, x)
+        return C.logical_not(b, x)
     if dtype.startswith("float"):
         return C.neg(b, x)
     all_ones = b.scalar_like(np.array(-1).astype(dtype), x)
@@ -236,10 +211,10 @@ _BIG = 1 << 62
 def _at_maximum(b: GraphBuilder, x: int, axis: int) -> int:
     """Where x attains its maximum along `axis` (the NaNs, if any, as numpy's argmax has it)."""
     peak = b.expand(C.reduce_keep(b, Op.MAX_REDUCE, x, [axis]), b.shape(x))
-    hit = _not(b, _less(b, x, peak))
+    hit = C.logical_not(b, C.less(b, x, peak))
     if _is_float(b, x):
         # a NaN peak: not(x < NaN) holds everywhere, only the NaNs themselves count
-        hit = _and(b, hit, _not(b, _and(b, _is_nan(b, peak), _not(b, _is_nan(b, x)))))
+        hit = C.logical_and(b, hit, C.logical_not(b, C.logical_and(b, C.is_nan(b, peak), C.logical_not(b, C.is_nan(b, x)))))
     return hit
 
 
@@ -307,7 +282,7 @@ def _hardmax(b: GraphBuilder, x: int, axis: int) -> int:
     position_shape = [1] * len(shape)
     position_shape[axis] = shape[axis]
     position = b.reshape(b.iota(shape[axis]), position_shape)
-    return b.cast(b.broadcast_to(_equal(b, position, first), shape), b.dtype(x))
+    return b.cast(b.broadcast_to(C.equal(b, position, first), shape), b.dtype(x))
 
 
 @lowers("LogSoftmax")
@@ -477,7 +452,7 @@ def _lp_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raise refuse(node, f"p={p}")
     norm = b.expand(norm, b.shape(x))
     # a zero norm gives zeros, not 0/0 (below the smallest subnormal means zero, and not NaN)
-    is_zero = _less(b, norm, b.scalar_like(np.finfo(b.dtype(x)).smallest_subnormal, norm))
+    is_zero = C.less(b, norm, b.scalar_like(np.finfo(b.dtype(x)).smallest_subnormal, norm))
     return [C.where(b, is_zero, b.scalar_like(0, x), b.binary(Op.MUL, x, b.unary(Op.RECIP, norm)))]
 
 
@@ -632,7 +607,7 @@ def _negative_log_likelihood(ctx: Context, node: onnx.NodeProto, log_prob: int) 
     ignore_index = attrs(node).get("ignore_index")
     ignored = None
     if ignore_index is not None:
-        ignored = _equal(b, target, b.scalar_like(ignore_index, target))
+        ignored = C.equal(b, target, b.scalar_like(ignore_index, target))
         target = C.where(b, ignored, b.scalar_like(0, target), target)
     # out-of-range targets are undefined; wrapping them keeps the gathers in bounds
     target = b.binary(Op.MOD, target, b.scalar_like(classes, target))
@@ -676,7 +651,7 @@ def _softmax_cross_entropy(ctx: Context, node: onnx.NodeProto) -> list[int]:
 def _topk_order_key(b: GraphBuilder, x: int, largest: bool) -> int:
     """A key whose descending order is the output order; NaN counts as the largest value."""
     if _is_float(b, x):
-        x = C.where(b, _is_nan(b, x), b.scalar_like(np.inf, x), x)
+        x = C.where(b, C.is_nan(b, x), b.scalar_like(np.inf, x), x)
     return x if largest else _reverse_order(b, x)
 
 
@@ -704,13 +679,13 @@ def _top_k(ctx: Context, node: onnx.NodeProto) -> list[int]:
     flat_rows = b.reshape(moved, (rows, n))
     key = _topk_order_key(b, flat_rows, bool(a.get("largest", 1)))
     mine, theirs = b.reshape(key, (rows, n, 1)), b.reshape(key, (rows, 1, n))
-    above = _less(b, mine, theirs)
-    tied = _equal(b, mine, theirs)
+    above = C.less(b, mine, theirs)
+    tied = C.equal(b, mine, theirs)
     earlier = b.constant(np.tri(n, n, -1, dtype=bool))  # [i, j]: j < i
-    before = C.add(b, b.cast(above, "int64"), b.cast(_and(b, tied, earlier), "int64"))
+    before = C.add(b, b.cast(above, "int64"), b.cast(C.logical_and(b, tied, earlier), "int64"))
     rank = b.reduce(Op.SUM_REDUCE, before, [2])
     slots = b.reshape(b.iota(k), (1, k, 1))
-    chosen = b.cast(_equal(b, b.reshape(rank, (rows, 1, n)), slots), "int64")
+    chosen = b.cast(C.equal(b, b.reshape(rank, (rows, 1, n)), slots), "int64")
     position = b.reshape(b.iota(n), (1, 1, n))
     index = b.reduce(Op.SUM_REDUCE, C.mul(b, chosen, position), [2])
     flat_index = C.add(b, index, C.scale(b, b.reshape(b.iota(rows), (rows, 1)), n))

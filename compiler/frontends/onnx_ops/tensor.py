@@ -354,18 +354,10 @@ def _one_hot(ctx: Context, node: onnx.NodeProto) -> list[int]:
     out_shape.insert(axis, depth)
     spread = b.expand(b.unsqueeze(indices, axis), out_shape)
     positions = _axis_positions(b, tuple(out_shape), axis)
-    hot = _equal(b, spread, positions)
+    hot = C.equal(b, spread, positions)
     off = b.view(values, ("slice", ((0, 1, 1),)))
     on = b.view(values, ("slice", ((1, 2, 1),)))
     return [C.where(b, hot, b.reshape(on, ()), b.reshape(off, ()))]
-
-
-def _equal(b: GraphBuilder, x: int, y: int) -> int:
-    """x == y for ints: neither is less than the other."""
-    less = b.binary(Op.LESS_THAN, x, y)
-    more = b.binary(Op.LESS_THAN, y, x)
-    either = b.binary(Op.ADD, b.cast(less, "int64"), b.cast(more, "int64"))
-    return b.binary(Op.LESS_THAN, either, b.scalar_like(1, either))
 
 
 @lowers("EyeLike")
