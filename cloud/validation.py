@@ -104,10 +104,10 @@ def _bind_symbols(
             if isinstance(declared, int):
                 if declared != size:
                     raise InvalidInput(f"{where} is {size}, expected {declared}; expected {describe(spec)}")
-            elif declared.coef != 1 or len(declared.symbols) != 1:
+            elif declared.as_symbol() is None:
                 products.append((where, declared, size, spec))
             else:
-                symbol = declared.symbols[0]
+                symbol = declared.as_symbol()
                 limit = limits[symbol]
                 if size < 1 or size > limit:
                     raise InvalidInput(f"{where} ({symbol}) is {size}; allowed 1 to {limit}")

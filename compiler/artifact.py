@@ -81,8 +81,8 @@ def _batch_symbol(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> str | 
     if len(leads) != 1:
         return None
     lead = leads.pop()
-    if isinstance(lead, SymDim) and lead.coef == 1 and len(lead.symbols) == 1:
-        return lead.symbols[0]
+    if isinstance(lead, SymDim):
+        return lead.as_symbol()
     return None
 
 

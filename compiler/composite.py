@@ -16,7 +16,7 @@ import numpy as np
 from compiler.errors import UnsupportedModel
 from compiler.ir import GraphBuilder, Op
 from compiler.reference import apply_view
-from compiler.shape import Dim, ShapeError, broadcast_shapes, dim_mul, numel
+from compiler.shape import Dim, ShapeError, broadcast_shapes, dim_add, dim_mul, dim_sub, numel
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -158,17 +158,17 @@ def concat(b: GraphBuilder, parts: Sequence[int], axis: int) -> int:
     rank = len(b.shape(parts[0]))
     axis %= rank
     sizes = [b.shape(p)[axis] for p in parts]
-    if not all(isinstance(s, int) for s in sizes):
-        raise UnsupportedModel([f"Concat along symbolic axis {axis}"])
-    total = sum(sizes)  # type: ignore[arg-type]
+    total: Dim = 0
+    for size in sizes:
+        total = dim_add(total, size)
     result = None
-    offset = 0
+    offset: Dim = 0
     for part, size in zip(parts, sizes):
-        widths = [(0, 0)] * rank
-        widths[axis] = (offset, total - offset - size)  # type: ignore[operator]
+        widths: list[tuple[Dim, Dim]] = [(0, 0)] * rank
+        widths[axis] = (offset, dim_sub(dim_sub(total, offset), size))
         padded = b.view(part, ("pad", tuple(widths), 0))
         result = padded if result is None else b.binary(Op.ADD, result, padded)
-        offset += size  # type: ignore[operator]
+        offset = dim_add(offset, size)
     assert result is not None
     return result
 
@@ -212,7 +212,7 @@ def matmul(b: GraphBuilder, x: int, y: int) -> int:
     return b.reshape(out, final)
 
 
-def pad(b: GraphBuilder, x: int, widths: Sequence[tuple[int, int]], value: float) -> int:
+def pad(b: GraphBuilder, x: int, widths: Sequence[tuple[Dim, Dim]], value: float) -> int:
     if all(w == (0, 0) for w in widths):
         return x
     return b.view(x, ("pad", tuple(widths), value))

@@ -24,11 +24,17 @@ from compiler.shape import (
     Shape,
     ShapeError,
     SymDim,
+    dim_add,
+    dim_ceildiv,
     dim_div,
+    dim_floordiv,
     dim_from_json,
+    dim_max,
+    dim_sub,
     dim_to_json,
     is_static,
     numel,
+    probably_equal,
     shape_from_json,
     shape_to_json,
 )
@@ -149,8 +155,10 @@ def _node_from_json(data: dict[str, Any]) -> Node:
 #   ("reshape", shape)
 #   ("permute", perm)
 #   ("expand", shape)                       size-1 axes broadcast to shape
-#   ("slice", ((start, stop, step), ...))   one triple per axis; stop None means the end
-#   ("pad", ((before, after), ...), value)  constant padding, one pair per axis
+#   ("slice", ((start, stop, step), ...))   one triple per axis; stop None means past the end in
+#                                           the step's direction. Symbolic bounds are normalised by
+#                                           the frontend: 0 <= start <= stop <= dim for step > 0.
+#   ("pad", ((before, after), ...), value)  constant padding, one pair of (possibly symbolic) widths per axis
 #   ("window", axes, kernel, strides, dilations)  sliding windows; window axes appended last
 
 
@@ -158,8 +166,10 @@ def view_to_json(transform: tuple) -> list[Any]:
     kind = transform[0]
     if kind in ("reshape", "expand"):
         return [kind, shape_to_json(transform[1])]
+    if kind == "pad":
+        return [kind, [[dim_to_json(before), dim_to_json(after)] for before, after in transform[1]], transform[2]]
     if kind == "slice":
-        return [kind, [[start, None if stop is None else dim_to_json(stop), step] for start, stop, step in transform[1]]]
+        return [kind, [[dim_to_json(start), None if stop is None else dim_to_json(stop), step] for start, stop, step in transform[1]]]
     return [kind, *transform[1:]]
 
 
@@ -167,8 +177,10 @@ def view_from_json(data: list[Any]) -> tuple:
     kind = data[0]
     if kind in ("reshape", "expand"):
         return (kind, shape_from_json(data[1]))
+    if kind == "pad":
+        return (kind, tuple((dim_from_json(before), dim_from_json(after)) for before, after in data[1]), data[2])
     if kind == "slice":
-        return (kind, tuple((start, None if stop is None else dim_from_json(stop), step) for start, stop, step in data[1]))
+        return (kind, tuple((dim_from_json(start), None if stop is None else dim_from_json(stop), step) for start, stop, step in data[1]))
     return (kind, *(_freeze(p) for p in data[1:]))
 
 
@@ -176,7 +188,7 @@ def view_shape(shape: Shape, transform: tuple) -> Shape:
     kind = transform[0]
     if kind == "reshape":
         target = transform[1]
-        if numel(target) != numel(shape):
+        if not probably_equal(numel(target), numel(shape)):
             raise ShapeError(f"cannot reshape {_fmt(shape)} to {_fmt(target)}")
         return target
     if kind == "permute":
@@ -198,35 +210,29 @@ def view_shape(shape: Shape, transform: tuple) -> Shape:
         out = list(shape)
         for axis, k, s, dil in zip(axes, kernel, strides, dilations, strict=True):
             d = shape[axis]
-            if not isinstance(d, int):
-                raise ShapeError(f"sliding window over symbolic dimension {d}")
             span = dil * (k - 1) + 1
-            if d < span:
+            if isinstance(d, int) and d < span:
                 raise ShapeError(f"window of span {span} does not fit in dimension {d}")
-            out[axis] = (d - span) // s + 1
+            # a symbolic length too short for the window is refused when the request binds it
+            out[axis] = dim_add(dim_floordiv(dim_sub(d, span), s), 1)
         return tuple(out) + tuple(kernel)
     raise ShapeError(f"unknown view transform {kind!r}")
 
 
-def _sliced_dim(d: Dim, start: int, stop: Dim | None, step: int) -> Dim:
+def _sliced_dim(d: Dim, start: Dim, stop: Dim | None, step: int) -> Dim:
     if start == 0 and stop is None and step == 1:
         return d
-    if isinstance(stop, SymDim):
-        # a prefix whose length is a symbol (a buffer cut to the sequence length); must fit at run time
-        if start != 0 or step != 1 or (isinstance(d, SymDim) and d != stop):
-            raise ShapeError(f"slice [{start}:{stop}:{step}] of dimension {d}")
-        return stop
-    if not isinstance(d, int):
-        raise ShapeError(f"slicing symbolic dimension {d}")
-    return len(range(*slice(start, stop, step).indices(d)))
+    if isinstance(d, int) and isinstance(start, int) and (stop is None or isinstance(stop, int)):
+        return len(range(*slice(start, stop, step).indices(d)))
+    if step > 0:
+        end = d if stop is None else stop
+        return dim_max(dim_ceildiv(dim_sub(end, start), step), 0)
+    end = -1 if stop is None else stop
+    return dim_max(dim_ceildiv(dim_sub(start, end), -step), 0)
 
 
-def _padded_dim(d: Dim, before: int, after: int) -> Dim:
-    if before == after == 0:
-        return d
-    if not isinstance(d, int):
-        raise ShapeError(f"padding symbolic dimension {d}")
-    return d + before + after
+def _padded_dim(d: Dim, before: Dim, after: Dim) -> Dim:
+    return dim_add(d, dim_add(before, after))
 
 
 def _fmt(shape: Shape) -> str:

@@ -39,9 +39,9 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, in
             raise ShapeError(f"input {name!r} has rank {len(actual)}, expected {len(shape)}")
         for declared, size in zip(shape, actual):
             if isinstance(declared, SymDim):
-                if declared.coef != 1 or len(declared.symbols) != 1:
+                symbol = declared.as_symbol()
+                if symbol is None:
                     raise ShapeError(f"input {name!r} declares compound dimension {declared}")
-                symbol = declared.symbols[0]
                 if bindings.setdefault(symbol, size) != size:
                     raise ShapeError(
                         f"dimension {symbol!r} is {bindings[symbol]} elsewhere but {size} "
@@ -63,14 +63,20 @@ def apply_view(x: np.ndarray, transform: tuple, bindings: Mapping[str, int]) -> 
     if kind == "slice":
         index = []
         for axis, (start, stop, step) in enumerate(transform[1]):
-            if isinstance(stop, SymDim):
-                stop = evaluate(stop, bindings)
-                if stop > x.shape[axis]:
-                    raise ShapeError(f"slice to {stop} of an axis of size {x.shape[axis]}")
+            if isinstance(start, SymDim) or isinstance(stop, SymDim):
+                # symbolic bounds are normalised, so they must land inside the axis
+                start = evaluate(start, bindings)
+                stop = None if stop is None else evaluate(stop, bindings)
+                size = x.shape[axis]
+                if not (0 <= start <= size and (stop is None or -1 <= stop <= size)):
+                    raise ShapeError(f"slice [{start}:{stop}:{step}] of an axis of size {size}")
+                if stop == -1:
+                    stop = None
             index.append(slice(start, stop, step))
         return x[tuple(index)]
     if kind == "pad":
         _, widths, value = transform
+        widths = [(evaluate(before, bindings), evaluate(after, bindings)) for before, after in widths]
         return np.pad(x, widths, mode="constant", constant_values=value)
     if kind == "window":
         _, axes, kernel, strides, dilations = transform

@@ -17,7 +17,8 @@ from compiler import composite
 from compiler.dtypes import NARROW_FLOATS, NARROW_INTS, NARROW_UINTS
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import SymDim
+from compiler.shape import Dim, SymDim
+from compiler.value_range import ValueRanges
 
 ELEM_TYPES: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32",
@@ -70,6 +71,11 @@ class Context:
     declared_types: dict[str, int] = field(default_factory=dict)
     # lowers a sequence of NodeProtos into this context (set by the driver; used for subgraphs)
     lower_nodes: Callable[[Sequence[onnx.NodeProto]], None] | None = None
+    # what is provable about integer values (indices) before run time
+    ranges: ValueRanges = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ranges = ValueRanges(self.b)
 
     def bind_constant(self, name: str, array: np.ndarray) -> None:
         if array.dtype.name not in ELEM_TYPES.values():
@@ -140,6 +146,24 @@ def materialize(b: GraphBuilder, array: np.ndarray) -> int:
         return scalars[0]
     stacked = composite.concat(b, [b.reshape(s, (1,)) for s in scalars], 0)
     return b.reshape(stacked, array.shape)
+
+
+def dim_tensor(b: GraphBuilder, dim: Dim, like: int) -> int:
+    """`dim` as an int64 tensor of the shape of node `like`."""
+    if isinstance(dim, int):
+        return b.scalar_like(dim, like)
+    return b.broadcast_to(materialize(b, np.array(dim, dtype=object)), b.shape(like))
+
+
+def wrap_negative(ctx: Context, index: int, size: Dim) -> int:
+    """An int64 index with negative values counted from the end of an axis of `size`, as ONNX
+    allows; indices provably non-negative (built from Range, iota...) are left as they are."""
+    b = ctx.b
+    index = b.cast(index, "int64")
+    if ctx.ranges.non_negative(index):
+        return index
+    negative = b.cast(b.binary(Op.LESS_THAN, index, b.scalar_like(0, index)), "int64")
+    return b.binary(Op.ADD, index, b.binary(Op.MUL, negative, dim_tensor(b, size, negative)))
 
 
 def attrs(node: onnx.NodeProto) -> dict:

@@ -16,7 +16,20 @@ import onnx
 from onnx import helper
 
 from compiler.frontends.onnx_context import attrs
-from compiler.shape import ShapeError, SymDim, dim_div, numel
+from compiler.shape import (
+    ShapeError,
+    SymDim,
+    bounds,
+    dim_add,
+    dim_div,
+    dim_floordiv,
+    dim_max,
+    dim_min,
+    dim_mod,
+    dim_mul,
+    dim_sub,
+    numel,
+)
 
 # ops that are not functions of their inputs, or whose folding would hide a large tensor
 NOT_FOLDED = frozenset(
@@ -96,51 +109,73 @@ def _axes(node: onnx.NodeProto, args, opset: int) -> list[int] | None:
     return attrs(node).get("axes")
 
 
+def _dim(v):
+    """An element of a symbolic shape array as a Dim."""
+    return v if isinstance(v, SymDim) else int(v)
+
+
 def _sym_div(a, b):
-    if isinstance(a, int | np.integer) and isinstance(b, int | np.integer):
+    a, b = _dim(a), _dim(b)
+    if isinstance(a, int) and isinstance(b, int):
         if b == 0:
             raise _Unknown
-        q = abs(int(a)) // abs(int(b))
+        q = abs(a) // abs(b)
         return q if (a >= 0) == (b >= 0) else -q  # ONNX integer Div truncates toward zero
+    if isinstance(b, int) and b > 0 and bounds(a)[0] >= 0:
+        return dim_floordiv(a, b)  # truncation is flooring for a non-negative numerator
     try:
-        return dim_div(a if isinstance(a, SymDim) else int(a), b if isinstance(b, SymDim) else int(b))
+        return dim_div(a, b)
     except ShapeError:
         raise _Unknown from None
 
 
-def _sym_mul(a, b):
-    if isinstance(a, SymDim):
-        return a * int(b) if not isinstance(b, SymDim) else a * b
-    if isinstance(b, SymDim):
-        return b * int(a)
-    return int(a) * int(b)
+def _sym_mod(a, b):
+    a, b = _dim(a), _dim(b)
+    if isinstance(b, int) and b > 0:
+        return dim_mod(a, b)  # ONNX's integer Mod takes the divisor's sign, as Python's does
+    if isinstance(a, int) and isinstance(b, int) and b != 0:
+        return int(np.mod(a, b))
+    raise _Unknown
+
+
+def _sym_fmod(a, b):
+    """C's fmod takes the dividend's sign: Python's mod where the dividend is non-negative."""
+    if bounds(_dim(a))[0] < 0:
+        raise _Unknown
+    return _sym_mod(a, b)
 
 
 def _sym_add(a, b):
-    if isinstance(b, SymDim) and not isinstance(a, SymDim):
-        a, b = b, a
-    if isinstance(a, SymDim):
-        if isinstance(b, SymDim) or int(b) != 0:
-            raise _Unknown  # sums of symbols are not representable
-        return a
-    return int(a) + int(b)
+    return dim_add(_dim(a), _dim(b))
 
 
-def _sym_neg(b):
-    if isinstance(b, SymDim):
-        raise _Unknown
-    return -int(b)
+def _sym_sub(a, b):
+    return dim_sub(_dim(a), _dim(b))
 
 
-def _sym_equal(a, b) -> bool:
-    if isinstance(a, SymDim) or isinstance(b, SymDim):
-        if isinstance(a, SymDim) and isinstance(b, SymDim) and a == b:
+def _sym_mul(a, b):
+    return dim_mul(_dim(a), _dim(b))
+
+
+def _sym_compare(op: str):
+    """A comparison of dims, decided by the bounds of their difference (symbols are >= 1)."""
+
+    def compare(a, b) -> bool:
+        low, high = bounds(dim_sub(_dim(a), _dim(b)))
+        decided = {
+            "Equal": (low == high == 0, low > 0 or high < 0),
+            "Less": (high < 0, low >= 0),
+            "LessOrEqual": (high <= 0, low > 0),
+            "Greater": (low > 0, high <= 0),
+            "GreaterOrEqual": (low >= 0, high < 0),
+        }[op]
+        if decided[0]:
             return True
-        other = b if isinstance(a, SymDim) else a
-        if not isinstance(other, SymDim) and int(other) < 1:
-            return False  # a symbolic dim is at least 1
+        if decided[1]:
+            return False
         raise _Unknown
-    return int(a) == int(b)
+
+    return compare
 
 
 def _elementwise(fn: Callable, a: np.ndarray, b: np.ndarray, out_dtype=object) -> np.ndarray:
@@ -235,14 +270,11 @@ def _max_min(node, args, opset):
 
 
 def _pick(op: str, a, b):
-    if a == b:
-        return a
-    if isinstance(a, SymDim) or isinstance(b, SymDim):
-        sym, other = (a, b) if isinstance(a, SymDim) else (b, a)
-        if not isinstance(other, SymDim) and int(other) <= 1:
-            return sym if op == "Max" else other  # symbolic dims are at least 1
-        raise _Unknown
-    return max(int(a), int(b)) if op == "Max" else min(int(a), int(b))
+    return dim_max(_dim(a), _dim(b)) if op == "Max" else dim_min(_dim(a), _dim(b))
+
+
+def _compare(node, args, opset):
+    return [_elementwise(_sym_compare(node.op_type), args[0], args[1], bool)]
 
 
 _FOLDERS: dict[str, Callable] = {
@@ -260,9 +292,11 @@ _FOLDERS: dict[str, Callable] = {
     "Cast": _cast,
     "Mul": lambda node, args, opset: [_elementwise(_sym_mul, args[0], args[1])],
     "Div": lambda node, args, opset: [_elementwise(_sym_div, args[0], args[1])],
+    "Mod": lambda node, args, opset: [_elementwise(_sym_mod if not attrs(node).get("fmod") else _sym_fmod, args[0], args[1])],
     "Add": lambda node, args, opset: [_elementwise(_sym_add, args[0], args[1])],
-    "Sub": lambda node, args, opset: [_elementwise(lambda a, b: _sym_add(a, _sym_neg(b)), args[0], args[1])],
-    "Equal": lambda node, args, opset: [_elementwise(_sym_equal, args[0], args[1], bool)],
+    "Sub": lambda node, args, opset: [_elementwise(_sym_sub, args[0], args[1])],
+    "Neg": lambda node, args, opset: [_elementwise(_sym_sub, np.zeros((), dtype=object), args[0])],
+    **{op: _compare for op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Where": _where,
     "Max": _max_min,
     "Min": _max_min,

@@ -11,7 +11,7 @@ from compiler import composite as C
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, ShapeError, dim_mul, numel
+from compiler.shape import Dim, ShapeError, SymDim, bounds, dim_mul, numel
 
 
 def _spatialattrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], kernel):
@@ -439,7 +439,10 @@ def _pad(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raw = [int(p) for p in a.get("pads", a.get("paddings", []))]
         fill = a.get("value", 0.0)
     else:
-        raw = [int(p) for p in ctx.const(node, 1, "pads").reshape(-1)]
+        known = ctx.known(node, 1)
+        if known is None:
+            raise refuse(node, "pads computed at run time")
+        raw = [p if isinstance(p, SymDim) else int(p) for p in known.reshape(-1)]
         if len(node.input) > 2 and node.input[2]:
             known = ctx.consts.get(node.input[2])
             fill = None if known is None else known.reshape(-1)[0].item()
@@ -451,9 +454,15 @@ def _pad(ctx: Context, node: onnx.NodeProto) -> list[int]:
     widths = [(0, 0)] * rank
     for i, axis in enumerate(axes):
         widths[axis] = (raw[i], raw[i + len(axes)])
+    symbolic = any(isinstance(d, SymDim) for d in raw)
     for axis, w in enumerate(widths):
-        if w != (0, 0) and not isinstance(shape[axis], int):
-            raise refuse(node, "padding along a symbolic dimension")
+        if w == (0, 0) or (isinstance(shape[axis], int) and not symbolic):
+            continue
+        if mode != "constant" or any(bounds(d)[0] < 0 for d in w):
+            raise refuse(node, f"mode={mode} padding or cropping along a symbolic dimension")
+    if symbolic and fill is not None:
+        fill = np.asarray(fill).astype(b.dtype(x)).item()
+        return [C.pad(b, x, widths, fill)]
     if mode == "constant":
         if fill is None:
             return [_pad_with_runtime_fill(b, x, widths, ctx.value(node, 2))]

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from compiler import composite as C
-from compiler.frontends.onnx_context import ELEM_TYPES, Context, attrs, lowers, refuse
+from compiler.frontends.onnx_context import ELEM_TYPES, Context, attrs, lowers, refuse, wrap_negative
 from compiler.frontends.onnx_ops.elementwise import (
     _all,
     _any,
@@ -303,13 +303,6 @@ def _static_shape(node: onnx.NodeProto, shape: tuple[Dim, ...], what: str) -> tu
     return tuple(shape)  # type: ignore[arg-type]
 
 
-def _wrapped(b: GraphBuilder, index: int, extent: int) -> int:
-    """A negative index counted from the end (int64)."""
-    index = b.cast(index, "int64")
-    negative = b.cast(C.less(b, index, b.scalar_like(0, index)), "int64")
-    return b.binary(Op.ADD, index, b.binary(Op.MUL, negative, b.scalar_like(extent, index)))
-
-
 def _product_last(b: GraphBuilder, x: int) -> int:
     """The product along the last axis (removed), by halving: padded to a power of two with ones."""
     *lead, length = b.shape(x)
@@ -379,7 +372,7 @@ def _scatter_elements(ctx: Context, node: onnx.NodeProto) -> list[int]:
     coords[axis] = np.zeros(update_shape, dtype=np.int64)
     base = np.ravel_multi_index(coords, data_shape).reshape(-1) if count else np.zeros(0, np.int64)
     stride = int(np.prod(data_shape[axis + 1 :]))
-    along = b.reshape(_wrapped(b, indices, data_shape[axis]), (count,))
+    along = b.reshape(wrap_negative(ctx, indices, data_shape[axis]), (count,))
     target = C.add(b, b.constant(base.astype(np.int64)), C.scale(b, along, stride))
     flat = _scatter_rows(
         b, b.reshape(data, (positions, 1)), b.reshape(updates, (count, 1)), target, reduction
@@ -399,8 +392,8 @@ def _scatter_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
     _check_size(node, "position-update pairs", rows, count, width)
     strides = np.array([int(np.prod(data_shape[i + 1 : depth])) for i in range(depth)], dtype=np.int64)
     columns = [
-        _wrapped(
-            b,
+        wrap_negative(
+            ctx,
             b.view(indices, ("slice", ((0, None, 1),) * (len(index_shape) - 1) + ((i, i + 1, 1),))),
             data_shape[i],
         )

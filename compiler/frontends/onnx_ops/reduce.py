@@ -324,10 +324,12 @@ def _cumulative(ctx: Context, node: onnx.NodeProto) -> list[int]:
     else:
         raise refuse(node, "an axis computed at run time")
     n = shape[axis]
-    if not isinstance(n, int):
-        raise refuse(node, "a scan over a symbolic dimension")
-    op, fill = (Op.ADD, 0) if node.op_type == "CumSum" else (Op.MUL, 1)
     backward = bool(a.get("reverse", 0))
+    if not isinstance(n, int):
+        if node.op_type != "CumSum":
+            raise refuse(node, "a product scan over a symbolic dimension")
+        return [_masked_cumsum(b, x, axis, backward, bool(a.get("exclusive", 0)))]
+    op, fill = (Op.ADD, 0) if node.op_type == "CumSum" else (Op.MUL, 1)
     if a.get("exclusive", 0):
         x = _shifted(b, x, axis, 1, fill, backward)
     # Hillis-Steele scan: log2(n) rounds, each combining with the value `distance` places back
@@ -336,6 +338,25 @@ def _cumulative(ctx: Context, node: onnx.NodeProto) -> list[int]:
         x = b.binary(op, x, _shifted(b, x, axis, distance, fill, backward))
         distance *= 2
     return [x]
+
+
+def _masked_cumsum(b: GraphBuilder, x: int, axis: int, backward: bool, exclusive: bool) -> int:
+    """A running sum over an axis of symbolic length: a contraction with a triangular 0/1 matrix
+    (out[i] = sum of x[j] over the j that precede i), since the scan's round count is unknown."""
+    shape = b.shape(x)
+    n = shape[axis]
+    rank = len(shape)
+    out_pos = b.reshape(b.iota(n), (n, 1))
+    in_pos = b.reshape(b.iota(n), (1, n))
+    later, earlier = (in_pos, out_pos) if not backward else (out_pos, in_pos)
+    # j precedes i: j < i when exclusive, j <= i (j < i + 1) otherwise
+    bound = earlier if exclusive else C.shift(b, earlier, 1)
+    taken = b.cast(C.less(b, later, bound), b.dtype(x))
+    moved = b.permute(x, [d for d in range(rank) if d != axis] + [axis])
+    summed = b.reduce(Op.SUM_REDUCE, C.mul(b, b.unsqueeze(moved, -2), taken), [-1])
+    inverse = list(range(rank - 1))
+    inverse.insert(axis, rank - 1)
+    return b.permute(summed, inverse)
 
 
 # ---- normalizations ----------------------------------------------------------------------

@@ -19,11 +19,27 @@ from compiler.frontends.onnx_context import (
     LOW_PRECISION_FLOATS,
     Context,
     attrs,
+    dim_tensor,
     lowers,
     refuse,
+    wrap_negative,
 )
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, ShapeError, SymDim, broadcast_shapes, dim_mul, numel
+from compiler.shape import (
+    Dim,
+    ShapeError,
+    SymDim,
+    bounds,
+    broadcast_shapes,
+    dim_add,
+    dim_ceildiv,
+    dim_max,
+    dim_min,
+    dim_mul,
+    dim_sub,
+    numel,
+    provably_le,
+)
 
 # ONNX slice bounds beyond this mean "to the end" (exporters write INT64_MAX or INT32_MAX)
 _TO_END = 2**31 - 1
@@ -158,26 +174,32 @@ def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
     start, limit, delta = (ctx.known(node, i) for i in range(3))
     if start is None or limit is None or delta is None:
         raise refuse(node, "bounds computed at run time")
-    if start.dtype == object or delta.dtype == object:
-        raise refuse(node, "a start or step that depends on symbolic dimensions")
-    limit_value = limit.reshape(-1)[0]
+    if delta.dtype == object:
+        raise refuse(node, "a step that depends on symbolic dimensions")
     dtype = ctx.declared_types.get(node.input[0])
     dtype = ELEM_TYPES.get(dtype, start.dtype.name) if dtype else start.dtype.name
-    first, step = start.reshape(-1)[0], delta.reshape(-1)[0]
-    if isinstance(limit_value, SymDim):
-        if step <= 0:
-            raise refuse(node, "a negative step up to a symbolic limit")
-        if first != 0 or step != 1:
-            raise refuse(node, "a symbolic limit with a start other than 0 or a step other than 1")
-        count: Dim = limit_value
+    first, last, step = start.reshape(-1)[0], limit.reshape(-1)[0], delta.reshape(-1)[0]
+    if isinstance(first, SymDim) or isinstance(last, SymDim):
+        if step != int(step) or not dtype.startswith("int"):
+            raise refuse(node, "symbolic bounds with a non-integer step")
+        step = int(step)
+        first, last = _symbolic_or_int(first), _symbolic_or_int(last)
+        span = dim_sub(last, first) if step > 0 else dim_sub(first, last)
+        count: Dim = dim_max(dim_ceildiv(span, abs(step)), 0)
     else:
-        count = max(int(np.ceil((float(limit_value) - float(first)) / float(step))), 0)
+        count = max(int(np.ceil((float(last) - float(first)) / float(step))), 0)
     values = b.cast(b.iota(count), dtype)
     if step != 1:
         values = b.binary(Op.MUL, values, b.scalar_like(step, values))
-    if first != 0:
+    if isinstance(first, SymDim):
+        values = b.binary(Op.ADD, values, b.cast(dim_tensor(b, first, values), dtype))
+    elif first != 0:
         values = b.binary(Op.ADD, values, b.scalar_like(first, values))
     return [values]
+
+
+def _symbolic_or_int(value) -> Dim:
+    return value if isinstance(value, SymDim) else int(value)
 
 
 @lowers("Gather")
@@ -195,7 +217,7 @@ def _slice_params(ctx: Context, node: onnx.NodeProto, rank: int):
         starts, ends = list(a["starts"]), list(a["ends"])
         axes, steps = a.get("axes"), None
     else:
-        starts = [int(v) for v in ctx.const(node, 1, "starts").reshape(-1)]
+        starts = _dims(ctx, node, 1, "starts")
         ends = _dims(ctx, node, 2, "ends")
         axes = [int(v) for v in ctx.const(node, 3, "axes").reshape(-1)] if len(node.input) > 3 and node.input[3] else None
         steps = [int(v) for v in ctx.const(node, 4, "steps").reshape(-1)] if len(node.input) > 4 and node.input[4] else None
@@ -217,18 +239,43 @@ def _slice(ctx: Context, node: onnx.NodeProto) -> list[int]:
     return [ctx.b.view(x, ("slice", tuple(triples)))]
 
 
-def _slice_triple(node: onnx.NodeProto, dim: Dim, start: int, end: Dim, step: int) -> tuple:
-    if isinstance(end, SymDim) or isinstance(dim, SymDim):
-        if step == 1 and start == 0 and (end == dim or (isinstance(end, int) and end >= _TO_END)):
-            return (0, None, 1)
-        if step == 1 and start == 0 and isinstance(end, SymDim):
-            return (0, end, 1)
-        raise refuse(node, f"slice [{start}:{end}:{step}] of a symbolic dimension {dim}")
-    # clamp like ONNX (and Python) so the view holds plain in-range bounds
-    lo, hi, st = slice(start, end, step).indices(dim)
-    if st < 0 and hi < 0:
-        hi = None
-    return (lo, hi, st)
+def _slice_triple(node: onnx.NodeProto, dim: Dim, start: Dim, end: Dim, step: int) -> tuple:
+    """ONNX's clamping of (start, end) against `dim`, done symbolically where needed."""
+    if all(isinstance(v, int) for v in (dim, start, end)):
+        # clamp like ONNX (and Python) so the view holds plain in-range bounds
+        lo, hi, st = slice(start, end, step).indices(dim)
+        if st < 0 and hi < 0:
+            hi = None
+        return (lo, hi, st)
+    if step > 0:
+        lo = _clamp(node, _from_end(node, start, dim), 0, dim)
+        hi = None if isinstance(end, int) and end >= _TO_END else _clamp(node, _from_end(node, end, dim), 0, dim)
+        if hi == dim:
+            hi = None
+    else:
+        lo = _clamp(node, _from_end(node, start, dim), 0, dim_sub(dim, 1))
+        hi = None if isinstance(end, int) and end <= -_TO_END else _clamp(node, _from_end(node, end, dim), -1, dim_sub(dim, 1))
+        if hi == -1:
+            hi = None
+    return (lo, hi, step)
+
+
+def _from_end(node: onnx.NodeProto, value: Dim, dim: Dim) -> Dim:
+    """A negative bound counts from the end of the axis."""
+    low, high = bounds(value)
+    if low >= 0:
+        return value
+    if high < 0:
+        return dim_add(value, dim)
+    raise refuse(node, f"a bound {value} whose sign is not known at compile time")
+
+
+def _clamp(node: onnx.NodeProto, value: Dim, low: Dim, high: Dim) -> Dim:
+    value = dim_max(value, low)
+    if isinstance(high, int) and not isinstance(value, int) and not provably_le(high, value):
+        # a symbolic bound into a fixed axis (a buffer cut to the sequence length): checked when run
+        return value
+    return dim_min(value, high)
 
 
 @lowers("Split")
@@ -240,25 +287,26 @@ def _split(ctx: Context, node: onnx.NodeProto) -> list[int]:
     axis = a.get("axis", 0) % len(shape)
     dim = shape[axis]
     if ctx.opset >= 13 and len(node.input) > 1 and node.input[1]:
-        sizes = [int(v) for v in ctx.const(node, 1, "split").reshape(-1)]
+        sizes: list[Dim] = _dims(ctx, node, 1, "split")
     elif "split" in a:
         sizes = list(a["split"])
     else:
         parts = a.get("num_outputs", len(node.output))
-        if not isinstance(dim, int):
-            raise refuse(node, f"an even split of symbolic dimension {dim}")
-        chunk = -(-dim // parts)
-        sizes = [min(chunk, dim - i * chunk) for i in range(parts)]
-    if not isinstance(dim, int):
-        raise refuse(node, f"a split of symbolic dimension {dim}")
-    if sum(sizes) != dim:
-        raise ShapeError(f"split sizes {sizes} do not add up to {dim}")
+        chunk = dim_ceildiv(dim, parts)
+        sizes = [chunk] * (parts - 1) + [dim_sub(dim, dim_mul(chunk, parts - 1))]
+        if isinstance(dim, int):
+            sizes = [min(chunk, dim - i * chunk) for i in range(parts)]
+    total: Dim = 0
+    for size in sizes:
+        total = dim_add(total, size)
+    if total != dim:
+        raise ShapeError(f"split sizes {[str(s) for s in sizes]} do not add up to {dim}")
     outputs, offset = [], 0
     for size in sizes:
         triples = [(0, None, 1)] * len(shape)
-        triples[axis] = (offset, offset + size, 1)
+        triples[axis] = (offset, dim_add(offset, size), 1)
         outputs.append(b.view(x, ("slice", tuple(triples))))
-        offset += size
+        offset = dim_add(offset, size)
     return outputs
 
 
@@ -280,20 +328,10 @@ def _flat_index(b: GraphBuilder, shape: tuple[Dim, ...], per_axis: list[int]) ->
     total = None
     stride: Dim = 1
     for axis in range(len(shape) - 1, -1, -1):
-        if not isinstance(stride, int):
-            raise ShapeError("indexing with a symbolic stride")
-        term = per_axis[axis] if stride == 1 else b.binary(Op.MUL, per_axis[axis], b.scalar_like(stride, per_axis[axis]))
+        term = per_axis[axis] if stride == 1 else b.binary(Op.MUL, per_axis[axis], dim_tensor(b, stride, per_axis[axis]))
         total = term if total is None else b.binary(Op.ADD, total, term)
         stride = dim_mul(stride, shape[axis])
     return total
-
-
-def _wrap_negative(b: GraphBuilder, index: int, size: Dim) -> int:
-    """index + size where index < 0, as ONNX allows negative indices."""
-    if not isinstance(size, int):
-        raise ShapeError("negative indices into a symbolic dimension")
-    negative = b.cast(b.binary(Op.LESS_THAN, index, b.scalar_like(0, index)), "int64")
-    return b.binary(Op.ADD, index, b.binary(Op.MUL, negative, b.scalar_like(size, negative)))
 
 
 def _axis_positions(b: GraphBuilder, shape: tuple[Dim, ...], axis: int) -> int:
@@ -309,7 +347,7 @@ def _gather_elements(ctx: Context, node: onnx.NodeProto) -> list[int]:
     data, indices = ctx.value(node, 0), ctx.value(node, 1)
     shape, index_shape = b.shape(data), b.shape(indices)
     axis = attrs(node).get("axis", 0) % len(shape)
-    along = _wrap_negative(b, b.cast(indices, "int64"), shape[axis])
+    along = wrap_negative(ctx, indices, shape[axis])
     per_axis = [along if i == axis else _axis_positions(b, index_shape, i) for i in range(len(shape))]
     flat = b.reshape(data, (numel(shape),))
     return [b.gather(flat, _flat_index(b, shape, per_axis), 0)]
@@ -330,7 +368,7 @@ def _gather_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
     for k in range(depth):
         triples = [(0, None, 1)] * (len(index_shape) - 1) + [(k, k + 1, 1)]
         component = b.reshape(b.view(indices, ("slice", tuple(triples))), lookup_shape)
-        per_axis.append(_wrap_negative(b, component, shape[batch + k]))
+        per_axis.append(wrap_negative(ctx, component, shape[batch + k]))
     addressed = shape[: batch + depth]
     rest = shape[batch + depth :]
     flat = b.reshape(data, (numel(addressed), *rest))
@@ -349,7 +387,7 @@ def _one_hot(ctx: Context, node: onnx.NodeProto) -> list[int]:
     axis %= rank
     if b.dtype(indices).startswith("float"):
         indices = b.cast(indices, "int64")  # ONNX casts non-integer indices down
-    indices = _wrap_negative(b, b.cast(indices, "int64"), depth)
+    indices = wrap_negative(ctx, indices, depth)
     out_shape = list(index_shape)
     out_shape.insert(axis, depth)
     spread = b.expand(b.unsqueeze(indices, axis), out_shape)

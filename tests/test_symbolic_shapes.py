@@ -1,0 +1,302 @@
+"""Symbolic dimension arithmetic, and the graph patterns real exports build from it.
+
+Each graph below is compiled once, with `batch` and `seq` symbolic, and compared with onnxruntime
+at several sizes: slices of symbolic axes with any bounds, concatenation along them, shapes
+computed with +, -, floor division, Max and Min, Range from a symbolic start, CumSum over the
+sequence, and the index lookups transformers emits (GatherND over Range indices, negative
+indices into symbolic axes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper
+
+from compiler import UnsupportedModel, compile_onnx, executable
+from compiler.shape import (
+    ShapeError,
+    SymDim,
+    bounds,
+    dim_div,
+    dim_floordiv,
+    dim_max,
+    dim_min,
+    evaluate,
+    parse_dim,
+)
+
+SEQ, BATCH = SymDim.named("seq"), SymDim.named("batch")
+SIZES = ((1, 1), (2, 5), (3, 12))
+
+
+# ---- the arithmetic ------------------------------------------------------------------------------
+
+
+def test_sums_and_differences_are_canonical() -> None:
+    assert SEQ + 1 - 1 == SEQ
+    assert (SEQ + 1) + (SEQ - 1) == 2 * SEQ
+    assert SEQ - SEQ == 0 and isinstance(SEQ - SEQ, int)
+    assert str(SEQ - 1) == "seq-1" and str(784 * BATCH * SEQ) == "784*batch*seq"
+    assert (BATCH + 2) * SEQ == BATCH * SEQ + 2 * SEQ
+
+
+def test_floor_division_simplifies_what_divides() -> None:
+    assert dim_floordiv(2 * SEQ + 2, 2) == SEQ + 1
+    assert dim_floordiv(2 * SEQ + 1, 2) == SEQ  # the remainder 1 never reaches 2
+    odd = dim_floordiv(SEQ + 1, 2)
+    assert isinstance(odd, SymDim) and str(odd) == "floordiv(seq+1,2)"
+    assert [evaluate(odd, {"seq": n}) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
+
+
+def test_max_and_min_use_that_symbols_are_at_least_one() -> None:
+    assert dim_max(SEQ, 1) == SEQ and dim_min(SEQ, 1) == 1
+    assert dim_max(SEQ, SEQ + 1) == SEQ + 1 and dim_min(SEQ - 1, SEQ) == SEQ - 1
+    undecided = dim_max(SEQ, 4)
+    assert isinstance(undecided, SymDim) and evaluate(undecided, {"seq": 2}) == 4
+    assert bounds(undecided) == (4, float("inf"))
+
+
+def test_text_form_round_trips() -> None:
+    for dim in (SEQ + 1, SEQ - 1, 3 - SEQ, 2 * dim_floordiv(SEQ + 1, 2), dim_max(SEQ, 4), 12 * BATCH * SEQ):
+        assert parse_dim(str(dim)) == dim
+    assert parse_dim("(seq + 1) // 2") == dim_floordiv(SEQ + 1, 2)
+    with pytest.raises(ShapeError, match="cannot parse"):
+        parse_dim("seq +")
+
+
+def test_exact_division() -> None:
+    assert dim_div(384 * BATCH * SEQ, 32 * BATCH) == 12 * SEQ
+    assert dim_div(2 * SEQ + 2, SEQ + 1) == 2
+    with pytest.raises(ShapeError, match="not divisible"):
+        dim_div(SEQ + 1, 2)
+
+
+# ---- graphs ------------------------------------------------------------------------------------------
+
+
+def model(nodes, inputs, outputs, initializers=()) -> bytes:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    return m.SerializeToString()
+
+
+def int64(name: str, values) -> onnx.TensorProto:
+    return helper.make_tensor(name, TensorProto.INT64, [len(values)], list(values))
+
+
+X = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 4])
+MASK = helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", "seq"])
+
+
+def out(name: str = "y", elem=TensorProto.FLOAT, rank: int = 3) -> onnx.ValueInfoProto:
+    """An output of known rank whose dims the compiler must work out."""
+    return helper.make_tensor_value_info(name, elem, [None] * rank)
+
+
+def slice_model(starts, ends, steps) -> bytes:
+    return model(
+        [helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])],
+        [X], [out()],
+        [int64("s", starts), int64("e", ends), int64("a", [1]), int64("st", steps)],
+    )
+
+
+CASES = {
+    # x[:, 1:], x[:, :-1], x[:, ::-1], x[:, -3:], x[:, 1::2], x[:, -2::-2]
+    "slice_from_one": slice_model([1], [2**63 - 1], [1]),
+    "slice_drop_last": slice_model([0], [-1], [1]),
+    "slice_reversed": slice_model([-1], [-(2**63)], [-1]),
+    "slice_last_three": slice_model([-3], [2**63 - 1], [1]),
+    "slice_odd_positions": slice_model([1], [2**63 - 1], [2]),
+    "slice_reversed_by_two": slice_model([-2], [-(2**63)], [-2]),
+    # concat(x, x[:, :1]) along seq: seq + 1
+    "concat_along_seq": model(
+        [
+            helper.make_node("Slice", ["x", "zero", "one", "one"], ["head"]),
+            helper.make_node("Concat", ["x", "head"], ["y"], axis=1),
+        ],
+        [X], [out()], [int64("zero", [0]), int64("one", [1])],
+    ),
+    # reshape to [batch, (seq + 1) // 2, 8] after padding seq to an even length computed at run time
+    "pad_to_even_and_fold_pairs": model(
+        [
+            helper.make_node("Shape", ["x"], ["seq"], start=1, end=2),
+            helper.make_node("Mod", ["seq", "two"], ["odd"]),
+            helper.make_node("Concat", ["zeros3", "zero", "odd", "zero"], ["pads"], axis=0),
+            helper.make_node("Pad", ["x", "pads"], ["padded"]),
+            helper.make_node("Add", ["seq", "one"], ["seq_plus"]),
+            helper.make_node("Div", ["seq_plus", "two"], ["half"]),
+            helper.make_node("Shape", ["x"], ["batch"], start=0, end=1),
+            helper.make_node("Concat", ["batch", "half", "eight"], ["target"], axis=0),
+            helper.make_node("Reshape", ["padded", "target"], ["y"]),
+        ],
+        [X], [out()],
+        [int64("zero", [0]), int64("one", [1]), int64("two", [2]), int64("zeros3", [0, 0, 0]), int64("eight", [8])],
+    ),
+    # Max(seq, 3) as a Range limit, then Min(seq, 3) rows of it: shapes through Max/Min
+    "max_min_of_shapes": model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"], start=1, end=2),
+            helper.make_node("Max", ["shape", "three"], ["longest"]),
+            helper.make_node("Min", ["shape", "three"], ["shortest"]),
+            helper.make_node("Squeeze", ["longest"], ["limit"]),
+            helper.make_node("Range", ["zero_scalar", "limit", "one_scalar"], ["positions"]),
+            helper.make_node("Slice", ["positions", "zero", "shortest"], ["y"]),
+        ],
+        [X], [out("y", TensorProto.INT64, 1)],
+        [
+            int64("three", [3]), int64("zero", [0]),
+            helper.make_tensor("zero_scalar", TensorProto.INT64, [], [0]),
+            helper.make_tensor("one_scalar", TensorProto.INT64, [], [1]),
+        ],
+    ),
+    # positions seq-1, ..., 2*seq-2: Range from a symbolic start
+    "range_from_symbolic_start": model(
+        [
+            helper.make_node("Shape", ["mask"], ["shape"], start=1, end=2),
+            helper.make_node("Squeeze", ["shape"], ["seq"]),
+            helper.make_node("Sub", ["seq", "one_scalar"], ["start"]),
+            helper.make_node("Add", ["start", "seq"], ["limit"]),
+            helper.make_node("Range", ["start", "limit", "one_scalar"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.INT64, 1)],
+        [helper.make_tensor("one_scalar", TensorProto.INT64, [], [1])],
+    ),
+    # RoBERTa's position ids: cumsum(mask) * mask + padding index
+    "position_ids_from_cumsum": model(
+        [
+            helper.make_node("CumSum", ["mask", "axis"], ["running"]),
+            helper.make_node("Mul", ["running", "mask"], ["kept"]),
+            helper.make_node("Add", ["kept", "pad_index"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.INT64, 2)],
+        [helper.make_tensor("axis", TensorProto.INT64, [], [1]), helper.make_tensor("pad_index", TensorProto.INT64, [], [1])],
+    ),
+    "reverse_exclusive_cumsum": model(
+        [helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=1, reverse=1)],
+        [X], [out()], [helper.make_tensor("axis", TensorProto.INT64, [], [1])],
+    ),
+    # transformers 5's padding-mask lookup: mask[arange(B)[:, None], arange(S)] as a GatherND
+    "gather_nd_over_ranges": model(
+        [
+            helper.make_node("Shape", ["mask"], ["shape"]),
+            helper.make_node("Gather", ["shape", "zero_scalar"], ["batch"], axis=0),
+            helper.make_node("Gather", ["shape", "one_scalar"], ["seq"], axis=0),
+            helper.make_node("Range", ["zero_scalar", "batch", "one_scalar"], ["rows"]),
+            helper.make_node("Range", ["zero_scalar", "seq", "one_scalar"], ["cols"]),
+            helper.make_node("Unsqueeze", ["rows", "one"], ["rows_2d"]),
+            helper.make_node("Unsqueeze", ["cols", "zero"], ["cols_2d"]),
+            helper.make_node("Add", ["rows_2d", "zero_scalar"], ["rows_b"]),
+            helper.make_node("Mul", ["cols_2d", "one_scalar"], ["cols_b"]),
+            helper.make_node("Unsqueeze", ["rows_b", "minus_one"], ["r"]),
+            helper.make_node("Unsqueeze", ["cols_b", "minus_one"], ["c"]),
+            helper.make_node("Shape", ["mask"], ["full"]),
+            helper.make_node("Concat", ["full", "one"], ["index_shape"], axis=0),
+            helper.make_node("Expand", ["r", "index_shape"], ["r_full"]),
+            helper.make_node("Expand", ["c", "index_shape"], ["c_full"]),
+            helper.make_node("Concat", ["r_full", "c_full"], ["index"], axis=-1),
+            helper.make_node("GatherND", ["mask", "index"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.INT64, 2)],
+        [
+            int64("zero", [0]), int64("one", [1]), int64("minus_one", [-1]),
+            helper.make_tensor("zero_scalar", TensorProto.INT64, [], [0]),
+            helper.make_tensor("one_scalar", TensorProto.INT64, [], [1]),
+        ],
+    ),
+    # the last and the first position of every row, the last by a negative index into seq
+    "negative_indices_into_seq": model(
+        [helper.make_node("GatherElements", ["mask", "idx"], ["y"], axis=1)],
+        [MASK], [out("y", TensorProto.INT64, 2)],
+        [helper.make_tensor("idx", TensorProto.INT64, [1, 2], [-1, 0])],
+    ),
+    # split seq into [1, seq-1] with sizes computed from the shape
+    "split_first_token": model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"], start=1, end=2),
+            helper.make_node("Sub", ["shape", "one"], ["rest"]),
+            helper.make_node("Concat", ["one", "rest"], ["sizes"], axis=0),
+            helper.make_node("Split", ["x", "sizes"], ["first", "y"], axis=1),
+        ],
+        [X], [out()], [int64("one", [1])],
+    ),
+    # a causal mask: triu of ones over [seq, seq], then Where on the broadcast [batch, 1, seq, seq]
+    "causal_mask_from_trilu_and_where": model(
+        [
+            helper.make_node("Shape", ["mask"], ["shape"], start=1, end=2),
+            helper.make_node("Concat", ["shape", "shape"], ["square"], axis=0),
+            helper.make_node("ConstantOfShape", ["square"], ["ones"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+            helper.make_node("Trilu", ["ones", "one_scalar"], ["future"], upper=1),
+            helper.make_node("Cast", ["future"], ["blocked"], to=TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["mask", "axes"], ["padding"]),
+            helper.make_node("Cast", ["padding"], ["padding_f"], to=TensorProto.FLOAT),
+            helper.make_node("Where", ["blocked", "minus_inf", "padding_f"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.FLOAT, 4)],
+        [
+            int64("axes", [1, 2]),
+            helper.make_tensor("one_scalar", TensorProto.INT64, [], [1]),
+            helper.make_tensor("minus_inf", TensorProto.FLOAT, [], [-np.inf]),
+        ],
+    ),
+}
+
+
+def inputs_of(data: bytes, batch: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(batch * 100 + seq)
+    names = {i.name for i in onnx.load_from_string(data).graph.input}
+    feeds: dict[str, np.ndarray] = {}
+    if "x" in names:
+        feeds["x"] = rng.standard_normal((batch, seq, 4)).astype(np.float32)
+    if "mask" in names:
+        lengths = seq - np.arange(batch) % seq
+        feeds["mask"] = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    return feeds
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_compile_matches_onnxruntime_at_every_size(case: str) -> None:
+    data = CASES[case]
+    program = executable(compile_onnx(data, "cpu"))
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for batch, seq in SIZES:
+        feeds = inputs_of(data, batch, seq)
+        (want,) = session.run(["y"], feeds)
+        got = program.run(feeds)["y"]
+        assert got.shape == want.shape, (case, batch, seq)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{case} batch={batch} seq={seq}")
+
+
+def test_symbolic_output_dims_are_reported_in_the_signature() -> None:
+    artifact = compile_onnx(CASES["concat_along_seq"], "cpu")
+    assert artifact.signature.outputs[0].to_json()["shape"] == ["batch", "seq+1", 4]
+    artifact = compile_onnx(CASES["pad_to_even_and_fold_pairs"], "cpu")
+    assert artifact.signature.outputs[0].to_json()["shape"] == ["batch", "floordiv(seq+1,2)", 8]
+
+
+# ---- honest refusals ---------------------------------------------------------------------------------
+
+DATA_DEPENDENT = {
+    "NonZero": model([helper.make_node("NonZero", ["mask"], ["y"])], [MASK], [out("y", TensorProto.INT64, 2)]),
+    "Unique": model([helper.make_node("Unique", ["mask"], ["y"])], [MASK], [out("y", TensorProto.INT64, 1)]),
+    # a Reshape whose target is read from the data
+    "Reshape": model(
+        [
+            helper.make_node("ReduceMax", ["mask"], ["longest"], keepdims=0),
+            helper.make_node("Reshape", ["longest", "one"], ["count"]),
+            helper.make_node("Concat", ["minus_one", "count"], ["target"], axis=0),
+            helper.make_node("Reshape", ["mask", "target"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.INT64, 2)], [int64("one", [1]), int64("minus_one", [-1])],
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(DATA_DEPENDENT))
+def test_shapes_that_depend_on_data_are_refused_naming_the_op(op: str) -> None:
+    with pytest.raises(UnsupportedModel, match=op):
+        compile_onnx(DATA_DEPENDENT[op], "cpu")
