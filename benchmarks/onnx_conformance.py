@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/onnx_conformance.py                 # all 1884 cases, summary
     .venv/bin/python benchmarks/onnx_conformance.py --write docs/onnx-coverage.md
     .venv/bin/python benchmarks/onnx_conformance.py -k reduce --show failed,error
+    .venv/bin/python benchmarks/onnx_conformance.py --pin tests/onnx_node_passing.txt
+
+--pin writes the names of the passing cases: tests/test_onnx_backend.py requires each of them to
+keep passing, so regenerate it when a change makes more cases pass.
 
 Outcomes (passed, unsupported, failed, error) are defined in compiler/conformance.py.
 """
@@ -81,6 +85,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
     parser.add_argument("--show", default="failed,error", help="outcomes to list case by case")
     parser.add_argument("--write", type=Path, help="write the per-op markdown table here")
+    parser.add_argument("--pin", type=Path, help="write the names of the passing cases here")
     args = parser.parse_args()
 
     _init()
@@ -107,6 +112,10 @@ def main() -> int:
     if args.write:
         write_table(args.write, results, conformance.op_names())
         print(f"wrote {args.write}")
+    if args.pin:
+        passing = sorted(name for name, outcome, _, _ in results if outcome == "passed")
+        args.pin.write_text("".join(f"{name}\n" for name in passing))
+        print(f"wrote {args.pin} ({len(passing)} passing cases)")
     return 1 if totals["failed"] or totals["error"] else 0
 
 
