@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 class TensorSpecPublic(BaseModel):
     name: str
-    # ints, or symbol names such as "batch" for dimensions chosen per request
+    # ints, or symbolic dims chosen per request: a name such as "batch", or an expression of
+    # names for outputs ("seq+1", "floordiv(seq+1,2)")
     shape: list[int | str]
     dtype: str
 
@@ -19,7 +20,8 @@ class SignaturePublic(BaseModel):
     inputs: list[TensorSpecPublic]
     outputs: list[TensorSpecPublic]
     batch_symbol: str | None
-    # the largest size a request may give each symbolic dimension, by symbol name
+    # the largest size a request may give each symbolic dimension, by symbol name: the service's
+    # limit, or the model's own where it is smaller (a table of 64 positions)
     dim_limits: dict[str, int] = Field(default_factory=dict)
 
 

@@ -76,7 +76,16 @@ def write_table(path: Path, results: list[tuple[str, str, str, float]], ops: lis
             f"| {c['error']} | {why} |"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(_corpus_section(path) + "\n".join(lines) + "\n")
+
+
+def _corpus_section(path: Path) -> str:
+    """The section benchmarks/hf_corpus.py keeps at the top of the same file, carried over."""
+    begin, end = "<!-- hf-corpus:begin -->", "<!-- hf-corpus:end -->"
+    text = path.read_text() if path.exists() else ""
+    if begin not in text or end not in text:
+        return ""
+    return begin + text.split(begin, 1)[1].split(end, 1)[0] + end + "\n\n"
 
 
 def main() -> int:

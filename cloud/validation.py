@@ -40,6 +40,8 @@ def symbol_limits(signature: Signature, settings: Settings) -> dict[str, int]:
             limits[symbol] = settings.max_batch_dim
         else:
             limits[symbol] = settings.max_sequence_dim
+        # the model's own bound (a position table of 64 rows) may be tighter than the service's
+        limits[symbol] = min(limits[symbol], signature.size_limits.get(symbol, limits[symbol]))
     return limits
 
 

@@ -53,18 +53,21 @@ class Signature:
     outputs: list[TensorSpec]
     # the symbol that leads every input and output: requests may be concatenated along it
     batch_symbol: str | None
+    # symbol -> the largest size the model itself allows (below the service's own limits)
+    size_limits: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def of(graph: Graph) -> Signature:
         inputs = [TensorSpec(*spec) for spec in graph.input_specs()]
         outputs = [TensorSpec(*spec) for spec in graph.output_specs()]
-        return Signature(inputs, outputs, _batch_symbol(inputs, outputs))
+        return Signature(inputs, outputs, _batch_symbol(inputs, outputs), dict(graph.size_limits))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
             "batch_symbol": self.batch_symbol,
+            "size_limits": dict(sorted(self.size_limits.items())),
         }
 
     @staticmethod
@@ -73,6 +76,7 @@ class Signature:
             [TensorSpec.from_json(t) for t in data["inputs"]],
             [TensorSpec.from_json(t) for t in data["outputs"]],
             data.get("batch_symbol"),
+            dict(data.get("size_limits", {})),
         )
 
 

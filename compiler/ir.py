@@ -36,6 +36,7 @@ from compiler.shape import (
     numel,
     probably_equal,
     shape_from_json,
+    symbol_limit,
     shape_to_json,
 )
 
@@ -90,6 +91,8 @@ class Graph:
     outputs: list[tuple[str, int]]
     # CONSTANT node arg -> array
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    # symbol -> the largest size the model itself allows (a buffer cut to the sequence length)
+    size_limits: dict[str, int] = field(default_factory=dict)
 
     def input_specs(self) -> list[tuple[str, Shape, str]]:
         return [(self.nodes[i].arg, self.nodes[i].shape, self.nodes[i].dtype) for i in self.inputs]
@@ -98,11 +101,14 @@ class Graph:
         return [(name, self.nodes[i].shape, self.nodes[i].dtype) for name, i in self.outputs]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "nodes": [_node_to_json(n) for n in self.nodes],
             "inputs": self.inputs,
             "outputs": [[name, i] for name, i in self.outputs],
         }
+        if self.size_limits:
+            data["size_limits"] = dict(sorted(self.size_limits.items()))
+        return data
 
     @staticmethod
     def from_json(data: dict[str, Any], weights: dict[str, np.ndarray]) -> Graph:
@@ -111,6 +117,7 @@ class Graph:
             inputs=list(data["inputs"]),
             outputs=[(name, i) for name, i in data["outputs"]],
             weights=weights,
+            size_limits=dict(data.get("size_limits", {})),
         )
 
     def content_hash(self) -> str:
@@ -250,6 +257,7 @@ class GraphBuilder:
         self.weights: dict[str, np.ndarray] = {}
         self._index: dict[Node, int] = {}
         self._inputs: list[int] = []
+        self.size_limits: dict[str, int] = {}
 
     def node(self, i: int) -> Node:
         return self.nodes[i]
@@ -362,8 +370,20 @@ class GraphBuilder:
         shape.insert(axis % (len(shape) + 1), 1)
         return self.reshape(x, shape)
 
+    def limit_size(self, dim: Dim, bound: int) -> None:
+        """Records that the graph holds only while dim <= bound: requests beyond it are refused
+        when validated, rather than failing while they run."""
+        limit = symbol_limit(dim, bound)
+        if limit is None:
+            return  # a compound form: checked when run, and refused there as a bad size
+        symbol, most = limit
+        if most < 1:
+            raise ShapeError(f"{dim} must stay at most {bound}, which no size of {symbol} allows")
+        self.size_limits[symbol] = min(most, self.size_limits.get(symbol, most))
+
     def finish(self, outputs: list[tuple[str, int]]) -> Graph:
-        return _prune(Graph(list(self.nodes), list(self._inputs), outputs, dict(self.weights)))
+        graph = Graph(list(self.nodes), list(self._inputs), outputs, dict(self.weights), dict(self.size_limits))
+        return _prune(graph)
 
 
 def _prune(graph: Graph) -> Graph:
@@ -386,6 +406,7 @@ def _prune(graph: Graph) -> Graph:
         inputs=[remap[i] for i in graph.inputs],
         outputs=[(name, remap[i]) for name, i in graph.outputs],
         weights={k: v for k, v in graph.weights.items() if k in used_weights},
+        size_limits=graph.size_limits,
     )
 
 

@@ -101,7 +101,7 @@ def _widened(graph: Graph) -> Graph:
     for i, node in zip(graph.inputs, inputs):
         nodes[i] = node
     weights = {k: _widen(v) for k, v in graph.weights.items()}
-    return Graph(nodes, graph.inputs, graph.outputs, weights)
+    return Graph(nodes, graph.inputs, graph.outputs, weights, graph.size_limits)
 
 
 def _max_error(expected: np.ndarray, actual: np.ndarray) -> float:

@@ -268,6 +268,21 @@ def _times(p: float, q: float) -> float:
     return 0.0 if p == 0 or q == 0 else p * q  # 0 * inf is 0 here: the factor is exactly zero
 
 
+def symbol_limit(dim: Dim, bound: int) -> tuple[str, int] | None:
+    """dim <= bound as (symbol, its largest size), for dims linear in one symbol (c*s + k, c > 0);
+    None for any other form."""
+    if not isinstance(dim, SymDim):
+        return None
+    constant = dict(dim.terms).get((), 0)
+    linear = [(atoms, coef) for atoms, coef in dim.terms if atoms]
+    if len(linear) != 1:
+        return None
+    (atoms, coef), = linear
+    if len(atoms) != 1 or not isinstance(atoms[0], str) or coef <= 0:
+        return None
+    return atoms[0], (bound - constant) // coef
+
+
 def provably_le(a: Dim, b: Dim) -> bool:
     return bounds(dim_sub(b, a))[0] >= 0
 

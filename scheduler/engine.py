@@ -19,6 +19,7 @@ import numpy as np
 from cloud import metrics
 from cloud.errors import DeadlineExceeded, InvalidInput, Overloaded, Unavailable
 from cloud.metering import Ledger, Usage, price_for, split_by_rows
+from compiler.shape import ShapeError
 from runtime import Runtime
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
 
@@ -214,12 +215,13 @@ class Batcher:
     async def _run_batch(self, batch: list[Pending], started: float) -> None:
         try:
             results = await asyncio.to_thread(self.engine.run_and_meter, self.route, batch)
-        except IndexError as exc:
+        except (IndexError, ShapeError) as exc:
             if len(batch) > 1:  # one request's bad index must not fail the others: run each alone
                 for pending in batch:
                     await self._run_batch([pending], started)
                 return
-            _fail(batch[0], InvalidInput(f"an input value is out of range for this model ({exc})"))
+            what = "an input value" if isinstance(exc, IndexError) else "an input's size"
+            _fail(batch[0], InvalidInput(f"{what} is out of range for this model ({exc})"))
             return
         except Exception as exc:  # a failing batch fails its requests, never the batcher
             log.exception("batch for %s failed", self.route.model_name)

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from cloud.db import UsageRecord
-from tests.conftest import auth, upload, wait_for
+from tests.conftest import FIXTURES, auth, upload, wait_for
 from tests.onnx_models import embedding_model, fixed_shape_model, int_input_model, mlp, unsupported_model
 
 MLP = mlp().SerializeToString()
@@ -160,6 +160,18 @@ def test_out_of_range_token_id_gets_400_and_spares_the_rest_of_its_batch(client,
     assert "out of range" in responses[1].json()["error"]["message"]
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
     assert responses[2].json()["outputs"]["y"] == table[[[9, 0, 4]]].tolist()
+
+
+def test_a_models_own_length_limit_is_published_and_enforced_with_400(client, keys) -> None:
+    # a GPT-2-style decoder slices its 64-position causal-mask buffer to the sequence length
+    upload(client, keys["alice"], "gpt", (FIXTURES / "gpt2_torchscript.onnx").read_bytes())
+    version = wait_for(client, keys["alice"], "gpt", 1)
+    assert version["status"] == "ready", version
+    assert version["signature"]["dim_limits"]["seq"] == 64
+    assert infer(client, keys["alice"], "gpt", {"input_ids": [[1] * 64]}).status_code == 200
+    response = infer(client, keys["alice"], "gpt", {"input_ids": [[1] * 65]})
+    assert response.status_code == 400
+    assert "(seq) is 65; allowed 1 to 64" in response.json()["error"]["message"]
 
 
 def test_unknown_model_and_version_get_404(client, keys, deployed) -> None:

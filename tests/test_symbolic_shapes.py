@@ -300,3 +300,23 @@ DATA_DEPENDENT = {
 def test_shapes_that_depend_on_data_are_refused_naming_the_op(op: str) -> None:
     with pytest.raises(UnsupportedModel, match=op):
         compile_onnx(DATA_DEPENDENT[op], "cpu")
+
+
+def test_a_buffer_cut_to_the_sequence_length_limits_the_sequence() -> None:
+    # positions[: seq + 1] of an 8-row table: the model serves seq up to 7, and says so
+    data = model(
+        [
+            helper.make_node("Shape", ["mask"], ["seq"], start=1, end=2),
+            helper.make_node("Add", ["seq", "one"], ["end"]),
+            helper.make_node("Slice", ["table", "zero", "end"], ["y"]),
+        ],
+        [MASK], [out("y", TensorProto.FLOAT, 1)],
+        [int64("zero", [0]), int64("one", [1]), helper.make_tensor("table", TensorProto.FLOAT, [8], list(range(8)))],
+    )
+    artifact = compile_onnx(data, "cpu")
+    assert artifact.signature.size_limits == {"seq": 7}
+    assert artifact.signature.outputs[0].to_json()["shape"] == ["seq+1"]
+    program = executable(artifact)
+    np.testing.assert_array_equal(program.run({"mask": np.ones((1, 7), np.int64)})["y"], np.arange(8))
+    with pytest.raises(ShapeError, match="slice"):
+        program.run({"mask": np.ones((1, 8), np.int64)})

@@ -235,11 +235,11 @@ def _slice(ctx: Context, node: onnx.NodeProto) -> list[int]:
     for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         if step == 0:
             raise ShapeError("Slice with step 0")
-        triples[axis] = _slice_triple(node, shape[axis], start, end, step)
+        triples[axis] = _slice_triple(ctx, node, shape[axis], start, end, step)
     return [ctx.b.view(x, ("slice", tuple(triples)))]
 
 
-def _slice_triple(node: onnx.NodeProto, dim: Dim, start: Dim, end: Dim, step: int) -> tuple:
+def _slice_triple(ctx: Context, node: onnx.NodeProto, dim: Dim, start: Dim, end: Dim, step: int) -> tuple:
     """ONNX's clamping of (start, end) against `dim`, done symbolically where needed."""
     if all(isinstance(v, int) for v in (dim, start, end)):
         # clamp like ONNX (and Python) so the view holds plain in-range bounds
@@ -248,13 +248,13 @@ def _slice_triple(node: onnx.NodeProto, dim: Dim, start: Dim, end: Dim, step: in
             hi = None
         return (lo, hi, st)
     if step > 0:
-        lo = _clamp(node, _from_end(node, start, dim), 0, dim)
-        hi = None if isinstance(end, int) and end >= _TO_END else _clamp(node, _from_end(node, end, dim), 0, dim)
+        lo = _clamp(ctx, _from_end(node, start, dim), 0, dim)
+        hi = None if isinstance(end, int) and end >= _TO_END else _clamp(ctx, _from_end(node, end, dim), 0, dim)
         if hi == dim:
             hi = None
     else:
-        lo = _clamp(node, _from_end(node, start, dim), 0, dim_sub(dim, 1))
-        hi = None if isinstance(end, int) and end <= -_TO_END else _clamp(node, _from_end(node, end, dim), -1, dim_sub(dim, 1))
+        lo = _clamp(ctx, _from_end(node, start, dim), 0, dim_sub(dim, 1))
+        hi = None if isinstance(end, int) and end <= -_TO_END else _clamp(ctx, _from_end(node, end, dim), -1, dim_sub(dim, 1))
         if hi == -1:
             hi = None
     return (lo, hi, step)
@@ -270,10 +270,12 @@ def _from_end(node: onnx.NodeProto, value: Dim, dim: Dim) -> Dim:
     raise refuse(node, f"a bound {value} whose sign is not known at compile time")
 
 
-def _clamp(node: onnx.NodeProto, value: Dim, low: Dim, high: Dim) -> Dim:
+def _clamp(ctx: Context, value: Dim, low: Dim, high: Dim) -> Dim:
     value = dim_max(value, low)
     if isinstance(high, int) and not isinstance(value, int) and not provably_le(high, value):
-        # a symbolic bound into a fixed axis (a buffer cut to the sequence length): checked when run
+        # a symbolic bound into a fixed axis (a buffer cut to the sequence length): the model
+        # then serves only sizes up to that axis, and requests beyond it are refused
+        ctx.b.limit_size(value, high)
         return value
     return dim_min(value, high)
 
