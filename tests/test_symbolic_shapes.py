@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from compiler import UnsupportedModel, compile_onnx, executable
+from compiler.ir import Op
 from compiler.shape import (
     ShapeError,
     SymDim,
@@ -320,3 +321,13 @@ def test_a_buffer_cut_to_the_sequence_length_limits_the_sequence() -> None:
     np.testing.assert_array_equal(program.run({"mask": np.ones((1, 7), np.int64)})["y"], np.arange(8))
     with pytest.raises(ShapeError, match="slice"):
         program.run({"mask": np.ones((1, 8), np.int64)})
+
+
+def test_indices_provably_in_range_skip_the_negative_index_wrap() -> None:
+    # Range-built indices are known to be >= 0, so no comparison is emitted for them; a constant
+    # -1 needs the wrap (one LessThan), computed against the symbolic length
+    def comparisons(case: str) -> int:
+        return sum(node.op is Op.LESS_THAN for node in compile_onnx(CASES[case], "cpu").graph.nodes)
+
+    assert comparisons("gather_nd_over_ranges") == 0
+    assert comparisons("negative_indices_into_seq") == 1
