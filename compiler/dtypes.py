@@ -1,4 +1,7 @@
-"""The dtypes the IR carries, by name, and their NumPy types.
+"""The dtypes the IR carries, by name, and their NumPy types; the one place dtypes are tested.
+
+Every lowering and composite asks is_float, is_signed_int, is_unsigned_int, bits, lowest and
+highest here rather than matching dtype names itself.
 
 The narrow storage formats NumPy lacks (bfloat16, the float8 and float4 formats, 4- and 2-bit
 ints) come from ml_dtypes. Graphs only store values in them: arithmetic runs in a wider dtype
@@ -50,3 +53,26 @@ def kind(name: str) -> str:
 
 def is_float(name: str) -> bool:
     return name in DTYPES and kind(name) == "f"
+
+
+def is_signed_int(name: str) -> bool:
+    return name in DTYPES and kind(name) == "i"
+
+
+def is_unsigned_int(name: str) -> bool:
+    return name in DTYPES and kind(name) == "u"
+
+
+def bits(name: str) -> int:
+    """The width of the NumPy storage type (8 for the 4- and 2-bit formats, stored in a byte)."""
+    return numpy_dtype(name).itemsize * 8
+
+
+def lowest(name: str) -> float | int:
+    """The bottom of a type's order: -inf for floats, the minimum for integers."""
+    return -np.inf if is_float(name) else int(np.iinfo(numpy_dtype(name)).min)
+
+
+def highest(name: str) -> float | int:
+    """The top of a type's order: inf for floats, the maximum for integers."""
+    return np.inf if is_float(name) else int(np.iinfo(numpy_dtype(name)).max)

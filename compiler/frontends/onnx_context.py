@@ -1,7 +1,9 @@
-"""What every ONNX lowering shares: the lowering context, attribute access and the registry.
+"""What every ONNX lowering shares: the lowering context, attribute and input access, and the
+registry.
 
 A lowering is a function (ctx, node) -> list of node ids, one per ONNX output, registered for one
-or more op types with @lowers. Lowerings live in compiler.frontends.onnx_ops, grouped by kind.
+or more op types with @lowers. Lowerings live in compiler.frontends.onnx_ops, grouped by concept;
+the math they emit is spelled in compiler.composite.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import onnx
 from onnx import helper
 
 from compiler import composite
-from compiler.dtypes import NARROW_FLOATS, NARROW_INTS, NARROW_UINTS
+from compiler.dtypes import NARROW_FLOATS, NARROW_INTS, NARROW_UINTS, is_float
 from compiler.errors import InvalidModel, UnsupportedModel
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, SymDim
+from compiler.shape import Dim, ShapeError, SymDim
 from compiler.value_range import ValueRanges
 
 ELEM_TYPES: dict[int, str] = {
@@ -170,6 +172,33 @@ def attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def text(value: bytes | str) -> str:
+    """A string attribute as str (onnx gives bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def normalized_axis(node: onnx.NodeProto, axis: int, rank: int) -> int:
+    """An axis attribute in [0, rank), negative ones counted from the end."""
+    if not -rank <= axis < max(rank, 1):
+        raise ShapeError(f"{node.op_type} axis {axis} out of range for rank {rank}")
+    return axis % rank if rank else 0
+
+
+def float_input(ctx: Context, node: onnx.NodeProto, index: int = 0) -> int:
+    """Input `index`, refused unless it is a float tensor."""
+    x = ctx.value(node, index)
+    if not is_float(ctx.b.dtype(x)):
+        raise refuse(node, f"{ctx.b.dtype(x)} input")
+    return x
+
+
+def stored_dtype(ctx: Context, node: onnx.NodeProto, index: int) -> str:
+    """The dtype the model declares for input `index`; the graph carries float16 and the narrow
+    types in a wider one (COMPUTED_AS)."""
+    declared = ELEM_TYPES.get(ctx.declared_types.get(node.input[index], 0))
+    return declared or ctx.b.dtype(ctx.value(node, index))
+
+
 Lowering = Callable[[Context, onnx.NodeProto], list[int]]
 LOWERINGS: dict[str, Lowering] = {}
 
@@ -185,4 +214,3 @@ def lowers(*op_types: str) -> Callable[[Lowering], Lowering]:
 
 def refuse(node: onnx.NodeProto, what: str) -> UnsupportedModel:
     return UnsupportedModel([f"{node.op_type} with {what}"])
-

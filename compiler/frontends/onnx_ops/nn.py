@@ -1,4 +1,8 @@
-"""Lowerings of convolution, pooling and normalization ops."""
+"""Lowerings of convolution, pooling, spatial layout and resampling ops: Conv, ConvTranspose,
+Col2Im, ConvInteger, the pools, Trilu, DepthToSpace/SpaceToDepth, Pad, Resize and Upsample.
+
+Normalizations are in norm.py, GridSample (a data-dependent gather) in indexing.py.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,14 @@ import numpy as np
 import onnx
 
 from compiler import composite as C
+from compiler.dtypes import is_float, lowest
 from compiler.errors import UnsupportedModel
-from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
+from compiler.frontends.onnx_context import Context, attrs, lowers, refuse, text
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, SymDim, bounds, dim_mul, numel
 
 
-def _spatialattrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], kernel):
+def spatial_attrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], kernel):
     """Resolve pads/strides/dilations (including auto_pad) for conv and pooling."""
     a = attrs(node)
     nd = len(kernel)
@@ -22,8 +27,7 @@ def _spatialattrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], 
     dilations = list(a.get("dilations", [1] * nd))
     raw_pads = list(a.get("pads", [0] * (2 * nd)))
     pads = [(raw_pads[i], raw_pads[i + nd]) for i in range(nd)]
-    auto_pad = a.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = text(a.get("auto_pad", b"NOTSET"))
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = []
         for d, k, s, dil in zip(spatial, kernel, strides, dilations):
@@ -47,7 +51,7 @@ def _conv(ctx: Context, node: onnx.NodeProto) -> list[int]:
     kernel = tuple(attrs(node).get("kernel_shape", b.shape(w)[2:]))
     if tuple(b.shape(w)[2:]) != kernel:
         raise ShapeError(f"kernel_shape {list(kernel)} disagrees with weight {list(b.shape(w))}")
-    pads, strides, dilations = _spatialattrs(ctx, node, b.shape(x)[2:], kernel)
+    pads, strides, dilations = spatial_attrs(ctx, node, b.shape(x)[2:], kernel)
     group = attrs(node).get("group", 1)
     return [C.conv(b, x, w, ctx.optional(node, 2), pads, strides, dilations, group)]
 
@@ -108,7 +112,7 @@ def _conv_transpose(ctx: Context, node: onnx.NodeProto) -> list[int]:
     dilations = list(a.get("dilations", [1] * nd))
     out_padding = list(a.get("output_padding", [0] * nd))
     group = a.get("group", 1)
-    auto_pad = a.get("auto_pad", b"NOTSET").decode()
+    auto_pad = text(a.get("auto_pad", b"NOTSET"))
     spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     full = [s * (n - 1) + p + span for s, n, p, span in zip(strides, in_sizes, out_padding, spans)]
     if auto_pad in ("SAME_UPPER", "SAME_LOWER") or "output_shape" in a:
@@ -211,7 +215,7 @@ def _conv_integer(ctx: Context, node: onnx.NodeProto) -> list[int]:
         w_zero = b.reshape(b.cast(w_zero, "int32"), (count, *[1] * (rank - 1)) if count != 1 else ())
         w = C.sub(b, w, w_zero)
     kernel = tuple(attrs(node).get("kernel_shape", b.shape(w)[2:]))
-    pads, strides, dilations = _spatialattrs(ctx, node, b.shape(x)[2:], kernel)
+    pads, strides, dilations = spatial_attrs(ctx, node, b.shape(x)[2:], kernel)
     return [C.conv(b, x, w, None, pads, strides, dilations, attrs(node).get("group", 1))]
 
 
@@ -220,7 +224,7 @@ def _pool_geometry(ctx: Context, node: onnx.NodeProto, x: int):
     a = attrs(node)
     kernel = tuple(a["kernel_shape"])
     spatial = _static_spatial(node, ctx.b.shape(x))
-    pads, strides, dilations = _spatialattrs(ctx, node, tuple(spatial), kernel)
+    pads, strides, dilations = spatial_attrs(ctx, node, tuple(spatial), kernel)
     extra = [0] * len(kernel)
     if a.get("ceil_mode", 0):
         for i, (d, k, s, dil, (pb, pe)) in enumerate(zip(spatial, kernel, strides, dilations, pads)):
@@ -262,18 +266,16 @@ def _max_pool_indices(b: GraphBuilder, x: int, peak: int, geometry, column_major
     spatial = shape[2:]
     nd = len(spatial)
     size = int(np.prod(spatial))
-    dtype = np.dtype(b.dtype(x))
-    lowest = -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
-    values = _windows(b, x, *geometry, lowest)
+    values = _windows(b, x, *geometry, lowest(b.dtype(x)))
     # padded positions get index `size`, past every real one, so they never win a tie
     positions = b.constant(np.arange(size, dtype=np.int64).reshape(1, 1, *spatial))
     full = b.shape(values)
     position_windows = b.expand(_windows(b, positions, *geometry, size), (1, 1, *full[2:]))
     position_windows = b.expand(position_windows, full)
-    below_peak = b.binary(Op.LESS_THAN, values, b.expand(b.reshape(peak, (*b.shape(peak), *[1] * nd)), full))
+    below_peak = C.less(b, values, b.expand(b.reshape(peak, (*b.shape(peak), *[1] * nd)), full))
     candidates = C.where(b, below_peak, b.scalar_like(size, position_windows), position_windows)
     window_axes = list(range(2 + nd, 2 + 2 * nd))
-    first = C.neg(b, b.reduce(Op.MAX_REDUCE, C.neg(b, candidates), window_axes))
+    first = C.reduce_min(b, candidates, window_axes)
     if column_major:
         coords = np.unravel_index(np.arange(size), spatial)
         table = np.ravel_multi_index(coords, spatial, order="F").astype(np.int64)
@@ -284,24 +286,22 @@ def _max_pool_indices(b: GraphBuilder, x: int, peak: int, geometry, column_major
 
 def _abs_power(b: GraphBuilder, x: int, p: int) -> int:
     """|x|**p for a positive integer p, by repeated squaring."""
-    base = x if p % 2 == 0 else C.maximum(b, x, C.neg(b, x))
+    base = x if p % 2 == 0 else C.absolute(b, x)
     return C.power_by_squaring(b, base, p)
 
 
 def _root(b: GraphBuilder, x: int, p: int) -> int:
     """x**(1/p) for x >= 0."""
     while p % 2 == 0:
-        x, p = b.unary(Op.SQRT, x), p // 2
-    if p == 1:
-        return x
-    return b.unary(Op.EXP2, C.scale(b, b.unary(Op.LOG2, x), 1.0 / p))
+        x, p = C.sqrt(b, x), p // 2
+    return x if p == 1 else C.pow_positive(b, x, 1.0 / p)
 
 
 def _lp_order(ctx: Context, node: onnx.NodeProto, x: int) -> int:
     p = attrs(node).get("p", 2)
     if not isinstance(p, int) or p < 1:
         raise refuse(node, f"p={p}")
-    if not ctx.b.dtype(x).startswith("float"):
+    if not is_float(ctx.b.dtype(x)):
         raise refuse(node, f"{ctx.b.dtype(x)} input")
     return p
 
@@ -335,30 +335,6 @@ def _global_pool(ctx: Context, node: onnx.NodeProto) -> list[int]:
     return [C.scale(b, C.reduce_keep(b, Op.SUM_REDUCE, x, axes), 1.0 / count)]
 
 
-@lowers("BatchNormalization")
-def _batch_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    a = attrs(node)
-    if a.get("training_mode", 0) or (len(node.output) > 1 and any(node.output[1:])):
-        raise refuse(node, "training mode")
-    b = ctx.b
-    x = ctx.value(node, 0)
-    eps = a.get("epsilon", 1e-5)
-    rank = len(b.shape(x))
-    channel_shape = (1, b.shape(x)[1], *([1] * (rank - 2)))
-    names = node.input[1:5]
-    dtype = b.dtype(x)
-    if all(n in ctx.consts for n in names):
-        scale, bias, mean, var = (ctx.consts[n].astype(np.float64) for n in names)
-        factor = scale / np.sqrt(var + eps)
-        offset = bias - mean * factor
-        mul = b.constant(factor.astype(dtype).reshape(channel_shape))
-        add = b.constant(offset.astype(dtype).reshape(channel_shape))
-        return [C.add(b, C.mul(b, x, mul), add)]
-    scale, bias, mean, var = (b.reshape(ctx.value(node, i), channel_shape) for i in range(1, 5))
-    inv_std = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, var, eps)))
-    return [C.add(b, C.mul(b, C.sub(b, x, mean), C.mul(b, inv_std, scale)), bias)]
-
-
 @lowers("Trilu")
 def _trilu(ctx: Context, node: onnx.NodeProto) -> list[int]:
     """Zero every element whose column minus row lies outside the kept band (k may be a run-time value)."""
@@ -369,16 +345,15 @@ def _trilu(ctx: Context, node: onnx.NodeProto) -> list[int]:
         raise ShapeError(f"Trilu needs a rank-2 or higher input, got {list(shape)}")
     rows, cols = shape[-2:]
     plane = (rows, cols)
-    row = b.expand(b.reshape(b.iota(rows), (rows, 1)), plane)
-    col = b.expand(b.reshape(b.iota(cols), (1, cols)), plane)
+    row, col = C.axis_positions(b, plane, 0), C.axis_positions(b, plane, 1)
     offset = b.binary(Op.ADD, col, C.neg(b, row))
     k = ctx.optional(node, 1)
     k = b.scalar_like(0, offset) if k is None else b.expand(b.reshape(b.cast(k, "int64"), (1, 1)), plane)
     # upper keeps col - row >= k, lower keeps col - row <= k
     if attrs(node).get("upper", 1):
-        outside = b.binary(Op.LESS_THAN, offset, k)
+        outside = C.less(b, offset, k)
     else:
-        outside = b.binary(Op.LESS_THAN, k, offset)
+        outside = C.less(b, k, offset)
     outside = b.broadcast_to(outside, shape)
     return [C.where(b, outside, b.scalar_like(0, x), x)]
 
@@ -390,7 +365,7 @@ def _block_size(node: onnx.NodeProto, x_shape: tuple[Dim, ...]) -> int:
 
 
 def _mode(node: onnx.NodeProto) -> str:
-    mode = attrs(node).get("mode", b"DCR").decode()
+    mode = text(attrs(node).get("mode", b"DCR"))
     if mode not in ("DCR", "CRD"):
         raise refuse(node, f"mode={mode}")
     return mode
@@ -432,7 +407,7 @@ def _pad(ctx: Context, node: onnx.NodeProto) -> list[int]:
     x = ctx.value(node, 0)
     shape = b.shape(x)
     rank = len(shape)
-    mode = a.get("mode", b"constant").decode()
+    mode = text(a.get("mode", b"constant"))
     # the fill value: known at compile time (a number), a run-time value (a node id) or zero
     fill: float | int | None = 0
     if ctx.opset < 11:
@@ -559,8 +534,8 @@ def _taps(coords: np.ndarray, count: int) -> np.ndarray:
     if count % 2 == 0:
         offset = np.where(frac == 0, -(count // 2), -(count // 2) + 1)
     else:
-        lowest = -((count - 1) // 2)
-        offset = np.where(frac <= 0.5, lowest, lowest + 1)
+        first = -((count - 1) // 2)
+        offset = np.where(frac <= 0.5, first, first + 1)
     return (base + offset)[:, None] + np.arange(count)[None, :] - half
 
 
@@ -639,7 +614,7 @@ def _resize(
 ) -> int:
     if spec.mode not in ("nearest", "linear", "cubic"):
         raise refuse(node, f"mode={spec.mode}")
-    if spec.mode != "nearest" and not b.dtype(x).startswith("float"):
+    if spec.mode != "nearest" and not is_float(b.dtype(x)):
         raise refuse(node, f"mode={spec.mode} on {b.dtype(x)} data")
     for axis, (scale, out, roi) in enumerate(zip(scales, sizes, rois)):
         size = b.shape(x)[axis]
@@ -660,14 +635,14 @@ def _resize_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
     x = ctx.value(node, 0)
     shape = b.shape(x)
     rank = len(shape)
-    text = {k: v.decode() for k, v in a.items() if isinstance(v, bytes)}
+    strings = {k: text(v) for k, v in a.items() if isinstance(v, bytes)}
     if ctx.opset < 11:  # Resize-10 is Upsample-9 under a new name
         scales = [float(s) for s in ctx.const(node, 1, "scales").reshape(-1)]
-        return [_upsample(node, b, x, scales, text.get("mode", "nearest"))]
+        return [_upsample(node, b, x, scales, strings.get("mode", "nearest"))]
     spec = _ResizeSpec(
-        mode=text.get("mode", "nearest"),
-        transform=text.get("coordinate_transformation_mode", "half_pixel"),
-        rounding=text.get("nearest_mode", "round_prefer_floor"),
+        mode=strings.get("mode", "nearest"),
+        transform=strings.get("coordinate_transformation_mode", "half_pixel"),
+        rounding=strings.get("nearest_mode", "round_prefer_floor"),
         cubic_a=a.get("cubic_coeff_a", -0.75),
         exclude_outside=bool(a.get("exclude_outside", 0)),
         antialias=bool(a.get("antialias", 0)),
@@ -718,7 +693,7 @@ def _resize_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
         for axis, out in zip(axes, size_in):
             full_scales[axis] = int(out) / _static_dim(node, shape, axis)
             sizes[axis] = int(out)
-        policy = text.get("keep_aspect_ratio_policy", "stretch")
+        policy = strings.get("keep_aspect_ratio_policy", "stretch")
         if policy != "stretch":
             if policy not in ("not_larger", "not_smaller"):
                 raise refuse(node, f"keep_aspect_ratio_policy={policy}")
@@ -760,4 +735,4 @@ def _upsample_op(ctx: Context, node: onnx.NodeProto) -> list[int]:
         scales = [float(s) for s in a["scales"]]
     else:
         scales = [float(s) for s in ctx.const(node, 1, "scales").reshape(-1)]
-    return [_upsample(node, ctx.b, ctx.value(node, 0), scales, a.get("mode", b"nearest").decode())]
+    return [_upsample(node, ctx.b, ctx.value(node, 0), scales, text(a.get("mode", b"nearest")))]

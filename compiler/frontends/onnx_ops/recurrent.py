@@ -14,13 +14,15 @@ import numpy as np
 import onnx
 
 from compiler import composite as C
-from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
-from compiler.ir import GraphBuilder, Op
+from compiler.dtypes import is_float
+from compiler.frontends.onnx_context import Context, attrs, lowers, refuse, text
+from compiler.ir import GraphBuilder
 from compiler.shape import ShapeError
 
 Activation = Callable[[GraphBuilder, int], int]
 
-_ACTIVATIONS: dict[str, Activation] = {"tanh": C.tanh, "sigmoid": C.sigmoid, "relu": C.relu}
+# gates use the cheaper tanh (2 sigmoid(2x) - 1); the Tanh op itself is the precise one
+_ACTIVATIONS: dict[str, Activation] = {"tanh": C.tanh_by_sigmoid, "sigmoid": C.sigmoid, "relu": C.relu}
 
 # op type -> (gate count, default activations per direction)
 _CELLS = {
@@ -56,17 +58,12 @@ def _plus_bias(b: GraphBuilder, x: int, bias: int | None) -> int:
     return x if bias is None else C.add(b, x, bias)
 
 
-def _one_minus(b: GraphBuilder, x: int) -> int:
-    return C.shift(b, C.neg(b, x), 1.0)
-
-
 def _clipped(b: GraphBuilder, act: Activation, clip: float | None) -> Activation:
     if clip is None:
         return act
 
     def clipped(b: GraphBuilder, x: int) -> int:
-        bound = b.scalar_like(clip, x)
-        return act(b, C.minimum(b, C.maximum(b, x, C.neg(b, bound)), bound))
+        return act(b, C.clamp(b, x, -clip, clip))
 
     return clipped
 
@@ -78,7 +75,7 @@ def _recurrent(ctx: Context, node: onnx.NodeProto) -> list[int]:
     kind = node.op_type
     gates, default_acts = _CELLS[kind]
     hidden = a["hidden_size"]
-    direction = a.get("direction", b"forward").decode()
+    direction = text(a.get("direction", b"forward"))
     if direction not in ("forward", "reverse", "bidirectional"):
         raise refuse(node, f"direction={direction}")
     if a.get("input_forget", 0):
@@ -90,11 +87,11 @@ def _recurrent(ctx: Context, node: onnx.NodeProto) -> list[int]:
     seq, batch, _ = b.shape(x)
     if not isinstance(seq, int):
         raise refuse(node, "a symbolic sequence length")
-    if not b.dtype(x).startswith("float"):
+    if not is_float(b.dtype(x)):
         raise refuse(node, f"{b.dtype(x)} input")
     num_dirs = 2 if direction == "bidirectional" else 1
     lengths = _sequence_lengths(ctx, node, seq, direction)
-    names = [n.decode().lower() for n in a.get("activations", [])] or [
+    names = [text(n).lower() for n in a.get("activations", [])] or [
         n.lower() for n in default_acts
     ] * num_dirs
     if len(names) != len(default_acts) * num_dirs:
@@ -185,9 +182,7 @@ def _run_direction(b, kind, x, spec: _Direction, h, c, hidden, node, lengths, ze
             new_h, new_c = _lstm_step(b, C.add(b, xt, _plus_bias(b, recurrent, spec.bias_r)), c, spec, hidden)
         if lengths is not None:
             # rows whose sequence has ended keep their state and output zeros
-            live = b.binary(
-                Op.LESS_THAN, b.expand(b.constant(np.asarray([t], dtype=np.int64)), (batch,)), lengths
-            )
+            live = C.less(b, b.expand(b.constant(np.asarray([t], dtype=np.int64)), (batch,)), lengths)
             live = b.expand(b.reshape(live, (batch, 1)), (batch, hidden))
             ys[t] = C.where(b, live, new_h, zeros)
             h, c = C.where(b, live, new_h, h), C.where(b, live, new_c, c)
@@ -209,7 +204,7 @@ def _gru_step(b, xt, h, recurrent, spec: _Direction, hidden, linear_before_reset
         bias_h = None if spec.bias_r is None else _row(b, spec.bias_r, 2, hidden)
         candidate_in = _plus_bias(b, C.matmul(b, r_h, w_h), bias_h)
     candidate = g(b, C.add(b, _gate(b, xt, 2, hidden), candidate_in))
-    return C.add(b, C.mul(b, _one_minus(b, z), candidate), C.mul(b, z, h))
+    return C.add(b, C.mul(b, C.one_minus(b, z), candidate), C.mul(b, z, h))
 
 
 def _lstm_step(b, gates, c, spec: _Direction, hidden):

@@ -1,8 +1,9 @@
-"""Lowerings of reductions, normalizations, softmax variants and losses.
+"""Lowerings of reductions and what ranks or accumulates along an axis: the Reduce ops,
+ArgMax/ArgMin, Hardmax, LogSoftmax, CumSum/CumProd, Einsum, the losses and TopK.
 
-Everything is spelled in primitives: min as a max of order-reversed values, products and scans
-as log-depth trees of exact multiplications (never exp2 of summed logs), equality and NaN tests
-as pairs of less-than comparisons, index lookups as gathers from flattened tensors.
+Everything is spelled in primitives (normalizations are in norm.py): min as a max of
+order-reversed values, products and scans as log-depth trees of exact multiplications (never
+exp2 of summed logs), index lookups as gathers from flattened tensors.
 """
 
 from __future__ import annotations
@@ -13,84 +14,20 @@ import numpy as np
 import onnx
 
 from compiler import composite as C
-from compiler.frontends.onnx_context import ELEM_TYPES, Context, attrs, lowers, refuse
+from compiler.dtypes import highest, is_float, lowest
+from compiler.frontends.onnx_context import (
+    Context,
+    attrs,
+    float_input,
+    lowers,
+    normalized_axis,
+    refuse,
+    text,
+)
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import Dim, ShapeError, numel
 
-# ---- boolean and order helpers -----------------------------------------------------------
-
-
-def _is_float(b: GraphBuilder, x: int) -> bool:
-    return b.dtype(x).startswith("float")
-
-
-def _is_finite(b: GraphBuilder, x: int) -> int:
-    return C.logical_and(b, C.less(b, b.scalar_like(-np.inf, x), x), C.less(b, x, b.scalar_like(np.inf, x)))
-
-
-def _reverse_order(b: GraphBuilder, x: int) -> int:
-    """A monotonically decreasing bijection, so min(x) = reverse(max(reverse(x))).
-
-    Floats are negated; integers get their bits flipped (~x = -x - 1 in wrapping arithmetic,
-    exact at the type's minimum, where negation would overflow); booleans are negated.
-    """
-    dtype = b.dtype(x)
-    if dtype == "bool":
-        return C.logical_not(b, x)
-    if dtype.startswith("float"):
-        return C.neg(b, x)
-    all_ones = b.scalar_like(np.array(-1).astype(dtype), x)
-    return b.binary(Op.ADD, b.binary(Op.MUL, x, all_ones), all_ones)
-
-
-def _abs(b: GraphBuilder, x: int) -> int:
-    if b.dtype(x).startswith("uint"):
-        return x
-    return C.maximum(b, x, C.neg(b, x))
-
-
-def _power(b: GraphBuilder, x: int, exponent: float) -> int:
-    """x ** exponent for x > 0."""
-    return b.unary(Op.EXP2, C.scale(b, b.unary(Op.LOG2, x), exponent))
-
-
-def _axis(node: onnx.NodeProto, axis: int, rank: int) -> int:
-    if not -rank <= axis < max(rank, 1):
-        raise ShapeError(f"{node.op_type} axis {axis} out of range for rank {rank}")
-    return axis % rank if rank else 0
-
-
 # ---- reductions --------------------------------------------------------------------------
-
-
-def _count(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
-    """How many elements each reduction over `axes` sees, as a scalar of x's dtype."""
-    dims = [b.shape(x)[a] for a in axes]
-    count = numel(dims)
-    if isinstance(count, int):
-        return b.constant(np.asarray(count, dtype=b.dtype(x)))
-    # a symbolic count is summed from ones at run time
-    ones = b.broadcast_to(b.constant(np.asarray(1, dtype=b.dtype(x))), tuple(dims))
-    return b.reduce(Op.SUM_REDUCE, ones, range(len(dims)))
-
-
-def _mean_keep(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
-    """Mean over `axes` with those axes kept as size 1."""
-    total = C.reduce_keep(b, Op.SUM_REDUCE, x, axes)
-    return C.mul(b, total, b.unary(Op.RECIP, _count(b, x, axes)))
-
-
-def _product_over_last_axis(b: GraphBuilder, x: int) -> int:
-    """Exact product over a static last axis, as a tree of pairwise multiplications."""
-    while (n := b.shape(x)[-1]) > 1:
-        rank = len(b.shape(x))
-        if n % 2:
-            x = C.pad(b, x, [(0, 0)] * (rank - 1) + [(0, 1)], 1)
-        whole = ((0, None, 1),) * (rank - 1)
-        evens = b.view(x, ("slice", (*whole, (0, None, 2))))
-        odds = b.view(x, ("slice", (*whole, (1, None, 2))))
-        x = b.binary(Op.MUL, evens, odds)
-    return b.reshape(x, b.shape(x)[:-1])
 
 
 def _product(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
@@ -100,13 +37,13 @@ def _product(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int])
     if not isinstance(length, int):
         raise refuse(node, "a product over symbolic dimensions")
     flat = b.reshape(b.permute(x, [*kept, *axes]), (*(shape[a] for a in kept), length))
-    return _product_over_last_axis(b, flat)
+    return C.product_last(b, flat)
 
 
 def _log_sum_exp(b: GraphBuilder, x: int, axes: Sequence[int]) -> int:
     peak = C.reduce_keep(b, Op.MAX_REDUCE, x, axes)
     # an infinite peak (all -inf, or some +inf) is not subtracted: it would give inf - inf
-    peak = C.where(b, _is_finite(b, peak), peak, b.scalar_like(0, peak))
+    peak = C.where(b, C.is_finite(b, peak), peak, b.scalar_like(0, peak))
     shifted = C.exp(b, C.sub(b, x, peak))
     total = b.reduce(Op.SUM_REDUCE, shifted, axes)
     return b.binary(Op.ADD, C.log(b, total), b.reshape(peak, b.shape(total)))
@@ -116,15 +53,12 @@ def _reduce(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int]) 
     """The reduction of `node`'s kind over `axes`, with those axes removed."""
     kind = node.op_type
     if kind in ("ReduceSum", "ReduceMean"):
-        total = b.reduce(Op.SUM_REDUCE, x, axes)
-        if kind == "ReduceSum":
-            return total
-        return C.mul(b, total, b.unary(Op.RECIP, _count(b, x, axes)))
+        return b.reduce(Op.SUM_REDUCE, x, axes) if kind == "ReduceSum" else C.mean(b, x, axes)
     if kind in ("ReduceSumSquare", "ReduceL2"):
         total = b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, x, x), axes)
         return total if kind == "ReduceSumSquare" else b.unary(Op.SQRT, total)
     if kind == "ReduceL1":
-        return b.reduce(Op.SUM_REDUCE, _abs(b, x), axes)
+        return b.reduce(Op.SUM_REDUCE, C.absolute(b, x), axes)
     if kind == "ReduceLogSum":
         return C.log(b, b.reduce(Op.SUM_REDUCE, x, axes))
     if kind == "ReduceLogSumExp":
@@ -132,7 +66,7 @@ def _reduce(node: onnx.NodeProto, b: GraphBuilder, x: int, axes: Sequence[int]) 
     if kind == "ReduceMax":
         return b.reduce(Op.MAX_REDUCE, x, axes)
     if kind == "ReduceMin":
-        return _reverse_order(b, b.reduce(Op.MAX_REDUCE, _reverse_order(b, x), axes))
+        return C.reduce_min(b, x, axes)
     assert kind == "ReduceProd"
     return _product(node, b, x, axes)
 
@@ -142,10 +76,7 @@ def _empty_reduction(kind: str, dtype: str) -> np.ndarray:
     if dtype == "bool":
         return np.asarray(kind == "ReduceMin")
     if kind in ("ReduceMax", "ReduceMin"):
-        info = np.finfo(dtype) if dtype.startswith("float") else np.iinfo(dtype)
-        lowest = -np.inf if dtype.startswith("float") else info.min
-        highest = np.inf if dtype.startswith("float") else info.max
-        return np.asarray(lowest if kind == "ReduceMax" else highest, dtype=dtype)
+        return np.asarray(lowest(dtype) if kind == "ReduceMax" else highest(dtype), dtype=dtype)
     value = {"ReduceProd": 1, "ReduceMean": np.nan, "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf}
     return np.asarray(value.get(kind, 0), dtype=dtype)
 
@@ -189,7 +120,7 @@ def _reduction(ctx: Context, node: onnx.NodeProto) -> list[int]:
     shape, dtype = b.shape(x), b.dtype(x)
     if dtype == "bool" and node.op_type not in ("ReduceMax", "ReduceMin"):
         raise refuse(node, "bool input")
-    if not dtype.startswith("float") and node.op_type in _FLOAT_ONLY:
+    if not is_float(dtype) and node.op_type in _FLOAT_ONLY:
         raise refuse(node, f"{dtype} input")
     axes = _reduce_axes(ctx, node, len(shape))
     if axes is None:
@@ -212,18 +143,16 @@ def _at_maximum(b: GraphBuilder, x: int, axis: int) -> int:
     """Where x attains its maximum along `axis` (the NaNs, if any, as numpy's argmax has it)."""
     peak = b.expand(C.reduce_keep(b, Op.MAX_REDUCE, x, [axis]), b.shape(x))
     hit = C.logical_not(b, C.less(b, x, peak))
-    if _is_float(b, x):
+    if is_float(b.dtype(x)):
         # a NaN peak: not(x < NaN) holds everywhere, only the NaNs themselves count
-        hit = C.logical_and(b, hit, C.logical_not(b, C.logical_and(b, C.is_nan(b, peak), C.logical_not(b, C.is_nan(b, x)))))
+        nan_peak_elsewhere = C.logical_and(b, C.is_nan(b, peak), C.logical_not(b, C.is_nan(b, x)))
+        hit = C.logical_and(b, hit, C.logical_not(b, nan_peak_elsewhere))
     return hit
 
 
 def _hit_index(b: GraphBuilder, hit: int, axis: int, last: bool) -> int:
     """The first (or last) position along `axis` where `hit` holds, as int64 with axis removed."""
-    shape = b.shape(hit)
-    position_shape = [1] * len(shape)
-    position_shape[axis] = shape[axis]
-    position = b.expand(b.reshape(b.iota(shape[axis]), position_shape), shape)
+    position = C.axis_positions(b, b.shape(hit), axis)
     hit = b.cast(hit, "int64")
     if last:
         score = b.binary(Op.MUL, hit, C.shift(b, position, 1))
@@ -242,11 +171,11 @@ def _arg_extreme(ctx: Context, node: onnx.NodeProto) -> list[int]:
     a = attrs(node)
     x = _comparable(b, ctx.value(node, 0))
     shape = b.shape(x)
-    axis = _axis(node, a.get("axis", 0), len(shape))
+    axis = normalized_axis(node, a.get("axis", 0), len(shape))
     if shape[axis] == 0:
         raise ShapeError(f"{node.op_type} over an empty axis")
     if node.op_type == "ArgMin":
-        x = _reverse_order(b, x)
+        x = C.reverse_order(b, x)
     index = _hit_index(b, _at_maximum(b, x, axis), axis, bool(a.get("select_last_index", 0)))
     if a.get("keepdims", 1):
         index = C.keepdims(b, index, shape, [axis])
@@ -256,12 +185,10 @@ def _arg_extreme(ctx: Context, node: onnx.NodeProto) -> list[int]:
 def _along_flattened(ctx: Context, node: onnx.NodeProto, fn) -> list[int]:
     """Apply fn(b, x, axis): along `axis` from opset 13, before that over all axes from `axis` on."""
     b = ctx.b
-    x = ctx.value(node, 0)
-    if not _is_float(b, x):
-        raise refuse(node, f"{b.dtype(x)} input")
+    x = float_input(ctx, node)
     shape = b.shape(x)
     if ctx.opset >= 13:
-        return [fn(b, x, _axis(node, attrs(node).get("axis", -1), len(shape)))]
+        return [fn(b, x, normalized_axis(node, attrs(node).get("axis", -1), len(shape)))]
     axis = attrs(node).get("axis", 1)
     axis += len(shape) if axis < 0 else 0
     if not 0 <= axis <= len(shape):
@@ -318,7 +245,7 @@ def _cumulative(ctx: Context, node: onnx.NodeProto) -> list[int]:
     if b.dtype(x) == "bool":
         raise refuse(node, "bool input")
     if node.input[1] in ctx.consts:
-        axis = _axis(node, int(ctx.consts[node.input[1]].reshape(())), len(shape))
+        axis = normalized_axis(node, int(ctx.consts[node.input[1]].reshape(())), len(shape))
     elif len(shape) == 1:
         axis = 0  # the only valid axis of a vector, whatever its value at run time
     else:
@@ -357,156 +284,6 @@ def _masked_cumsum(b: GraphBuilder, x: int, axis: int, backward: bool, exclusive
     inverse = list(range(rank - 1))
     inverse.insert(axis, rank - 1)
     return b.permute(summed, inverse)
-
-
-# ---- normalizations ----------------------------------------------------------------------
-
-
-def _stash_dtype(node: onnx.NodeProto) -> str:
-    stash = attrs(node).get("stash_type", onnx.TensorProto.FLOAT)
-    dtype = ELEM_TYPES.get(stash)
-    if dtype is None or not dtype.startswith("float"):
-        raise refuse(node, f"stash_type={stash}")
-    return dtype
-
-
-def _standardize(b: GraphBuilder, x: int, axes: Sequence[int], epsilon: float) -> tuple[int, int, int]:
-    """(x - mean) / sqrt(var + epsilon) over `axes`, with the mean and 1/std (axes kept)."""
-    mean = _mean_keep(b, x, axes)
-    centered = C.sub(b, x, mean)
-    variance = _mean_keep(b, b.binary(Op.MUL, centered, centered), axes)
-    inv_std = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, variance, epsilon)))
-    return C.mul(b, centered, inv_std), mean, inv_std
-
-
-def _float_input(ctx: Context, node: onnx.NodeProto) -> int:
-    x = ctx.value(node, 0)
-    if not _is_float(ctx.b, x):
-        raise refuse(node, f"{ctx.b.dtype(x)} input")
-    return x
-
-
-def _affine(b: GraphBuilder, x: int, scale: int | None, bias: int | None) -> int:
-    if scale is not None:
-        x = C.mul(b, x, scale)
-    if bias is not None:
-        x = C.add(b, x, bias)
-    return x
-
-
-@lowers("LayerNormalization")
-def _layer_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    a = attrs(node)
-    x = _float_input(ctx, node)
-    rank = len(b.shape(x))
-    axis = _axis(node, a.get("axis", -1), rank)
-    stash = _stash_dtype(node)
-    normalized, mean, inv_std = _standardize(b, b.cast(x, stash), range(axis, rank), a.get("epsilon", 1e-5))
-    y = _affine(b, b.cast(normalized, b.dtype(x)), ctx.value(node, 1), ctx.optional(node, 2))
-    return [y, mean, inv_std]
-
-
-@lowers("RMSNormalization")
-def _rms_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    a = attrs(node)
-    x = _float_input(ctx, node)
-    rank = len(b.shape(x))
-    axes = range(_axis(node, a.get("axis", -1), rank), rank)
-    stashed = b.cast(x, _stash_dtype(node))
-    mean_square = _mean_keep(b, b.binary(Op.MUL, stashed, stashed), axes)
-    inv_rms = b.unary(Op.RECIP, b.unary(Op.SQRT, C.shift(b, mean_square, a.get("epsilon", 1e-5))))
-    normalized = b.cast(C.mul(b, stashed, inv_rms), b.dtype(x))
-    return [C.mul(b, normalized, ctx.value(node, 1))]
-
-
-def _per_channel(b: GraphBuilder, v: int, rank: int) -> int:
-    """A [C] vector shaped to broadcast against [N, C, *spatial]."""
-    return b.reshape(v, (1, b.shape(v)[0], *([1] * (rank - 2))))
-
-
-@lowers("InstanceNormalization")
-def _instance_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    x = _float_input(ctx, node)
-    rank = len(b.shape(x))
-    if rank < 3:
-        raise ShapeError(f"InstanceNormalization of a rank-{rank} input")
-    normalized, _, _ = _standardize(b, x, range(2, rank), attrs(node).get("epsilon", 1e-5))
-    scale, bias = (_per_channel(b, ctx.value(node, i), rank) for i in (1, 2))
-    return [_affine(b, normalized, scale, bias)]
-
-
-@lowers("GroupNormalization")
-def _group_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    if ctx.opset < 21:  # opset 18 scaled per group, and onnx.checker rejects it as deprecated
-        raise refuse(node, f"opset {ctx.opset} semantics (one scale per group)")
-    b = ctx.b
-    a = attrs(node)
-    x = _float_input(ctx, node)
-    shape = b.shape(x)
-    rank = len(shape)
-    groups, channels = a["num_groups"], shape[1]
-    if rank < 3 or not isinstance(channels, int) or channels % groups:
-        raise ShapeError(f"GroupNormalization of {list(shape)} into {groups} groups")
-    grouped_shape = (shape[0], groups, channels // groups, *shape[2:])
-    grouped = b.reshape(b.cast(x, _stash_dtype(node)), grouped_shape)
-    normalized, _, _ = _standardize(b, grouped, range(2, rank + 1), a.get("epsilon", 1e-5))
-    normalized = b.reshape(b.cast(normalized, b.dtype(x)), shape)
-    scale, bias = (_per_channel(b, ctx.value(node, i), rank) for i in (1, 2))
-    return [_affine(b, normalized, scale, bias)]
-
-
-@lowers("LpNormalization")
-def _lp_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    a = attrs(node)
-    x = _float_input(ctx, node)
-    axis = _axis(node, a.get("axis", -1), len(b.shape(x)))
-    p = a.get("p", 2)
-    if p == 1:
-        norm = C.reduce_keep(b, Op.SUM_REDUCE, _abs(b, x), [axis])
-    elif p == 2:
-        norm = b.unary(Op.SQRT, C.reduce_keep(b, Op.SUM_REDUCE, b.binary(Op.MUL, x, x), [axis]))
-    else:
-        raise refuse(node, f"p={p}")
-    norm = b.expand(norm, b.shape(x))
-    # a zero norm gives zeros, not 0/0 (below the smallest subnormal means zero, and not NaN)
-    is_zero = C.less(b, norm, b.scalar_like(np.finfo(b.dtype(x)).smallest_subnormal, norm))
-    return [C.where(b, is_zero, b.scalar_like(0, x), b.binary(Op.MUL, x, b.unary(Op.RECIP, norm)))]
-
-
-@lowers("MeanVarianceNormalization")
-def _mvn(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    x = _float_input(ctx, node)
-    rank = len(b.shape(x))
-    axes = sorted({_axis(node, v, rank) for v in attrs(node).get("axes", [0, 2, 3])})
-    # the ONNX definition: (x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9)
-    mean = _mean_keep(b, x, axes)
-    variance = C.sub(b, _mean_keep(b, b.binary(Op.MUL, x, x), axes), b.binary(Op.MUL, mean, mean))
-    std = C.shift(b, b.unary(Op.SQRT, variance), 1e-9)
-    return [C.div(b, C.sub(b, x, mean), std)]
-
-
-@lowers("LRN")
-def _lrn(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    a = attrs(node)
-    x = _float_input(ctx, node)
-    shape = b.shape(x)
-    size = a["size"]
-    if len(shape) < 3 or not isinstance(shape[1], int):
-        raise refuse(node, f"input shape {list(shape)}")
-    before, after = (size - 1) // 2, size // 2
-    widths = [(0, 0)] * len(shape)
-    widths[1] = (before, after)
-    squares = C.pad(b, b.binary(Op.MUL, x, x), widths, 0)
-    windows = b.view(squares, ("window", (1,), (size,), (1,), (1,)))
-    square_sum = b.reduce(Op.SUM_REDUCE, windows, [-1])
-    base = C.shift(b, C.scale(b, square_sum, a.get("alpha", 1e-4) / size), a.get("bias", 1.0))
-    return [b.binary(Op.MUL, x, _power(b, base, -a.get("beta", 0.75)))]
 
 
 # ---- einsum ------------------------------------------------------------------------------
@@ -577,8 +354,7 @@ def _aligned(b: GraphBuilder, x: int, term: str, target: str, sizes: dict[str, D
 def _einsum(ctx: Context, node: onnx.NodeProto) -> list[int]:
     b = ctx.b
     operands = [ctx.value(node, i) for i in range(len(node.input))]
-    equation = attrs(node)["equation"]
-    equation = equation.decode() if isinstance(equation, bytes) else equation
+    equation = text(attrs(node)["equation"])
     terms, output = _einsum_terms(equation, [len(b.shape(x)) for x in operands])
     sizes: dict[str, Dim] = {}
     for x, term in zip(operands, terms):
@@ -605,8 +381,7 @@ def _einsum(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 
 def _reduction_attr(node: onnx.NodeProto) -> str:
-    reduction = attrs(node).get("reduction", b"mean")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    reduction = text(attrs(node).get("reduction", b"mean"))
     if reduction not in ("none", "sum", "mean"):
         raise refuse(node, f"reduction={reduction}")
     return reduction
@@ -654,12 +429,12 @@ def _negative_log_likelihood(ctx: Context, node: onnx.NodeProto, log_prob: int) 
 
 @lowers("NegativeLogLikelihoodLoss")
 def _nll_loss(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    return [_negative_log_likelihood(ctx, node, _float_input(ctx, node))]
+    return [_negative_log_likelihood(ctx, node, float_input(ctx, node))]
 
 
 @lowers("SoftmaxCrossEntropyLoss")
 def _softmax_cross_entropy(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    scores = _float_input(ctx, node)
+    scores = float_input(ctx, node)
     if len(ctx.b.shape(scores)) < 2:
         raise ShapeError("SoftmaxCrossEntropyLoss of a rank-1 input")
     log_prob = _log_softmax(ctx.b, scores, 1)
@@ -671,9 +446,9 @@ def _softmax_cross_entropy(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 def _topk_order_key(b: GraphBuilder, x: int, largest: bool) -> int:
     """A key whose descending order is the output order; NaN counts as the largest value."""
-    if _is_float(b, x):
+    if is_float(b.dtype(x)):
         x = C.where(b, C.is_nan(b, x), b.scalar_like(np.inf, x), x)
-    return x if largest else _reverse_order(b, x)
+    return x if largest else C.reverse_order(b, x)
 
 
 @lowers("TopK")
@@ -688,7 +463,7 @@ def _top_k(ctx: Context, node: onnx.NodeProto) -> list[int]:
     a = attrs(node)
     x = _comparable(b, ctx.value(node, 0))
     shape = b.shape(x)
-    axis = _axis(node, a.get("axis", -1), len(shape))
+    axis = normalized_axis(node, a.get("axis", -1), len(shape))
     k = int(ctx.const(node, 1, "k").reshape(())) if ctx.opset >= 10 else a["k"]
     n = shape[axis]
     if not isinstance(n, int):
@@ -700,11 +475,11 @@ def _top_k(ctx: Context, node: onnx.NodeProto) -> list[int]:
     flat_rows = b.reshape(moved, (rows, n))
     key = _topk_order_key(b, flat_rows, bool(a.get("largest", 1)))
     mine, theirs = b.reshape(key, (rows, n, 1)), b.reshape(key, (rows, 1, n))
-    above = C.less(b, mine, theirs)
-    tied = C.equal(b, mine, theirs)
+    above, below = C.less(b, mine, theirs), C.less(b, theirs, mine)
     earlier = b.constant(np.tri(n, n, -1, dtype=bool))  # [i, j]: j < i
-    before = C.add(b, b.cast(above, "int64"), b.cast(C.logical_and(b, tied, earlier), "int64"))
-    rank = b.reduce(Op.SUM_REDUCE, before, [2])
+    # the keys hold no NaN, so "not below" is "above or tied"
+    before = C.logical_or(b, above, C.logical_and(b, C.logical_not(b, below), earlier))
+    rank = b.reduce(Op.SUM_REDUCE, b.cast(before, "int64"), [2])
     slots = b.reshape(b.iota(k), (1, k, 1))
     chosen = b.cast(C.equal(b, b.reshape(rank, (rows, 1, n)), slots), "int64")
     position = b.reshape(b.iota(n), (1, 1, n))

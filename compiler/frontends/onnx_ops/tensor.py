@@ -1,4 +1,6 @@
-"""Lowerings of shape computation, indexing, casts and data movement.
+"""Lowerings of shape computation, casts and data movement: Cast/CastLike, Unsqueeze/Squeeze,
+Expand, ConstantOfShape, Range, Slice, Split, Tile and EyeLike (gathers and scatters are in
+indexing.py).
 
 Shape-valued inputs (a Reshape target, an Expand shape, a Range limit) are read with ctx.known,
 so they may hold symbolic dims computed by Shape/Gather/Concat: one compiled program then serves
@@ -13,6 +15,7 @@ import onnx
 from onnx import numpy_helper
 
 from compiler import composite as C
+from compiler.dtypes import is_float, is_signed_int
 from compiler.frontends.onnx_context import (
     COMPUTED_AS,
     ELEM_TYPES,
@@ -22,7 +25,6 @@ from compiler.frontends.onnx_context import (
     dim_tensor,
     lowers,
     refuse,
-    wrap_negative,
 )
 from compiler.ir import GraphBuilder, Op
 from compiler.shape import (
@@ -37,7 +39,6 @@ from compiler.shape import (
     dim_min,
     dim_mul,
     dim_sub,
-    numel,
     provably_le,
 )
 
@@ -79,13 +80,14 @@ def _cast_to(b: GraphBuilder, x: int, dtype: str, saturate: bool = True) -> int:
     if wide is None:
         return b.cast(x, dtype)
     if saturate and dtype in _SATURATING:
-        if not b.dtype(x).startswith("float"):
+        if not is_float(b.dtype(x)):
             x = b.cast(x, "float32")
-        # NaN-preserving clamp, as np.clip does in onnx.numpy_helper.saturate_cast
+        # NaN-preserving clamp, as np.clip does in onnx.numpy_helper.saturate_cast; selecting
+        # the bound keeps +0.0 as it is, where C.clamp's order reversal would make it -0.0
         limit = float(ml_dtypes.finfo(dtype).max)
         high, low = b.scalar_like(limit, x), b.scalar_like(-limit, x)
-        x = C.where(b, b.binary(Op.LESS_THAN, high, x), high, x)
-        x = C.where(b, b.binary(Op.LESS_THAN, x, low), low, x)
+        x = C.where(b, C.less(b, high, x), high, x)
+        x = C.where(b, C.less(b, x, low), low, x)
     # round to the declared format, then keep computing in the wider dtype
     return b.cast(b.cast(x, dtype), wide)
 
@@ -180,7 +182,7 @@ def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
     dtype = ELEM_TYPES.get(dtype, start.dtype.name) if dtype else start.dtype.name
     first, last, step = start.reshape(-1)[0], limit.reshape(-1)[0], delta.reshape(-1)[0]
     if isinstance(first, SymDim) or isinstance(last, SymDim):
-        if step != int(step) or not dtype.startswith("int"):
+        if step != int(step) or not is_signed_int(dtype):
             raise refuse(node, "symbolic bounds with a non-integer step")
         step = int(step)
         first, last = _symbolic_or_int(first), _symbolic_or_int(last)
@@ -200,15 +202,6 @@ def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
 
 def _symbolic_or_int(value) -> Dim:
     return value if isinstance(value, SymDim) else int(value)
-
-
-@lowers("Gather")
-def _gather(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    data, indices = ctx.value(node, 0), ctx.value(node, 1)
-    axis = attrs(node).get("axis", 0)
-    if ctx.b.dtype(indices) not in ("int64", "int32"):
-        raise refuse(node, f"{ctx.b.dtype(indices)} indices")
-    return [ctx.b.gather(data, indices, axis)]
 
 
 def _slice_params(ctx: Context, node: onnx.NodeProto, rank: int):
@@ -248,13 +241,13 @@ def _slice_triple(ctx: Context, node: onnx.NodeProto, dim: Dim, start: Dim, end:
             hi = None
         return (lo, hi, st)
     if step > 0:
-        lo = _clamp(ctx, _from_end(node, start, dim), 0, dim)
-        hi = None if isinstance(end, int) and end >= _TO_END else _clamp(ctx, _from_end(node, end, dim), 0, dim)
+        lo = _clamp_dim(ctx, _from_end(node, start, dim), 0, dim)
+        hi = None if isinstance(end, int) and end >= _TO_END else _clamp_dim(ctx, _from_end(node, end, dim), 0, dim)
         if hi == dim:
             hi = None
     else:
-        lo = _clamp(ctx, _from_end(node, start, dim), 0, dim_sub(dim, 1))
-        hi = None if isinstance(end, int) and end <= -_TO_END else _clamp(ctx, _from_end(node, end, dim), -1, dim_sub(dim, 1))
+        lo = _clamp_dim(ctx, _from_end(node, start, dim), 0, dim_sub(dim, 1))
+        hi = None if isinstance(end, int) and end <= -_TO_END else _clamp_dim(ctx, _from_end(node, end, dim), -1, dim_sub(dim, 1))
         if hi == -1:
             hi = None
     return (lo, hi, step)
@@ -270,7 +263,7 @@ def _from_end(node: onnx.NodeProto, value: Dim, dim: Dim) -> Dim:
     raise refuse(node, f"a bound {value} whose sign is not known at compile time")
 
 
-def _clamp(ctx: Context, value: Dim, low: Dim, high: Dim) -> Dim:
+def _clamp_dim(ctx: Context, value: Dim, low: Dim, high: Dim) -> Dim:
     value = dim_max(value, low)
     if isinstance(high, int) and not isinstance(value, int) and not provably_le(high, value):
         # a symbolic bound into a fixed axis (a buffer cut to the sequence length): the model
@@ -325,81 +318,6 @@ def _tile(ctx: Context, node: onnx.NodeProto) -> list[int]:
     return [b.reshape(expanded, [dim_mul(r, dim) for r, dim in zip(repeats, shape)])]
 
 
-def _flat_index(b: GraphBuilder, shape: tuple[Dim, ...], per_axis: list[int]) -> int:
-    """Row-major linear index from one int64 index tensor per axis (all of one shape)."""
-    total = None
-    stride: Dim = 1
-    for axis in range(len(shape) - 1, -1, -1):
-        term = per_axis[axis] if stride == 1 else b.binary(Op.MUL, per_axis[axis], dim_tensor(b, stride, per_axis[axis]))
-        total = term if total is None else b.binary(Op.ADD, total, term)
-        stride = dim_mul(stride, shape[axis])
-    return total
-
-
-def _axis_positions(b: GraphBuilder, shape: tuple[Dim, ...], axis: int) -> int:
-    """An int64 tensor of `shape` holding each element's coordinate along `axis`."""
-    ramp = b.iota(shape[axis])
-    ramp = b.reshape(ramp, [d if i == axis else 1 for i, d in enumerate(shape)])
-    return b.expand(ramp, shape)
-
-
-@lowers("GatherElements")
-def _gather_elements(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    data, indices = ctx.value(node, 0), ctx.value(node, 1)
-    shape, index_shape = b.shape(data), b.shape(indices)
-    axis = attrs(node).get("axis", 0) % len(shape)
-    along = wrap_negative(ctx, indices, shape[axis])
-    per_axis = [along if i == axis else _axis_positions(b, index_shape, i) for i in range(len(shape))]
-    flat = b.reshape(data, (numel(shape),))
-    return [b.gather(flat, _flat_index(b, shape, per_axis), 0)]
-
-
-@lowers("GatherND")
-def _gather_nd(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    data, indices = ctx.value(node, 0), ctx.value(node, 1)
-    shape, index_shape = b.shape(data), b.shape(indices)
-    batch = attrs(node).get("batch_dims", 0)
-    depth = index_shape[-1]
-    if not isinstance(depth, int):
-        raise refuse(node, "a symbolic index depth")
-    lookup_shape = index_shape[:-1]
-    indices = b.cast(indices, "int64")
-    per_axis = [_axis_positions(b, lookup_shape, i) for i in range(batch)]
-    for k in range(depth):
-        triples = [(0, None, 1)] * (len(index_shape) - 1) + [(k, k + 1, 1)]
-        component = b.reshape(b.view(indices, ("slice", tuple(triples))), lookup_shape)
-        per_axis.append(wrap_negative(ctx, component, shape[batch + k]))
-    addressed = shape[: batch + depth]
-    rest = shape[batch + depth :]
-    flat = b.reshape(data, (numel(addressed), *rest))
-    return [b.gather(flat, _flat_index(b, addressed, per_axis), 0)]
-
-
-@lowers("OneHot")
-def _one_hot(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    indices = ctx.value(node, 0)
-    depth = int(np.asarray(ctx.const(node, 1, "depth")).reshape(-1)[0])
-    values = ctx.value(node, 2)
-    axis = attrs(node).get("axis", -1)
-    index_shape = b.shape(indices)
-    rank = len(index_shape) + 1
-    axis %= rank
-    if b.dtype(indices).startswith("float"):
-        indices = b.cast(indices, "int64")  # ONNX casts non-integer indices down
-    indices = wrap_negative(ctx, indices, depth)
-    out_shape = list(index_shape)
-    out_shape.insert(axis, depth)
-    spread = b.expand(b.unsqueeze(indices, axis), out_shape)
-    positions = _axis_positions(b, tuple(out_shape), axis)
-    hot = C.equal(b, spread, positions)
-    off = b.view(values, ("slice", ((0, 1, 1),)))
-    on = b.view(values, ("slice", ((1, 2, 1),)))
-    return [C.where(b, hot, b.reshape(on, ()), b.reshape(off, ()))]
-
-
 @lowers("EyeLike")
 def _eye_like(ctx: Context, node: onnx.NodeProto) -> list[int]:
     x = ctx.value(node, 0)
@@ -411,16 +329,3 @@ def _eye_like(ctx: Context, node: onnx.NodeProto) -> list[int]:
     if dtype in LOW_PRECISION_FLOATS:
         dtype = "float32"
     return [ctx.b.constant(np.eye(shape[0], shape[1], k=a.get("k", 0), dtype=dtype))]
-
-
-@lowers("Compress")
-def _compress(ctx: Context, node: onnx.NodeProto) -> list[int]:
-    b = ctx.b
-    x = ctx.value(node, 0)
-    condition = ctx.const(node, 1, "condition").reshape(-1).astype(bool)
-    axis = attrs(node).get("axis")
-    if axis is None:
-        x, axis = b.reshape(x, (numel(b.shape(x)),)), 0
-    dim = b.shape(x)[axis % len(b.shape(x))]
-    picked = np.flatnonzero(condition[: dim if isinstance(dim, int) else None]).astype(np.int64)
-    return [b.gather(x, b.constant(picked), axis)]
