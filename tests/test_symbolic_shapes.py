@@ -247,12 +247,30 @@ CASES = {
 }
 
 
+def onnx_attention(is_causal: int) -> bytes:
+    """ONNX's own Attention op (opset 23) over [batch, heads, seq, head_dim], expanded from its
+    function body with a symbolic sequence."""
+    q = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 2, "seq", 4])
+    graph = helper.make_graph(
+        [helper.make_node("Attention", ["q", "q", "q"], ["y"], is_causal=is_causal)], "g", [q], [out("y", rank=4)]
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+CASES["onnx_attention"] = onnx_attention(0)
+CASES["onnx_attention_causal"] = onnx_attention(1)
+
+
 def inputs_of(data: bytes, batch: int, seq: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(batch * 100 + seq)
     names = {i.name for i in onnx.load_from_string(data).graph.input}
     feeds: dict[str, np.ndarray] = {}
     if "x" in names:
         feeds["x"] = rng.standard_normal((batch, seq, 4)).astype(np.float32)
+    if "q" in names:
+        feeds["q"] = rng.standard_normal((batch, 2, seq, 4)).astype(np.float32)
     if "mask" in names:
         lengths = seq - np.arange(batch) % seq
         feeds["mask"] = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
