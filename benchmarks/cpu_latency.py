@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/cpu_latency.py [--repeats 50]
 
 Prints one row per (model, batch): medians in ms and the ratio luminal / onnxruntime.
-Times are of the program alone (no HTTP), all measured in this run on this machine.
+Times are of the program alone (no HTTP), all measured in this run on this machine. Besides the
+small MLPs and CNN, it runs transformers models of the export corpus (tests/fixtures/hf) at
+sequence length 32, the models the search compiler measures itself on.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.demo import sample_mlp  # noqa: E402
 from compiler import compile_onnx, executable  # noqa: E402
+from tests.hf_corpus import CORPUS, exported, make_inputs  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+CORPUS_MODELS = ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo", "resnet_dynamo", "whisper_encoder_dynamo")
+CORPUS_SEQ = 32
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -48,28 +53,46 @@ def torch_runner(data: bytes):
     return lambda x: module(torch.from_numpy(x))
 
 
+def float_input(name: str, shape: tuple[int, ...]):
+    def feeds(batch: int) -> dict[str, np.ndarray]:
+        return {name: np.random.default_rng(0).standard_normal((batch, *shape)).astype(np.float32)}
+
+    return feeds
+
+
+def corpus_input(entry: dict):
+    def feeds(batch: int) -> dict[str, np.ndarray]:
+        return make_inputs(entry, batch, CORPUS_SEQ, np.random.default_rng(0))
+
+    return feeds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     models = {
-        "demo-mlp": (sample_mlp().SerializeToString(), "features", (16,)),
-        "torch-mlp": ((FIXTURES / "torch_mlp.onnx").read_bytes(), "input", (20,)),
-        "torch-cnn": ((FIXTURES / "torch_cnn.onnx").read_bytes(), "input", (1, 12, 12)),
+        "demo-mlp": (sample_mlp().SerializeToString(), float_input("features", (16,)), (1, 32)),
+        "torch-mlp": ((FIXTURES / "torch_mlp.onnx").read_bytes(), float_input("input", (20,)), (1, 32)),
+        "torch-cnn": ((FIXTURES / "torch_cnn.onnx").read_bytes(), float_input("input", (1, 12, 12)), (1, 32)),
     }
-    print(f"{'model':<11}{'batch':>6}{'luminal ms':>12}{'ort ms':>10}{'ratio':>8}{'torch ms':>10}")
-    for name, (data, input_name, shape) in models.items():
+    for entry in exported():
+        name = entry["file"].removesuffix(".onnx")
+        if name in CORPUS_MODELS:
+            models[name.removesuffix("_dynamo")] = ((CORPUS / entry["file"]).read_bytes(), corpus_input(entry), (1, 8))
+    print(f"{'model':<16}{'batch':>6}{'luminal ms':>12}{'ort ms':>10}{'ratio':>8}{'torch ms':>10}")
+    for name, (data, feeds_for, batches) in models.items():
         program = executable(compile_onnx(data))
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = 1
         session = onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         torch_run = torch_runner(data)
-        for batch in (1, 32):
-            x = np.random.default_rng(0).standard_normal((batch, *shape)).astype(np.float32)
-            ours = median_ms(lambda: program.run({input_name: x}), args.repeats)
-            theirs = median_ms(lambda: session.run(None, {input_name: x}), args.repeats)
-            torch_ms = f"{median_ms(lambda: torch_run(x), args.repeats):.3f}" if torch_run else "n/a"
-            print(f"{name:<11}{batch:>6}{ours:>12.3f}{theirs:>10.3f}{ours / theirs:>8.2f}{torch_ms:>10}")
+        for batch in batches:
+            feeds = feeds_for(batch)
+            ours = median_ms(lambda: program.run(feeds), args.repeats)
+            theirs = median_ms(lambda: session.run(None, feeds), args.repeats)
+            torch_ms = f"{median_ms(lambda: torch_run(*feeds.values()), args.repeats):.3f}" if torch_run else "n/a"
+            print(f"{name:<16}{batch:>6}{ours:>12.3f}{theirs:>10.3f}{ours / theirs:>8.2f}{torch_ms:>10}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The reference interpreter: runs an IR graph op by op in NumPy.
 
 It is the oracle every compiled program is checked against, so it favours obviousness over
-speed. Symbolic dimensions are bound from the shapes of the inputs it is given.
+speed, with one exception: a broadcast multiply read only by a sum (a matmul or convolution) is
+evaluated as one einsum (compiler/contraction.py), since materializing the product does not fit
+in memory for real models. Symbolic dimensions are bound from the shapes of the inputs it is
+given.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from compiler.contraction import contract, find_contraction, users_of
 from compiler.dtypes import numpy_dtype
 from compiler.ir import Graph, Node, Op
 from compiler.shape import ShapeError, SymDim, evaluate, evaluate_shape
@@ -123,16 +127,32 @@ def eval_node(node: Node, args: list[np.ndarray], graph: Graph, bindings: Mappin
 
 def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     bindings = bind_symbols(graph, inputs)
-    values: list[np.ndarray | None] = [None] * len(graph.nodes)
-    last_use = {s: i for i, node in enumerate(graph.nodes) for s in node.srcs}
+    # contractions as einsums: a VGG-19 layer's broadcast product alone would take 7 GB
+    users = users_of(graph)
+    contractions = {
+        i: found for i in range(len(graph.nodes)) if (found := find_contraction(graph, i, users)) is not None
+    }
+    deps = [list(contractions[i].operands) if i in contractions else list(node.srcs) for i, node in enumerate(graph.nodes)]
+    needed = {i for _, i in graph.outputs}
+    for i in range(len(graph.nodes) - 1, -1, -1):
+        if i in needed:
+            needed.update(deps[i])
+    last_use = {s: i for i in sorted(needed) for s in deps[i]}
     keep = {i for _, i in graph.outputs}
+    values: list[np.ndarray | None] = [None] * len(graph.nodes)
     for i, node in enumerate(graph.nodes):
+        if i not in needed:
+            continue
         if node.op is Op.INPUT:
             values[i] = np.asarray(inputs[node.arg], dtype=numpy_dtype(node.dtype))
             continue
-        values[i] = eval_node(node, [values[s] for s in node.srcs], graph, bindings)
-        for s in set(node.srcs):
+        args = [values[s] for s in deps[i]]
+        if i in contractions:
+            found = contractions[i]
+            values[i] = contract(found.subscripts, found.squeezes, args, node.dtype)
+        else:
+            values[i] = eval_node(node, args, graph, bindings)
+        for s in set(deps[i]):
             if last_use[s] == i and s not in keep:
                 values[s] = None  # free values once their last reader ran, to bound peak memory
     return {name: np.asarray(values[i], order="C") for name, i in graph.outputs}
-
