@@ -6,7 +6,10 @@ The API and the compile worker both go through here; neither touches the tables 
 from __future__ import annotations
 
 import hashlib
+import random
 import re
+import threading
+import time
 from typing import Any
 
 from sqlalchemy import func, select
@@ -27,11 +30,15 @@ def graph_key(data: bytes) -> str:
     return f"graphs/{hashlib.sha256(data).hexdigest()}.onnx"
 
 
+_INSERT_ATTEMPTS = 6
+
+
 class Registry:
     def __init__(self, db: Database, store: ObjectStore, targets: tuple[str, ...]) -> None:
         self.db = db
         self.store = store
         self.targets = targets
+        self._insert_lock = threading.Lock()
 
     # -- uploads --
     def create_version(self, tenant_id: int, name: str, data: bytes, target: str) -> ModelVersion:
@@ -48,15 +55,17 @@ class Registry:
         key = graph_key(data)
         if not self.store.exists(key):
             self.store.put(key, data)
-        # two uploads racing on a new name or the next number: the loser retries
-        attempts_left = 3
-        while True:
+        # uploads racing on a new name or the next number: within this process they take turns
+        # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered pause
+        for attempt in range(_INSERT_ATTEMPTS):
             try:
-                return self._insert_version(tenant_id, name, key, len(data), target)
+                with self._insert_lock:
+                    return self._insert_version(tenant_id, name, key, len(data), target)
             except IntegrityError:
-                attempts_left -= 1
-                if not attempts_left:
+                if attempt == _INSERT_ATTEMPTS - 1:
                     raise
+                time.sleep(random.uniform(0, 0.01 * (attempt + 1)))
+        raise AssertionError("unreachable")
 
     def _insert_version(self, tenant_id: int, name: str, key: str, size: int, target: str) -> ModelVersion:
         with self.db.session() as session:
