@@ -174,6 +174,24 @@ def test_a_models_own_length_limit_is_published_and_enforced_with_400(client, ke
     assert "(seq) is 65; allowed 1 to 64" in response.json()["error"]["message"]
 
 
+def test_a_transformers_sentence_encoder_serves_any_batch_and_length(client, keys) -> None:
+    # BertModel + mean pooling, exported by torch.onnx.export(dynamo=True), as a user brings it
+    data = (FIXTURES / "hf" / "bert_mean_pooling_dynamo.onnx").read_bytes()
+    upload(client, keys["alice"], "minilm", data)
+    version = wait_for(client, keys["alice"], "minilm", 1)
+    assert version["status"] == "ready", version
+    assert [spec["shape"] for spec in version["signature"]["inputs"]] == [["batch", "seq"], ["batch", "seq"]]
+    rng = np.random.default_rng(0)
+    for batch, seq in ((1, 3), (2, 9)):
+        ids = rng.integers(0, 100, (batch, seq)).astype(np.int64)
+        mask = np.ones((batch, seq), np.int64)
+        mask[-1, seq // 2 :] = 0
+        response = infer(client, keys["alice"], "minilm", {"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
+        assert response.status_code == 200, response.text
+        (want,) = ort(data, {"input_ids": ids, "attention_mask": mask})
+        np.testing.assert_allclose(response.json()["outputs"]["sentence_embedding"], want, rtol=1e-4, atol=1e-5)
+
+
 def test_unknown_model_and_version_get_404(client, keys, deployed) -> None:
     assert infer(client, keys["alice"], "nope", {"x": [[0.0] * 8]}).status_code == 404
     response = infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}, version=9)
