@@ -15,7 +15,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper
 
-from compiler import UnsupportedModel, compile_onnx, executable
+from compiler import Artifact, UnsupportedModel, compile_onnx, executable
 from compiler.ir import Op
 from compiler.shape import (
     ShapeError,
@@ -349,3 +349,14 @@ def test_indices_provably_in_range_skip_the_negative_index_wrap() -> None:
 
     assert comparisons("gather_nd_over_ranges") == 0
     assert comparisons("negative_indices_into_seq") == 1
+
+
+@pytest.mark.parametrize("case", ["concat_along_seq", "pad_to_even_and_fold_pairs", "slice_reversed_by_two", "split_first_token"])
+def test_symbolic_views_survive_the_artifact_files(case: str) -> None:
+    artifact = compile_onnx(CASES[case], "cpu")
+    files = artifact.to_files()
+    loaded = Artifact.from_files(files.__getitem__)
+    assert loaded.signature == artifact.signature
+    assert loaded.graph_hash == artifact.graph_hash == loaded.graph.content_hash()
+    feeds = inputs_of(CASES[case], 2, 7)
+    np.testing.assert_array_equal(executable(loaded).run(feeds)["y"], executable(artifact).run(feeds)["y"])
