@@ -308,7 +308,7 @@ DATA_DEPENDENT = {
             helper.make_node("ReduceMax", ["mask"], ["longest"], keepdims=0),
             helper.make_node("Reshape", ["longest", "one"], ["count"]),
             helper.make_node("Concat", ["minus_one", "count"], ["target"], axis=0),
-            helper.make_node("Reshape", ["mask", "target"], ["y"]),
+            helper.make_node("Reshape", ["mask", "target"], ["y"], name="reshape_to_data"),
         ],
         [MASK], [out("y", TensorProto.INT64, 2)], [int64("one", [1]), int64("minus_one", [-1])],
     ),
@@ -319,6 +319,11 @@ DATA_DEPENDENT = {
 def test_shapes_that_depend_on_data_are_refused_naming_the_op(op: str) -> None:
     with pytest.raises(UnsupportedModel, match=op):
         compile_onnx(DATA_DEPENDENT[op], "cpu")
+
+
+def test_a_refusal_inside_the_graph_names_the_node() -> None:
+    with pytest.raises(UnsupportedModel, match=r"Reshape with a shape computed at run time \(node 'reshape_to_data'\)"):
+        compile_onnx(DATA_DEPENDENT["Reshape"], "cpu")
 
 
 def test_a_buffer_cut_to_the_sequence_length_limits_the_sequence() -> None:

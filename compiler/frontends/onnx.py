@@ -97,6 +97,13 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
 FOLDED = frozenset({"Shape", "Size"})
 
 
+def _naming(exc: UnsupportedModel, node: onnx.NodeProto) -> UnsupportedModel:
+    """The refusal with the refusing node's name, so a user finds it in a graph of thousands."""
+    if not node.name or any("(node " in m for m in exc.missing):
+        return exc
+    return UnsupportedModel([f"{m} (node {node.name!r})" for m in exc.missing])
+
+
 class _Lowering:
     """Lowers nodes one by one: fold what is known, lower what we can, expand ONNX functions."""
 
@@ -124,6 +131,8 @@ class _Lowering:
                 return
         except ShapeError as exc:
             raise InvalidModel(f"node {node.name or node.op_type!r} ({node.op_type}): {exc}") from None
+        except UnsupportedModel as exc:
+            raise _naming(exc, node) from None
         for index, name in enumerate(node.output):
             if name and index >= len(outputs):
                 if name in self.read:
