@@ -246,7 +246,7 @@ def bounds(d: Dim, limits: Mapping[str, int] | None = None) -> tuple[float, floa
 
 def _atom_bounds(atom: Atom, limits: Mapping[str, int] | None) -> tuple[float, float]:
     if isinstance(atom, str):
-        return (1.0, float(limits[atom]) if limits and atom in limits else _INF)
+        return (1.0, float(limits[atom]) if limits is not None and atom in limits else _INF)
     op, *operands = atom
     if op == "floordiv":
         low, high = bounds(operands[0], limits)

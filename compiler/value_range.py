@@ -15,6 +15,9 @@ import numpy as np
 from compiler.ir import GraphBuilder, Node, Op
 from compiler.shape import Dim, bounds, dim_add, dim_max, dim_min, dim_mul, dim_sub, numel
 
+# no tensor extent we could allocate reaches this, so no symbol's value does either
+SYMBOL_CEILING = 2**31 - 1
+
 Bound = Dim | None
 Range = tuple[Bound, Bound]
 _UNKNOWN: Range = (None, None)
@@ -79,9 +82,28 @@ def _view(ranges: ValueRanges, node: Node) -> Range:
 
 def _cast(ranges: ValueRanges, node: Node) -> Range:
     source_dtype = ranges.b.dtype(node.srcs[0])
-    if source_dtype == "bool":
+    if node.dtype == "bool" or source_dtype == "bool":
         return (0, 1)
-    return ranges._src(node) if _is_integral(source_dtype) else _UNKNOWN
+    if not _is_integral(source_dtype):
+        return _UNKNOWN
+    low, high = ranges._src(node)
+    # a narrowing cast wraps around: the range holds only where every value fits the target
+    info = np.iinfo(node.dtype)
+    fits = (
+        low is not None and high is not None
+        and bounds(low)[0] >= info.min and bounds(high, _Ceiling())[1] <= info.max
+    )
+    return (low, high) if fits else _UNKNOWN
+
+
+class _Ceiling(dict):
+    """Every symbol's largest possible value, for bounds()."""
+
+    def __contains__(self, symbol: object) -> bool:
+        return True
+
+    def __missing__(self, symbol: str) -> int:
+        return SYMBOL_CEILING
 
 
 def _add(ranges: ValueRanges, node: Node) -> Range:

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from compiler import Artifact, UnsupportedModel, compile_onnx, executable
-from compiler.ir import Op
+from compiler.ir import GraphBuilder, Op
 from compiler.shape import (
     ShapeError,
     SymDim,
@@ -28,6 +28,7 @@ from compiler.shape import (
     evaluate,
     parse_dim,
 )
+from compiler.value_range import ValueRanges
 
 SEQ, BATCH = SymDim.named("seq"), SymDim.named("batch")
 SIZES = ((1, 1), (2, 5), (3, 12))
@@ -365,3 +366,16 @@ def test_symbolic_views_survive_the_artifact_files(case: str) -> None:
     assert loaded.graph_hash == artifact.graph_hash == loaded.graph.content_hash()
     feeds = inputs_of(CASES[case], 2, 7)
     np.testing.assert_array_equal(executable(loaded).run(feeds)["y"], executable(artifact).run(feeds)["y"])
+
+
+def test_value_ranges_do_not_survive_a_narrowing_cast() -> None:
+    b = GraphBuilder()
+    positions = b.iota(SEQ)
+    wide = b.constant(np.array([200, 100], np.int64))
+    ranges = ValueRanges(b)
+    assert ranges.non_negative(positions) and ranges.below(positions, SEQ)
+    assert not ranges.below(positions, SEQ - 1)
+    assert ranges.non_negative(b.cast(wide, "int16"))
+    assert not ranges.non_negative(b.cast(wide, "int8"))  # 200 wraps to -56
+    assert ranges.non_negative(b.cast(positions, "int32"))  # no extent reaches 2**31
+    assert not ranges.non_negative(b.cast(positions, "int16"))
