@@ -21,9 +21,9 @@ import onnxruntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.demo import sample_mlp  # noqa: E402
-from compiler import compile_onnx, executable  # noqa: E402
-from tests.hf_corpus import CORPUS, exported, make_inputs  # noqa: E402
+from api.demo import sample_mlp
+from compiler import compile_onnx, executable
+from tests.hf_corpus import CORPUS, exported, make_inputs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 CORPUS_MODELS = ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo", "resnet_dynamo", "whisper_encoder_dynamo")
@@ -43,7 +43,7 @@ def median_ms(fn, repeats: int) -> float:
 
 def torch_runner(data: bytes):
     try:
-        import torch  # noqa: F401
+        import torch
         from onnx2torch import convert  # type: ignore[import-not-found]
     except ImportError:
         return None
@@ -89,9 +89,11 @@ def main() -> None:
         torch_run = torch_runner(data)
         for batch in batches:
             feeds = feeds_for(batch)
-            ours = median_ms(lambda: program.run(feeds), args.repeats)
-            theirs = median_ms(lambda: session.run(None, feeds), args.repeats)
-            torch_ms = f"{median_ms(lambda: torch_run(*feeds.values()), args.repeats):.3f}" if torch_run else "n/a"
+            ours = median_ms(lambda p=program, f=feeds: p.run(f), args.repeats)
+            theirs = median_ms(lambda s=session, f=feeds: s.run(None, f), args.repeats)
+            torch_ms = (
+                f"{median_ms(lambda t=torch_run, f=feeds: t(*f.values()), args.repeats):.3f}" if torch_run else "n/a"
+            )
             print(f"{name:<16}{batch:>6}{ours:>12.3f}{theirs:>10.3f}{ours / theirs:>8.2f}{torch_ms:>10}", flush=True)
 
 

@@ -21,8 +21,8 @@ import onnxruntime
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compiler import CompilerError, compile_onnx, executable  # noqa: E402
-from tests.hf_corpus import CORPUS, make_inputs, manifest  # noqa: E402
+from compiler import CompilerError, compile_onnx, executable
+from tests.hf_corpus import CORPUS, make_inputs, manifest
 
 BEGIN, END = "<!-- hf-corpus:begin -->", "<!-- hf-corpus:end -->"
 

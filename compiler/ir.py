@@ -36,8 +36,8 @@ from compiler.shape import (
     numel,
     probably_equal,
     shape_from_json,
-    symbol_limit,
     shape_to_json,
+    symbol_limit,
 )
 
 
