@@ -18,7 +18,8 @@ from compiler.shape import SymDim
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
-COMPILER_VERSION = "0.1.0"
+# part of every artifact key: bump it when compiled programs or signatures change meaning
+COMPILER_VERSION = "0.2.0"
 VERIFY_SYMBOL_SIZE = 3
 
 
