@@ -8,7 +8,7 @@ from cloud.db import Database
 from cloud.metering import Ledger
 from cloud.registry import Registry
 from cloud.settings import Settings
-from cloud.storage import ObjectStore, make_object_store
+from cloud.storage import ObjectStore, load_artifact, make_object_store
 from compiler import Artifact
 from runtime import CpuDevice, Runtime
 from scheduler.engine import Engine, InProcessEngine
@@ -56,7 +56,7 @@ def build_engine(services: Services) -> Engine:
     settings, store = services.settings, services.store
 
     def fetch(key: str) -> Artifact:
-        return Artifact.from_files(lambda name: store.get(f"{key}/{name}"))
+        return load_artifact(store, key)
 
     runtime = Runtime(CpuDevice(), fetch, settings.max_loaded_models, settings.idle_unload_s)
     return InProcessEngine(

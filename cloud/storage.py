@@ -13,6 +13,7 @@ from typing import Protocol
 
 from cloud.errors import NotFound
 from cloud.settings import Settings
+from compiler import Artifact
 
 
 class ObjectStore(Protocol):
@@ -62,3 +63,22 @@ class LocalObjectStore:
 
 def make_object_store(settings: Settings) -> ObjectStore:
     return LocalObjectStore(settings.objects_dir)
+
+
+def save_artifact(store: ObjectStore, key: str, artifact: Artifact) -> None:
+    """Each file under `key`, the manifest last: a crash midway leaves no manifest, or one whose
+    hashes the partial files fail, and the artifact is compiled again."""
+    for name, data in artifact.to_files().items():
+        store.put(f"{key}/{name}", data)
+
+
+def load_artifact(store: ObjectStore, key: str) -> Artifact:
+    """The artifact under `key`; CorruptArtifact when its files are incomplete or altered."""
+
+    def read(name: str) -> bytes:
+        try:
+            return store.get(f"{key}/{name}")
+        except NotFound as exc:
+            raise FileNotFoundError(str(exc)) from None
+
+    return Artifact.from_files(read)

@@ -9,13 +9,14 @@ It imports nothing from the server packages.
 """
 
 from compiler.artifact import Artifact, Signature, TensorSpec
-from compiler.errors import CompilerError, InvalidModel, UnsupportedModel
+from compiler.errors import CompilerError, CorruptArtifact, InvalidModel, UnsupportedModel
 from compiler.pipeline import CODEGENS, compile_graph, compile_onnx, executable
 
 __all__ = [
     "CODEGENS",
     "Artifact",
     "CompilerError",
+    "CorruptArtifact",
     "InvalidModel",
     "Signature",
     "TensorSpec",

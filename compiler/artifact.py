@@ -15,6 +15,7 @@ is the caller's business.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from compiler.dtypes import STANDARD, numpy_dtype
-from compiler.errors import InvalidModel
+from compiler.errors import CorruptArtifact, InvalidModel
 from compiler.ir import Graph
 from compiler.shape import Shape, SymDim, shape_from_json, shape_to_json
 
@@ -113,22 +114,25 @@ class Artifact:
         }
 
     def to_files(self) -> dict[str, bytes]:
+        """The files in the order to write them: the manifest, which carries the others' hashes,
+        comes last, so its presence means every other file was written completely."""
         weights = io.BytesIO()
         np.savez(weights, **{key: _storable(array) for key, array in self.graph.weights.items()})
         program = {"graph": self.graph.to_json(), "kernels": self.kernels}
-        return {
-            "manifest.json": json.dumps(self.manifest(), indent=1).encode(),
-            "program.json": json.dumps(program).encode(),
-            "weights.npz": weights.getvalue(),
-        }
+        files = {"program.json": json.dumps(program).encode(), "weights.npz": weights.getvalue()}
+        manifest = {**self.manifest(), "sha256": {name: _sha256(data) for name, data in files.items()}}
+        return {**files, "manifest.json": json.dumps(manifest, indent=1).encode()}
 
     @staticmethod
     def from_files(read: Callable[[str], bytes]) -> Artifact:
+        """Raises CorruptArtifact when a file is missing or differs from the manifest's hash;
+        `read` raises FileNotFoundError (or another OSError) for a missing file."""
         manifest = json.loads(read("manifest.json"))
         if manifest.get("format_version") != FORMAT_VERSION:
             raise InvalidModel(f"artifact format {manifest.get('format_version')} is not {FORMAT_VERSION}")
-        program = json.loads(read("program.json"))
-        with np.load(io.BytesIO(read("weights.npz")), allow_pickle=False) as npz:
+        files = {name: _read_checked(read, name, manifest.get("sha256", {})) for name in ("program.json", "weights.npz")}
+        program = json.loads(files["program.json"])
+        with np.load(io.BytesIO(files["weights.npz"]), allow_pickle=False) as npz:
             weights = {key: npz[key] for key in npz.files}
         for key, name in manifest.get("weight_dtypes", {}).items():
             weights[key] = weights[key].view(numpy_dtype(name))
@@ -140,6 +144,20 @@ class Artifact:
             kernels=program["kernels"],
             report=manifest["report"],
         )
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_checked(read: Callable[[str], bytes], name: str, hashes: dict[str, str]) -> bytes:
+    try:
+        data = read(name)
+    except OSError as exc:
+        raise CorruptArtifact(f"artifact file {name} is missing ({exc})") from None
+    if name in hashes and _sha256(data) != hashes[name]:
+        raise CorruptArtifact(f"artifact file {name} does not match its manifest")
+    return data
 
 
 def _storable(array: np.ndarray) -> np.ndarray:

@@ -2,7 +2,8 @@
 
     CompilerError
     ├── InvalidModel       the bytes or the graph are malformed (not ONNX, dangling names, ...)
-    └── UnsupportedModel   well-formed, but uses ops or attributes we do not implement
+    ├── UnsupportedModel   well-formed, but uses ops or attributes we do not implement
+    └── CorruptArtifact    stored artifact files are missing or do not match their manifest
 """
 
 from __future__ import annotations
@@ -22,3 +23,7 @@ class UnsupportedModel(CompilerError):
     def __init__(self, missing: list[str]) -> None:
         self.missing = sorted(set(missing))
         super().__init__("unsupported: " + ", ".join(self.missing))
+
+
+class CorruptArtifact(CompilerError):
+    """An artifact's files are incomplete or altered (a crash while saving): compile it again."""

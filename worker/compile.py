@@ -7,7 +7,9 @@ import time
 
 from cloud import metrics
 from cloud.registry import Registry
+from cloud.storage import ObjectStore, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+from compiler.errors import CorruptArtifact
 from compiler.pipeline import COMPILER_VERSION
 
 log = logging.getLogger(__name__)
@@ -31,14 +33,11 @@ def compile_version(version_id: int, registry: Registry) -> str | None:
     store = registry.store
     key = artifact_key(version.graph_key, version.target)
     try:
-        if store.exists(f"{key}/manifest.json"):
-            artifact = Artifact.from_files(lambda name: store.get(f"{key}/{name}"))
-            cached = True
-        else:
+        artifact = _cached_artifact(store, key)
+        cached = artifact is not None
+        if artifact is None:
             artifact = compile_onnx(store.get(version.graph_key), version.target)
-            for name, data in artifact.to_files().items():
-                store.put(f"{key}/{name}", data)
-            cached = False
+            save_artifact(store, key, artifact)
     except UnsupportedModel as exc:
         message = "the graph uses operations the compiler does not support: " + ", ".join(exc.missing)
         return _fail(registry, version_id, message, started)
@@ -60,6 +59,17 @@ def compile_version(version_id: int, registry: Registry) -> str | None:
     metrics.COMPILES.labels("ready").inc()
     metrics.COMPILE_SECONDS.observe(seconds)
     return "ready"
+
+
+def _cached_artifact(store: ObjectStore, key: str) -> Artifact | None:
+    """The stored artifact, or None when there is none or it was left incomplete by a crash."""
+    if not store.exists(f"{key}/manifest.json"):
+        return None
+    try:
+        return load_artifact(store, key)
+    except CorruptArtifact as exc:
+        log.warning("artifact %s is corrupt, compiling again: %s", key, exc)
+        return None
 
 
 def _fail(registry: Registry, version_id: int, message: str, started: float) -> str:

@@ -1,0 +1,65 @@
+"""Artifacts are published atomically: a crash while saving one never fails a version, for the
+uploader or for anyone who later uploads the same bytes; it is compiled again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from api.services import build_services
+from cloud.auth import authenticate, create_key
+from cloud.storage import load_artifact
+from compiler import Artifact, CorruptArtifact, compile_onnx, executable
+from tests.conftest import make_settings
+from tests.onnx_models import mlp
+from worker.compile import artifact_key, compile_version
+
+MLP = mlp().SerializeToString()
+
+
+def test_files_missing_or_altered_are_reported_as_corrupt() -> None:
+    files = compile_onnx(MLP).to_files()
+    assert list(files)[-1] == "manifest.json"  # written last: its presence publishes the rest
+    without_weights = {k: v for k, v in files.items() if k != "weights.npz"}
+
+    def reader(available: dict[str, bytes]):
+        def read(name: str) -> bytes:
+            if name not in available:
+                raise FileNotFoundError(name)
+            return available[name]
+
+        return read
+
+    with pytest.raises(CorruptArtifact, match="weights.npz is missing"):
+        Artifact.from_files(reader(without_weights))
+    truncated = {**files, "weights.npz": files["weights.npz"][: len(files["weights.npz"]) // 2]}
+    with pytest.raises(CorruptArtifact, match="weights.npz does not match"):
+        Artifact.from_files(reader(truncated))
+
+
+@pytest.mark.parametrize("left_behind", ["manifest only", "truncated weights"])
+def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_path: Path, left_behind: str) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry, store = services.registry, services.store
+        alice, bob = (authenticate(services.db, f"Bearer {create_key(services.db, name)}").id for name in ("alice", "bob"))
+        first = registry.create_version(alice, "mlp", MLP, "cpu")
+        key = artifact_key(first.graph_key, "cpu")
+        # what a kill -9 between the writes of an older, manifest-first save left in the store
+        files = compile_onnx(MLP).to_files()
+        store.put(f"{key}/manifest.json", files["manifest.json"])
+        if left_behind == "truncated weights":
+            store.put(f"{key}/program.json", files["program.json"])
+            store.put(f"{key}/weights.npz", files["weights.npz"][:100])
+        assert compile_version(first.id, registry) == "ready"
+        again = registry.create_version(bob, "mlp", MLP, "cpu")
+        assert compile_version(again.id, registry) == "ready"
+        x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+        np.testing.assert_allclose(
+            executable(load_artifact(store, key)).run({"x": x})["y"],
+            executable(compile_onnx(MLP)).run({"x": x})["y"],
+        )
+    finally:
+        services.close()
