@@ -57,7 +57,7 @@ LOADED_MODELS = Gauge(
     "luminal_loaded_models", "Artifacts loaded on devices", ["target"], registry=REGISTRY
 )
 COMPILES = Counter(
-    "luminal_compiles_total", "Compile jobs by outcome", ["status"], registry=REGISTRY
+    "luminal_compiles_total", "Compile jobs by outcome (ready, cached, failed)", ["status"], registry=REGISTRY
 )
 COMPILE_SECONDS = Histogram(
     "luminal_compile_seconds",

@@ -16,6 +16,11 @@ from tests.onnx_models import embedding_model, fixed_shape_model, int_input_mode
 MLP = mlp().SerializeToString()
 
 
+def with_opset(model, version: int):
+    model.opset_import[0].version = version
+    return model
+
+
 def ort(data: bytes, inputs: dict) -> list[np.ndarray]:
     return onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, inputs)
 
@@ -77,6 +82,7 @@ def test_unbatchable_model_serves_its_fixed_shape(client, keys) -> None:
         (MLP[: len(MLP) // 2], "not a usable ONNX model"),
         (b"\x00\x01garbage bytes that are not protobuf", "not a usable ONNX model"),
         (b"name,value\n1,2\n", "not a usable ONNX model"),
+        (with_opset(mlp(), 999).SerializeToString(), "opset 999 (the newest this service knows is"),
     ],
 )
 def test_bad_uploads_get_400(client, keys, data: bytes, message: str) -> None:
@@ -236,6 +242,15 @@ def test_usage_sums_billed_execution_time(client, keys, deployed, settings) -> N
     db = client.app.state.services.db
     with db.session() as session:
         assert session.scalar(select(func.count(UsageRecord.id))) == 3
+
+
+def test_a_tenant_cannot_tell_that_another_uploaded_the_same_bytes(client, keys, deployed) -> None:
+    upload(client, keys["bob"], "mine", MLP)
+    bobs = wait_for(client, keys["bob"], "mine", 1)
+    alices = client.get("/v1/models/mlp", headers=auth(keys["alice"])).json()["versions"][0]
+    assert bobs["status"] == "ready"
+    assert bobs["report"] == alices["report"]  # the shared artifact's report, nothing about this compile
+    assert "cached" not in str(bobs) and "artifacts/" not in str(bobs)
 
 
 def test_delete_removes_the_model(client, keys, deployed) -> None:

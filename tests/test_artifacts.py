@@ -63,3 +63,22 @@ def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_pat
         )
     finally:
         services.close()
+
+
+def test_a_compiler_crash_fails_the_version_without_revealing_paths(tmp_path: Path, monkeypatch) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        version = registry.create_version(tenant, "mlp", MLP, "cpu")
+
+        def crash(data: bytes, target: str) -> Artifact:
+            raise RuntimeError(f"cannot open {tmp_path}/data/objects/artifacts/abc/weights.npz")
+
+        monkeypatch.setattr("worker.compile.compile_onnx", crash)
+        assert compile_version(version.id, registry) == "failed"
+        error = registry.get_version(version.id).error
+        assert error.startswith("internal compiler error (RuntimeError)")
+        assert str(tmp_path) not in error and "artifacts/" not in error
+    finally:
+        services.close()

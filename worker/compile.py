@@ -45,18 +45,22 @@ def compile_version(version_id: int, registry: Registry) -> str | None:
         return _fail(registry, version_id, f"compilation failed: {exc}", started)
     except Exception as exc:  # a compiler bug must fail the version, not the worker
         log.exception("compiling version %s crashed", version_id)
-        return _fail(registry, version_id, f"internal compiler error ({type(exc).__name__}: {exc})", started)
+        # the exception's text may name storage keys and paths: it stays in the operators' log
+        message = f"internal compiler error ({type(exc).__name__}); operators can find version {version_id} in the log"
+        return _fail(registry, version_id, message, started)
     seconds = time.perf_counter() - started
-    report = {**artifact.report, "cached": cached, "compile_seconds": round(seconds, 6)}
+    # the report is the artifact's own, the same for every uploader of these bytes: whether this
+    # compile hit the shared cache would tell a tenant what another tenant uploaded
     registry.set_status(
         version_id,
         "ready",
         artifact_key=key,
         signature=artifact.signature.to_json(),
-        report=report,
+        report=artifact.report,
         error=None,
     )
-    metrics.COMPILES.labels("ready").inc()
+    log.info("version %s ready in %.3f s (cached artifact: %s)", version_id, seconds, cached)
+    metrics.COMPILES.labels("cached" if cached else "ready").inc()
     metrics.COMPILE_SECONDS.observe(seconds)
     return "ready"
 

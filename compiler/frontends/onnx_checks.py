@@ -251,6 +251,11 @@ def _find_cycle(graph: onnx.GraphProto, producers: dict[str, int], defined: set[
 
 
 def _check_supported(model: onnx.ModelProto) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ONNX_DOMAINS and opset.version > newest:
+            # ops of an unknown opset would be lowered with the semantics of an older one
+            raise UnsupportedModel([f"opset {opset.version} (the newest this service knows is {newest})"])
     if model.functions:
         names = ", ".join(f"{f.domain}.{f.name}" for f in model.functions)
         raise UnsupportedModel([f"model-local functions ({names})"])
