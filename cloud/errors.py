@@ -5,6 +5,7 @@
     │   ├── InvalidModelFile (400)   the upload is not a usable ONNX file
     │   └── InvalidInput (400)       inference inputs do not match the signature
     ├── Unauthorized (401)
+    ├── Forbidden (403)              an operator-only endpoint asked from elsewhere
     ├── NotFound (404)
     ├── NotReady (409)               the version has not compiled (yet, or ever)
     ├── PayloadTooLarge (413)
@@ -44,6 +45,11 @@ class InvalidInput(InvalidRequest):
 class Unauthorized(LuminalError):
     status = 401
     code = "unauthorized"
+
+
+class Forbidden(LuminalError):
+    status = 403
+    code = "forbidden"
 
 
 class NotFound(LuminalError):

@@ -1,4 +1,8 @@
-"""The one metrics registry. Everything exported at /metrics is declared here."""
+"""The one metrics registry. Everything exported at /metrics is declared here.
+
+Series about a tenant's models carry the tenant; the model label only ever holds names of
+models that exist (UNKNOWN_MODEL otherwise), so random names cannot grow the registry.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +10,41 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
+UNKNOWN_MODEL = "(unknown)"
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 REQUESTS = Counter(
     "luminal_inference_requests_total",
-    "Inference requests by model and outcome",
-    ["model", "status"],
+    "Inference requests by tenant, model and outcome",
+    ["tenant", "model", "status"],
     registry=REGISTRY,
 )
 REQUEST_LATENCY = Histogram(
     "luminal_inference_latency_seconds",
     "End-to-end inference latency at the gateway",
-    ["model"],
+    ["tenant", "model"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 QUEUE_WAIT = Histogram(
     "luminal_queue_wait_seconds",
     "Time a request waited in the batching queue (never billed)",
-    ["model"],
+    ["tenant", "model"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 BATCH_SIZE = Histogram(
     "luminal_batch_size_requests",
     "Requests per executed batch",
-    ["model"],
+    ["tenant", "model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     registry=REGISTRY,
 )
 EXECUTION_SECONDS = Counter(
     "luminal_execution_seconds_total",
     "Measured device time of executed batches",
-    ["model", "target"],
+    ["tenant", "model", "target"],
     registry=REGISTRY,
 )
 BILLED_SECONDS = Counter(
@@ -66,6 +72,6 @@ COMPILE_SECONDS = Histogram(
     registry=REGISTRY,
 )
 QUEUE_REJECTIONS = Counter(
-    "luminal_queue_rejections_total", "Requests refused because a queue was full", ["model"],
+    "luminal_queue_rejections_total", "Requests refused because a queue was full", ["tenant", "model"],
     registry=REGISTRY,
 )

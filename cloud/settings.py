@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # compiled models kept loaded per runtime, and how long an idle one stays
     max_loaded_models: int = 8
     idle_unload_s: float = 600.0
+    # bearer token an operator's scraper sends to /metrics; empty serves /metrics only to clients
+    # on this machine (the metrics name tenants and their billed seconds)
+    metrics_token: str = ""
 
     @property
     def resolved_database_url(self) -> str:

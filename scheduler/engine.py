@@ -143,8 +143,8 @@ class InProcessEngine:
             for p, share in zip(batch, shares)
         ]
         self.ledger.record(usages)
-        metrics.BATCH_SIZE.labels(route.model_name).observe(len(batch))
-        metrics.EXECUTION_SECONDS.labels(route.model_name, route.target).inc(result.exec_seconds)
+        metrics.BATCH_SIZE.labels(route.tenant_name, route.model_name).observe(len(batch))
+        metrics.EXECUTION_SECONDS.labels(route.tenant_name, route.model_name, route.target).inc(result.exec_seconds)
         metrics.BILLED_SECONDS.labels(route.tenant_name).inc(sum(shares))
         return [
             InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
@@ -177,7 +177,7 @@ class Batcher:
         try:
             self.queue.submit(pending, now)
         except QueueFull as exc:
-            metrics.QUEUE_REJECTIONS.labels(self.route.model_name).inc()
+            metrics.QUEUE_REJECTIONS.labels(self.route.tenant_name, self.route.model_name).inc()
             raise Overloaded(
                 f"the queue for {self.route.model_name} v{self.route.version} is full ({exc})",
                 retry_after=self.engine.retry_after_s,
@@ -209,7 +209,9 @@ class Batcher:
 
     async def _execute(self, batch: list[Pending], started: float) -> None:
         for pending in batch:
-            metrics.QUEUE_WAIT.labels(self.route.model_name).observe(started - pending.enqueued_at)
+            metrics.QUEUE_WAIT.labels(self.route.tenant_name, self.route.model_name).observe(
+                started - pending.enqueued_at
+            )
         await self._run_batch(batch, started)
 
     async def _run_batch(self, batch: list[Pending], started: float) -> None:

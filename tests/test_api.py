@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from cloud.db import UsageRecord
+from cloud.metrics import REGISTRY
 from tests.conftest import FIXTURES, auth, upload, wait_for
 from tests.onnx_models import embedding_model, fixed_shape_model, int_input_model, mlp, unsupported_model
 
@@ -260,16 +261,40 @@ def test_delete_removes_the_model(client, keys, deployed) -> None:
     assert infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}).status_code == 404
 
 
-def test_health_and_metrics(client, keys, deployed) -> None:
+def test_health_and_metrics(client, keys, deployed, settings) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
     infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]})
     infer(client, keys["alice"], "mlp", {"x": [[0.0] * 3]})
-    text = client.get("/metrics").text
-    assert 'luminal_inference_requests_total{model="mlp",status="ok"}' in text
-    assert 'luminal_inference_requests_total{model="mlp",status="400"}' in text
-    assert "luminal_batch_size_requests_bucket" in text
+    settings.metrics_token = "operator-token"
+    text = client.get("/metrics", headers=auth("operator-token")).text
+    assert 'luminal_inference_requests_total{model="mlp",status="ok",tenant="alice"}' in text
+    assert 'luminal_inference_requests_total{model="mlp",status="400",tenant="alice"}' in text
+    assert 'luminal_batch_size_requests_bucket{le="1.0",model="mlp",tenant="alice"}' in text
     assert 'luminal_billed_seconds_total{tenant="alice"}' in text
+
+
+def test_metrics_are_for_operators_only(client, keys, settings) -> None:
+    # the test client is not on loopback: without a token configured, it is refused
+    response = client.get("/metrics")
+    assert response.status_code == 403 and "LUMINAL_METRICS_TOKEN" in response.json()["error"]["message"]
+    settings.metrics_token = "operator-token"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=auth(keys["alice"])).status_code == 401  # a tenant key is no token
+    assert client.get("/metrics", headers=auth("operator-token")).status_code == 200
+
+
+def test_random_model_names_do_not_grow_the_metrics(client, keys, settings) -> None:
+    settings.metrics_token = "operator-token"
+    labels = {"tenant": "bob", "model": "(unknown)", "status": "404"}
+    counted = REGISTRY.get_sample_value("luminal_inference_requests_total", labels) or 0.0
+    before = client.get("/metrics", headers=auth("operator-token")).text.count("\n")
+    for i in range(50):
+        assert infer(client, keys["bob"], f"missing-{i}", {"x": [[0.0]]}).status_code == 404
+    text = client.get("/metrics", headers=auth("operator-token")).text
+    assert "missing-" not in text
+    assert REGISTRY.get_sample_value("luminal_inference_requests_total", labels) == counted + 50
+    assert text.count("\n") - before < 40  # one series family for all of them, not one per name
 
 
 def test_malformed_json_body_gets_400(client, keys, deployed) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ServicesDep
-from cloud.errors import Unavailable
+from cloud.errors import Forbidden, Unauthorized, Unavailable
 from cloud.metrics import REGISTRY
 
 router = APIRouter(tags=["operations"])
@@ -35,6 +38,22 @@ async def readyz(services: ServicesDep) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@router.get("/metrics")
+# clients that share the server's machine; without a token only they may read /metrics
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def require_operator(
+    request: Request, services: ServicesDep, authorization: Annotated[str | None, Header()] = None
+) -> None:
+    token = services.settings.metrics_token
+    if token:
+        sent = (authorization or "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(sent.encode(), token.encode()):
+            raise Unauthorized("/metrics needs 'Authorization: Bearer <LUMINAL_METRICS_TOKEN>'")
+    elif request.client is None or request.client.host not in _LOOPBACK:
+        raise Forbidden("/metrics is served to this machine only; set LUMINAL_METRICS_TOKEN to scrape it remotely")
+
+
+@router.get("/metrics", dependencies=[Depends(require_operator)])
 async def prometheus_metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

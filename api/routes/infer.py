@@ -46,8 +46,10 @@ async def infer(
 ) -> InferResponse:
     started = time.perf_counter()
     outcome = "error"
+    model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant
     try:
         found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
+        model_label = name
         signature = Signature.from_json(found.signature)
         settings = services.settings
         arrays, rows = decode_inputs(
@@ -70,8 +72,8 @@ async def infer(
         outcome = str(exc.status)
         raise
     finally:
-        metrics.REQUESTS.labels(name, outcome).inc()
-        metrics.REQUEST_LATENCY.labels(name).observe(time.perf_counter() - started)
+        metrics.REQUESTS.labels(tenant.name, model_label, outcome).inc()
+        metrics.REQUEST_LATENCY.labels(tenant.name, model_label).observe(time.perf_counter() - started)
     response.headers["X-Request-ID"] = request_id
     return InferResponse(
         model=name,
