@@ -18,8 +18,12 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def get_tenant(services: ServicesDep, authorization: Annotated[str | None, Header()] = None) -> Tenant:
-    return authenticate(services.db, authorization)
+def get_tenant(
+    request: Request, services: ServicesDep, authorization: Annotated[str | None, Header()] = None
+) -> Tenant:
+    # requests with a body were authenticated before it was read (api.main.GuardedBody)
+    tenant = getattr(request.state, "tenant", None)
+    return tenant if tenant is not None else authenticate(services.db, authorization)
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]

@@ -1,4 +1,4 @@
-"""Builds the FastAPI app: services from settings, routers, error handlers, body-size limit."""
+"""Builds the FastAPI app: services from settings, routers, error handlers, the body guard."""
 
 from __future__ import annotations
 
@@ -6,30 +6,71 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from api.errors import error_response, install_error_handlers
 from api.routes import health, infer, models, usage
 from api.services import build_engine, build_services
+from cloud.auth import authenticate
+from cloud.errors import PayloadTooLarge, Unauthorized
 from cloud.settings import Settings, get_settings
 
 
-class BodySizeLimit:
-    """Refuses a request whose declared Content-Length exceeds the limit, before reading it."""
+class GuardedBody:
+    """Before a request body is read: the API key is checked (a request without a valid key
+    costs the server no body), and the body is held to its route's limit, by Content-Length
+    and by counting what actually arrives."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, settings: Settings) -> None:
         self.app = app
-        self.limit = limit
+        self.settings = settings
+
+    def _limit(self, path: str) -> int:
+        if path.endswith("/infer"):
+            return self.settings.max_infer_body_bytes
+        return self.settings.max_upload_bytes + 64 * 1024  # multipart framing around the file
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.limit:
-                response = error_response(
-                    413, "payload_too_large", f"the request body is larger than {self.limit} bytes"
-                )
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if scope["path"].startswith("/v1/"):
+            services = scope["app"].state.services
+            authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            try:
+                tenant = await run_in_threadpool(authenticate, services.db, authorization)
+            except Unauthorized as exc:
+                response = error_response(401, exc.code, exc.message, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
+        limit = self._limit(scope["path"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _too_large(limit)(scope, receive, send)
+            return
+        await self.app(scope, _counting(receive, limit), send)
+
+
+def _too_large(limit: int):
+    return error_response(413, "payload_too_large", f"the request body is larger than {limit} bytes")
+
+
+def _counting(receive, limit: int):
+    """`receive` that refuses a body growing past `limit` (chunked, or a lying Content-Length)."""
+    received = 0
+
+    async def counted():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+        return message
+
+    return counted
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -51,6 +92,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for router in (models.router, infer.router, usage.router, health.router):
         app.include_router(router)
-    # multipart framing adds a little on top of the file itself
-    app.add_middleware(BodySizeLimit, limit=settings.max_upload_bytes + 64 * 1024)
+    app.add_middleware(GuardedBody, settings=settings)
     return app

@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes
     max_upload_bytes: int = 200 * 1024 * 1024
+    # largest inference request body, in bytes (JSON); far below uploads, since it is decoded whole
+    max_infer_body_bytes: int = 32 * 1024 * 1024
     # batching policy, per model version
     max_batch_rows: int = 32
     max_queue_delay_ms: float = 5.0

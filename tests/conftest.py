@@ -16,7 +16,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def make_settings(data_dir: Path, **overrides) -> Settings:
-    values = dict(data_dir=data_dir, max_queue_delay_ms=20.0, max_upload_bytes=2 * 1024 * 1024)
+    values = {
+        "data_dir": data_dir,
+        "max_queue_delay_ms": 20.0,
+        "max_upload_bytes": 2 * 1024 * 1024,
+        "max_infer_body_bytes": 1024 * 1024,
+    }
     values.update(overrides)
     return Settings(**values)
 

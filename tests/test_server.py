@@ -128,3 +128,52 @@ def test_versions_left_unfinished_compile_after_a_restart(settings, keys) -> Non
     services.close()
     with BackgroundServer(settings) as server, Client(server.url, keys["alice"]) as client:
         assert client.wait("orphan", version.number, timeout=30)["status"] == "ready"
+
+
+def _send_head(url: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+    """Sends a request's head (and `body`, maybe less than Content-Length says) on a raw socket and
+    returns the status and body the server answers with, without sending the rest."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+        sock.sendall("\r\n".join(lines).encode() + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
+            next((line.split(b":")[1] for line in reply.split(b"\r\n") if line.lower().startswith(b"content-length")), b"0")
+        ):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    return status, reply.split(b"\r\n\r\n", 1)[1]
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_arrives(server) -> None:
+    # 100 MB announced, none of it sent: the answer must not wait for it
+    started = time.monotonic()
+    status, body = _send_head(
+        server.url, "/v1/models/mlp/infer", {"Content-Type": "application/json", "Content-Length": str(100 << 20)}
+    )
+    assert status == 401 and b"Authorization" in body
+    assert time.monotonic() - started < 5
+    status, _ = _send_head(
+        server.url, "/v1/models", {"Content-Type": "multipart/form-data; boundary=x", "Content-Length": str(100 << 20),
+                                   "Authorization": "Bearer lc_wrong"},
+    )
+    assert status == 401
+
+
+def test_infer_bodies_have_their_own_smaller_limit(server, keys, settings) -> None:
+    limit = settings.max_infer_body_bytes
+    assert limit < settings.max_upload_bytes
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {keys['alice']}"}
+    status, body = _send_head(server.url, "/v1/models/mlp/infer", {**headers, "Content-Length": str(limit + 1)})
+    assert status == 413 and str(limit).encode() in body
+    # a chunked body that grows past the limit is cut off as well
+    chunk = b"[" + b"0," * (1 << 19)
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 2))
+    status, body = _send_head(server.url, "/v1/models/mlp/infer", {**headers, "Transfer-Encoding": "chunked"}, chunked)
+    assert status == 413

@@ -7,7 +7,9 @@ import uuid
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentTenant, ServicesDep
@@ -35,10 +37,27 @@ def encode_output(array: np.ndarray) -> Any:
     return array.tolist()
 
 
-@router.post("/{name}/infer", response_model=InferResponse)
+def _parse_body(raw: bytes) -> InferRequest:
+    try:
+        return InferRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+# the body is read by the handler, after authentication, and decoded off the event loop; the
+# schema is declared here so the OpenAPI document still shows it
+_BODY_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": InferRequest.model_json_schema()}},
+    }
+}
+
+
+@router.post("/{name}/infer", response_model=InferResponse, openapi_extra=_BODY_SCHEMA)
 async def infer(
     name: str,
-    body: InferRequest,
+    request: Request,
     tenant: CurrentTenant,
     services: ServicesDep,
     response: Response,
@@ -48,12 +67,13 @@ async def infer(
     outcome = "error"
     model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant
     try:
+        body = await run_in_threadpool(_parse_body, await request.body())
         found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
         model_label = name
         signature = Signature.from_json(found.signature)
         settings = services.settings
-        arrays, rows = decode_inputs(
-            signature, body.inputs, settings.max_request_elements, symbol_limits(signature, settings)
+        arrays, rows = await run_in_threadpool(
+            decode_inputs, signature, body.inputs, settings.max_request_elements, symbol_limits(signature, settings)
         )
         route = Route(
             version_id=found.id,
@@ -70,6 +90,9 @@ async def infer(
         outcome = "ok"
     except LuminalError as exc:
         outcome = str(exc.status)
+        raise
+    except RequestValidationError:
+        outcome = "400"
         raise
     finally:
         metrics.REQUESTS.labels(tenant.name, model_label, outcome).inc()
