@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from cloud.settings import Settings
 
@@ -30,9 +31,14 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.main import create_app
+    from api.services import DataDirInUse, DataDirLock
 
     logging.basicConfig(level=logging.INFO)
     settings = Settings()
+    try:  # fail before any work, with a message rather than uvicorn's startup traceback
+        DataDirLock(settings.data_dir).release()
+    except DataDirInUse as exc:
+        sys.exit(f"luminal-cloud serve: {exc}")
     print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 from dataclasses import dataclass
+from pathlib import Path
 
 from cloud.db import Database
 from cloud.metering import Ledger
@@ -15,6 +17,33 @@ from scheduler.engine import Engine, InProcessEngine
 from worker.pool import EmbeddedCompilePool
 
 
+class DataDirInUse(RuntimeError):
+    """Another server already runs on this data directory."""
+
+
+class DataDirLock:
+    """An exclusive lock on the data directory, held while a server runs: two servers on one
+    directory would resume the same compiles and race on its files."""
+
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = data_dir / "server.lock"
+        self._file = open(self.path, "a+")  # noqa: SIM115  held open for the server's lifetime
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise DataDirInUse(
+                f"another Luminal Cloud server is using {data_dir}; stop it, or give this one its own "
+                "LUMINAL_DATA_DIR"
+            ) from None
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
 @dataclass
 class Services:
     settings: Settings
@@ -23,11 +52,13 @@ class Services:
     registry: Registry
     ledger: Ledger
     compiler: EmbeddedCompilePool
+    lock: DataDirLock
     engine: Engine | None = None
 
     def close(self) -> None:
         self.compiler.shutdown()
         self.db.dispose()
+        self.lock.release()
 
 
 def open_database(settings: Settings) -> Database:
@@ -38,6 +69,9 @@ def open_database(settings: Settings) -> Database:
 
 
 def build_services(settings: Settings) -> Services:
+    """Everything a server holds; raises DataDirInUse before any work if another server holds
+    the data directory."""
+    lock = DataDirLock(settings.data_dir)
     db = open_database(settings)
     store = make_object_store(settings)
     registry = Registry(db, store, settings.targets)
@@ -48,6 +82,7 @@ def build_services(settings: Settings) -> Services:
         registry=registry,
         ledger=Ledger(db),
         compiler=EmbeddedCompilePool(registry, settings.compile_threads),
+        lock=lock,
     )
 
 

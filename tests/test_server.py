@@ -16,7 +16,7 @@ import pytest
 
 from api.demo import run_demo
 from api.server import BackgroundServer
-from api.services import build_services, open_database
+from api.services import DataDirInUse, build_services, open_database
 from cloud.auth import authenticate, create_key
 from luminal_cloud import APIError, Client, DeployFailed
 from tests.conftest import FIXTURES, make_settings
@@ -177,3 +177,17 @@ def test_infer_bodies_have_their_own_smaller_limit(server, keys, settings) -> No
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 2))
     status, body = _send_head(server.url, "/v1/models/mlp/infer", {**headers, "Transfer-Encoding": "chunked"}, chunked)
     assert status == 413
+
+
+def test_a_second_server_on_the_same_data_directory_stops_before_any_work(settings, keys) -> None:
+    with BackgroundServer(settings):
+        with pytest.raises(DataDirInUse, match=str(settings.data_dir)):
+            build_services(settings)
+        env = {**os.environ, "LUMINAL_DATA_DIR": str(settings.data_dir)}
+        second = subprocess.run(
+            [sys.executable, "-m", "luminal_cloud.cli", "serve", "--port", "0"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert second.returncode != 0
+        assert "another Luminal Cloud server is using" in second.stderr
+    build_services(settings).close()  # free again once the first has stopped
