@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from cloud.db import Database, Model, ModelVersion
 from cloud.errors import InvalidModelFile, InvalidRequest, NotFound, NotReady
-from cloud.storage import ObjectStore
+from cloud.storage import ObjectStore, artifacts_prefix
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
 
@@ -53,13 +53,14 @@ class Registry:
         except (InvalidModel, UnsupportedModel) as exc:
             raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
         key = graph_key(data)
-        if not self.store.exists(key):
-            self.store.put(key, data)
         # uploads racing on a new name or the next number: within this process they take turns
-        # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered pause
+        # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered pause.
+        # The blob is stored under the same lock, so a delete cannot free it in between.
         for attempt in range(_INSERT_ATTEMPTS):
             try:
                 with self._insert_lock:
+                    if not self.store.exists(key):
+                        self.store.put(key, data)
                     return self._insert_version(tenant_id, name, key, len(data), target)
             except IntegrityError:
                 if attempt == _INSERT_ATTEMPTS - 1:
@@ -135,12 +136,23 @@ class Registry:
         return version
 
     def delete_model(self, tenant_id: int, name: str) -> list[int]:
-        """Deletes the model and its versions; returns the deleted version ids."""
+        """Deletes the model and its versions, and the stored graphs and artifacts no other
+        version (of any tenant) still uses; returns the deleted version ids."""
+        with self._insert_lock:
+            with self.db.session() as session:
+                model = self._model(session, tenant_id, name)
+                ids = [v.id for v in model.versions]
+                keys = {v.graph_key for v in model.versions}
+                session.delete(model)
+            self._free_unreferenced(keys)
+        return ids
+
+    def _free_unreferenced(self, keys: set[str]) -> None:
         with self.db.session() as session:
-            model = self._model(session, tenant_id, name)
-            ids = [v.id for v in model.versions]
-            session.delete(model)
-            return ids
+            still_used = set(session.scalars(select(ModelVersion.graph_key).where(ModelVersion.graph_key.in_(keys))))
+        for key in keys - still_used:
+            self.store.delete_prefix(key)
+            self.store.delete_prefix(artifacts_prefix(key))
 
     def get_version(self, version_id: int) -> ModelVersion | None:
         with self.db.session() as session:

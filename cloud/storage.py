@@ -14,6 +14,7 @@ from typing import Protocol
 from cloud.errors import NotFound
 from cloud.settings import Settings
 from compiler import Artifact
+from compiler.pipeline import COMPILER_VERSION
 
 
 class ObjectStore(Protocol):
@@ -63,6 +64,20 @@ class LocalObjectStore:
 
 def make_object_store(settings: Settings) -> ObjectStore:
     return LocalObjectStore(settings.objects_dir)
+
+
+def graph_digest(graph_key: str) -> str:
+    return graph_key.removeprefix("graphs/").removesuffix(".onnx")
+
+
+def artifact_key(graph_key: str, target: str) -> str:
+    """Artifacts are cached by (uploaded graph, target, compiler version)."""
+    return f"{artifacts_prefix(graph_key)}/{target}/{COMPILER_VERSION}"
+
+
+def artifacts_prefix(graph_key: str) -> str:
+    """Every artifact compiled from one uploaded graph, for any target or compiler version."""
+    return f"artifacts/{graph_digest(graph_key)}"
 
 
 def save_artifact(store: ObjectStore, key: str, artifact: Artifact) -> None:

@@ -254,6 +254,21 @@ def test_a_tenant_cannot_tell_that_another_uploaded_the_same_bytes(client, keys,
     assert "cached" not in str(bobs) and "artifacts/" not in str(bobs)
 
 
+def test_deleting_frees_the_stored_files_no_other_version_uses(client, keys, deployed, settings) -> None:
+    def stored() -> list[str]:
+        return sorted(str(p.relative_to(settings.objects_dir)) for p in settings.objects_dir.rglob("*") if p.is_file())
+
+    upload(client, keys["bob"], "same-bytes", MLP)
+    assert wait_for(client, keys["bob"], "same-bytes", 1)["status"] == "ready"
+    shared = stored()
+    assert any(p.startswith("graphs/") for p in shared) and any(p.startswith("artifacts/") for p in shared)
+    assert client.delete("/v1/models/mlp", headers=auth(keys["alice"])).status_code == 200
+    assert stored() == shared  # bob's version still uses them
+    assert infer(client, keys["bob"], "same-bytes", {"x": [[0.0] * 8]}).status_code == 200
+    assert client.delete("/v1/models/same-bytes", headers=auth(keys["bob"])).status_code == 200
+    assert not [p for p in stored() if p.startswith(("graphs/", "artifacts/"))]
+
+
 def test_delete_removes_the_model(client, keys, deployed) -> None:
     response = client.delete("/v1/models/mlp", headers=auth(keys["alice"]))
     assert response.status_code == 200 and response.json() == {"name": "mlp", "deleted": True, "versions": 1}

@@ -10,11 +10,11 @@ import pytest
 
 from api.services import build_services
 from cloud.auth import authenticate, create_key
-from cloud.storage import load_artifact
+from cloud.storage import artifact_key, load_artifact
 from compiler import Artifact, CorruptArtifact, compile_onnx, executable
 from tests.conftest import make_settings
 from tests.onnx_models import mlp
-from worker.compile import artifact_key, compile_version
+from worker.compile import compile_version
 
 MLP = mlp().SerializeToString()
 

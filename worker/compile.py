@@ -7,18 +7,11 @@ import time
 
 from cloud import metrics
 from cloud.registry import Registry
-from cloud.storage import ObjectStore, load_artifact, save_artifact
+from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.errors import CorruptArtifact
-from compiler.pipeline import COMPILER_VERSION
 
 log = logging.getLogger(__name__)
-
-
-def artifact_key(graph_key: str, target: str) -> str:
-    """Artifacts are cached by (uploaded graph, target, compiler version)."""
-    digest = graph_key.removeprefix("graphs/").removesuffix(".onnx")
-    return f"artifacts/{digest}/{target}/{COMPILER_VERSION}"
 
 
 def compile_version(version_id: int, registry: Registry) -> str | None:
