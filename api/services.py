@@ -81,7 +81,9 @@ def build_services(settings: Settings) -> Services:
         store=store,
         registry=registry,
         ledger=Ledger(db),
-        compiler=EmbeddedCompilePool(registry, settings.compile_threads),
+        compiler=EmbeddedCompilePool(
+            registry, settings.compile_workers, settings.compile_timeout_s, settings.compile_memory_bytes
+        ),
         lock=lock,
     )
 

@@ -24,6 +24,8 @@ from compiler.frontends.onnx import parse_model
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 STATUSES = ("queued", "compiling", "ready", "failed")
+# the note on a version whose compile a server stop interrupted once
+INTERRUPTED = "the compile was interrupted by a server stop and resumed"
 
 
 def graph_key(data: bytes) -> str:
@@ -158,10 +160,26 @@ class Registry:
         with self.db.session() as session:
             return session.get(ModelVersion, version_id)
 
-    def unfinished_version_ids(self) -> list[int]:
+    def resume_unfinished(self) -> list[tuple[int, int]]:
+        """(version id, tenant id) of what a previous process left queued or compiling, to queue
+        again. A compile interrupted a second time fails instead: it may be what stopped the server."""
+        resumed = []
         with self.db.session() as session:
-            query = select(ModelVersion.id).where(ModelVersion.status.in_(("queued", "compiling")))
-            return list(session.scalars(query.order_by(ModelVersion.id)))
+            query = (
+                select(ModelVersion, Model.tenant_id)
+                .join(Model, ModelVersion.model_id == Model.id)
+                .where(ModelVersion.status.in_(("queued", "compiling")))
+                .order_by(ModelVersion.id)
+            )
+            for version, tenant_id in session.execute(query):
+                if version.status == "compiling" and version.error == INTERRUPTED:
+                    version.status = "failed"
+                    version.error = "the compile was interrupted twice by a server stop; upload the model again"
+                    continue
+                if version.status == "compiling":
+                    version.status, version.error = "queued", INTERRUPTED
+                resumed.append((version.id, tenant_id))
+        return resumed
 
     # -- status transitions (the compile worker) --
     def set_status(self, version_id: int, status: str, **fields: Any) -> None:

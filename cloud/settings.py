@@ -23,9 +23,13 @@ class Settings(BaseSettings):
     database_url: str = ""
     # "local" keeps objects under data_dir/objects
     object_store: Literal["local"] = "local"
-    # "embedded" compiles in a thread pool inside the server
+    # "embedded" compiles in child processes of the server
     compile_backend: Literal["embedded"] = "embedded"
-    compile_threads: int = 1
+    # compiles at a time, taken round-robin across tenants
+    compile_workers: int = 1
+    # each compile's limits: wall time, and address space of its process
+    compile_timeout_s: float = 600.0
+    compile_memory_bytes: int = 8 * 1024**3
     # device types a model may be provisioned for
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes

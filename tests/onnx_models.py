@@ -75,3 +75,21 @@ def embedding_model(vocab: int = 10, width: int = 4) -> onnx.ModelProto:
         [tensor("y", ["batch", "seq", width])],
         initializers=[table],
     )
+
+
+def heavy_compile_model(side: int = 20000, repeats: int = 8) -> onnx.ModelProto:
+    """A few hundred bytes that cost the compiler's verification `repeats` passes over a
+    side x side float32 tensor (1.6 GB at 20000): a stand-in for an upload that asks for
+    unbounded compile time or memory."""
+    nodes, terms = [], []
+    for i in range(repeats):
+        value = helper.make_tensor("value", TensorProto.FLOAT, [1], [float(i + 1)])
+        nodes += [
+            helper.make_node("ConstantOfShape", ["shape"], [f"filled{i}"], value=value),
+            helper.make_node("Sin", [f"filled{i}"], [f"sines{i}"]),
+            helper.make_node("ReduceSum", [f"sines{i}"], [f"total{i}"], keepdims=0),
+        ]
+        terms.append(f"total{i}")
+    nodes += [helper.make_node("Sum", terms, ["total"]), helper.make_node("Add", ["x", "total"], ["y"])]
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [side, side])
+    return make_model(nodes, [tensor("x", [1])], [tensor("y", [1])], [shape])

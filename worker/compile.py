@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from cloud import metrics
 from cloud.registry import Registry
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.errors import CorruptArtifact
+from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
 
 
-def compile_version(version_id: int, registry: Registry) -> str | None:
-    """Compile a queued version; idempotent. Returns the final status (None if deleted)."""
+# (version id, graph bytes, target) -> artifact: in this process, or in a sandbox's child
+CompileFn = Callable[[int, bytes, str], Artifact]
+
+
+def compile_here(version_id: int, data: bytes, target: str) -> Artifact:
+    return compile_onnx(data, target)
+
+
+def compile_version(version_id: int, registry: Registry, compile_fn: CompileFn = compile_here) -> str | None:
+    """Compile a queued version; idempotent. Returns the final status (None if deleted or
+    stopped midway, which leaves it to be resumed)."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -29,8 +40,10 @@ def compile_version(version_id: int, registry: Registry) -> str | None:
         artifact = _cached_artifact(store, key)
         cached = artifact is not None
         if artifact is None:
-            artifact = compile_onnx(store.get(version.graph_key), version.target)
+            artifact = compile_fn(version_id, store.get(version.graph_key), version.target)
             save_artifact(store, key, artifact)
+    except CompileCancelled:
+        return None
     except UnsupportedModel as exc:
         message = "the graph uses operations the compiler does not support: " + ", ".join(exc.missing)
         return _fail(registry, version_id, message, started)

@@ -1,26 +1,94 @@
-"""The embedded compile pool: compile jobs on threads inside the server process."""
+"""The embedded compile pool: a bounded number of compiles at a time, taken fairly across
+tenants, each in a child process (worker/sandbox.py) that DELETE can stop."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections import OrderedDict, deque
 
 from cloud.registry import Registry
 from worker.compile import compile_version
+from worker.sandbox import Sandbox
+
+
+class FairQueue:
+    """Version ids queued per tenant, taken round-robin: one tenant's hundred uploads wait
+    behind every other tenant's next one."""
+
+    def __init__(self) -> None:
+        # tenant -> its queued version ids; the first tenant is the next to be served
+        self._queues: OrderedDict[int, deque[int]] = OrderedDict()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, tenant_id: int, version_id: int) -> None:
+        with self._ready:
+            self._queues.setdefault(tenant_id, deque()).append(version_id)
+            self._ready.notify()
+
+    def get(self) -> int | None:
+        """The next version id, blocking; None once closed."""
+        with self._ready:
+            while not self._queues and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                return None
+            tenant_id, queue = next(iter(self._queues.items()))
+            version_id = queue.popleft()
+            del self._queues[tenant_id]
+            if queue:
+                self._queues[tenant_id] = queue  # to the back of the line
+            return version_id
+
+    def remove(self, version_id: int) -> bool:
+        with self._ready:
+            for tenant_id, queue in list(self._queues.items()):
+                if version_id in queue:
+                    queue.remove(version_id)
+                    if not queue:
+                        del self._queues[tenant_id]
+                    return True
+        return False
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
 
 
 class EmbeddedCompilePool:
-    def __init__(self, registry: Registry, threads: int = 1) -> None:
+    def __init__(self, registry: Registry, workers: int, timeout_s: float, memory_bytes: int) -> None:
         self.registry = registry
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile")
+        self.sandbox = Sandbox(timeout_s, memory_bytes)
+        self._queue = FairQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def submit(self, version_id: int) -> Future:
-        return self._executor.submit(compile_version, version_id, self.registry)
+    def _work(self) -> None:
+        while (version_id := self._queue.get()) is not None:
+            compile_version(version_id, self.registry, self.sandbox.compile)
+
+    def submit(self, version_id: int, tenant_id: int) -> None:
+        self._queue.put(tenant_id, version_id)
+
+    def cancel(self, version_ids: list[int]) -> None:
+        """Stops the compiles of deleted versions, queued or running."""
+        for version_id in version_ids:
+            if not self._queue.remove(version_id):
+                self.sandbox.cancel(version_id)
 
     def resume_unfinished(self) -> None:
-        """Re-queue versions a previous process left queued or compiling."""
-        for version_id in self.registry.unfinished_version_ids():
-            self.registry.set_status(version_id, "queued")
-            self.submit(version_id)
+        """Re-queues what a previous process left unfinished; a compile that was interrupted
+        twice (it may be what brought the server down) is failed instead of resumed forever."""
+        for version_id, tenant_id in self.registry.resume_unfinished():
+            self.submit(version_id, tenant_id)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._queue.close()
+        for version_id in list(self.sandbox.running()):
+            self.sandbox.cancel(version_id)
+        for thread in self._threads:
+            thread.join(timeout=30)

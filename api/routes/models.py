@@ -50,7 +50,7 @@ async def upload_model(
     if not data:
         raise InvalidModelFile("the uploaded file is empty")
     version = await run_in_threadpool(services.registry.create_version, tenant.id, name, data, target)
-    services.compiler.submit(version.id)
+    services.compiler.submit(version.id, tenant.id)
     return VersionCreated(name=name, version=version.number, status=version.status, target=target)
 
 
@@ -98,6 +98,7 @@ async def get_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> 
 @router.delete("/{name}", response_model=ModelDeleted)
 async def delete_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> ModelDeleted:
     version_ids = await run_in_threadpool(services.registry.delete_model, tenant.id, name)
+    services.compiler.cancel(version_ids)
     for version_id in version_ids:
         services.engine.forget(version_id)
     return ModelDeleted(name=name, deleted=True, versions=len(version_ids))

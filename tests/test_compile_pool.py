@@ -1,0 +1,112 @@
+"""Compiles cannot starve or take down the server: each runs in a child process under time and
+memory limits, tenants are served round-robin, DELETE stops a compile, and a compile that keeps
+interrupting the server is failed instead of resumed forever."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.services import build_services
+from cloud.auth import authenticate, create_key
+from cloud.registry import INTERRUPTED
+from tests.conftest import auth, make_settings, upload, wait_for
+from tests.onnx_models import heavy_compile_model, mlp
+from worker.pool import FairQueue
+
+# eight passes over 1.6 GB: about half a minute of compiling here; one pass needs 1.6 GB at once
+SLOW_GRAPH = heavy_compile_model(repeats=8).SerializeToString()
+HUNGRY_GRAPH = heavy_compile_model(repeats=1).SerializeToString()
+
+
+def test_the_queue_serves_tenants_round_robin() -> None:
+    queue = FairQueue()
+    for version_id in (1, 2, 3):
+        queue.put(tenant_id=10, version_id=version_id)
+    queue.put(tenant_id=20, version_id=4)
+    queue.put(tenant_id=30, version_id=5)
+    assert [queue.get() for _ in range(5)] == [1, 4, 5, 2, 3]
+    queue.put(10, 6)
+    queue.put(10, 7)
+    assert queue.remove(6) and not queue.remove(6)
+    assert queue.get() == 7
+    queue.close()
+    assert queue.get() is None
+
+
+def serve(tmp_path: Path, **overrides):
+    settings = make_settings(tmp_path / "data", **overrides)
+    services = build_services(settings)
+    keys = {name: create_key(services.db, name) for name in ("alice", "bob")}
+    services.close()
+    return TestClient(create_app(settings)), keys
+
+
+def test_a_compile_past_its_time_limit_is_stopped_and_says_so(tmp_path: Path) -> None:
+    client, keys = serve(tmp_path, compile_timeout_s=2.0)
+    with client:
+        upload(client, keys["alice"], "slow", SLOW_GRAPH)
+        version = wait_for(client, keys["alice"], "slow", 1, timeout=60)
+        assert version["status"] == "failed"
+        assert "ran longer than the limit of 2 s" in version["error"]
+        upload(client, keys["bob"], "mlp", mlp().SerializeToString())
+        assert wait_for(client, keys["bob"], "mlp", 1)["status"] == "ready"
+
+
+def test_a_compile_past_its_memory_limit_fails_the_version_not_the_server(tmp_path: Path) -> None:
+    client, keys = serve(tmp_path, compile_memory_bytes=3 * 1024**3 // 2)
+    with client:
+        upload(client, keys["alice"], "hungry", HUNGRY_GRAPH)
+        version = wait_for(client, keys["alice"], "hungry", 1, timeout=120)
+        assert version["status"] == "failed"
+        assert "needed more than the limit of 1.5 GiB" in version["error"]
+        assert client.get("/healthz").status_code == 200
+        upload(client, keys["alice"], "mlp", mlp().SerializeToString())  # the limit leaves room for real models
+        assert wait_for(client, keys["alice"], "mlp", 1)["status"] == "ready"
+
+
+def test_delete_stops_a_running_compile(tmp_path: Path) -> None:
+    client, keys = serve(tmp_path)
+    with client:
+        upload(client, keys["alice"], "slow", SLOW_GRAPH)
+        deadline = time.monotonic() + 30
+        while client.get("/v1/models/slow", headers=auth(keys["alice"])).json()["versions"][0]["status"] != "compiling":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.delete("/v1/models/slow", headers=auth(keys["alice"])).status_code == 200
+        # one compile slot: the next model compiles now, not after the slow graph's half minute
+        started = time.monotonic()
+        upload(client, keys["alice"], "mlp", mlp().SerializeToString())
+        assert wait_for(client, keys["alice"], "mlp", 1, timeout=60)["status"] == "ready"
+        assert time.monotonic() - started < 20
+
+
+def test_a_compile_interrupted_twice_fails_instead_of_resuming_forever(tmp_path: Path) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        once = registry.create_version(tenant, "a", mlp(seed=1).SerializeToString(), "cpu")
+        twice = registry.create_version(tenant, "b", mlp(seed=2).SerializeToString(), "cpu")
+        queued = registry.create_version(tenant, "c", mlp(seed=3).SerializeToString(), "cpu")
+        registry.set_status(once.id, "compiling")
+        registry.set_status(twice.id, "compiling", error=INTERRUPTED)
+        assert registry.resume_unfinished() == [(once.id, tenant), (queued.id, tenant)]
+        assert registry.get_version(once.id).status == "queued"
+        assert registry.get_version(once.id).error == INTERRUPTED
+        failed = registry.get_version(twice.id)
+        assert failed.status == "failed" and "interrupted twice" in failed.error
+    finally:
+        services.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children():
+    yield
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("compile-")]

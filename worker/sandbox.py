@@ -1,0 +1,113 @@
+"""Compiles in a child process, under a wall-time and an address-space limit.
+
+A graph may ask the compiler for unbounded time or memory (twenty nested If levels, a constant
+expanded to 10^12 elements): in a child, that costs the child only. Children fork from a
+forkserver that has the compiler imported, so each starts in milliseconds without inheriting
+the server's threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import threading
+from multiprocessing.connection import Connection
+
+from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+
+
+class CompileTimeout(CompilerError):
+    """The compile ran past its wall-time limit and was stopped."""
+
+
+class CompileOutOfMemory(CompilerError):
+    """The compile needed more memory than its limit."""
+
+
+class CompileCrashed(CompilerError):
+    """The compile's process died without an answer."""
+
+
+class CompileCancelled(CompilerError):
+    """The version was deleted while it compiled."""
+
+
+def _compile_child(conn: Connection, data: bytes, target: str, memory_bytes: int) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
+    try:
+        conn.send(("ok", compile_onnx(data, target).to_files()))
+    except UnsupportedModel as exc:
+        conn.send(("unsupported", exc.missing))
+    except CompilerError as exc:
+        conn.send(("error", str(exc)))
+    except MemoryError:
+        conn.send(("memory", None))
+    except Exception as exc:  # noqa: BLE001  a compiler bug: the parent fails the version with its type
+        conn.send(("crash", type(exc).__name__))
+
+
+class Sandbox:
+    """Runs compile_onnx in child processes; `cancel` stops a running one."""
+
+    def __init__(self, timeout_s: float, memory_bytes: int) -> None:
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["compiler", "worker.sandbox"])
+        self._running: dict[int, multiprocessing.Process] = {}
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+
+    def compile(self, version_id: int, data: bytes, target: str) -> Artifact:
+        receiver, sender = self._context.Pipe(duplex=False)
+        child = self._context.Process(
+            target=_compile_child, args=(sender, data, target, self.memory_bytes), daemon=True,
+            name=f"compile-{version_id}",
+        )
+        with self._lock:
+            if version_id in self._cancelled:
+                raise CompileCancelled(f"version {version_id} was deleted")
+            child.start()
+            self._running[version_id] = child
+        sender.close()
+        try:
+            return self._answer(version_id, child, receiver)
+        finally:
+            with self._lock:
+                self._running.pop(version_id, None)
+                self._cancelled.discard(version_id)
+            child.kill()
+            child.join()
+            receiver.close()
+
+    def _answer(self, version_id: int, child: multiprocessing.Process, receiver: Connection) -> Artifact:
+        if not receiver.poll(self.timeout_s):
+            raise CompileTimeout(f"it ran longer than the limit of {self.timeout_s:g} s")
+        try:
+            kind, payload = receiver.recv()
+        except EOFError:
+            child.join()
+            if version_id in self._cancelled:
+                raise CompileCancelled(f"version {version_id} was deleted") from None
+            raise CompileCrashed(f"the compiler's process died (exit code {child.exitcode})") from None
+        if kind == "ok":
+            return Artifact.from_files(payload.__getitem__)
+        if kind == "unsupported":
+            raise UnsupportedModel(payload)
+        if kind == "memory":
+            raise CompileOutOfMemory(f"it needed more than the limit of {self.memory_bytes / 2**30:g} GiB")
+        if kind == "crash":
+            raise CompileCrashed(f"internal compiler error ({payload})")
+        raise CompilerError(payload)
+
+    def running(self) -> list[int]:
+        with self._lock:
+            return list(self._running)
+
+    def cancel(self, version_id: int) -> None:
+        with self._lock:
+            self._cancelled.add(version_id)
+            child = self._running.get(version_id)
+        if child is not None:
+            child.kill()
