@@ -17,7 +17,14 @@ from typing import Protocol
 import numpy as np
 
 from cloud import metrics
-from cloud.errors import DeadlineExceeded, InvalidInput, Overloaded, Unavailable
+from cloud.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    LuminalError,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
 from cloud.metering import Ledger, Usage, price_for, split_by_rows
 from compiler.shape import ShapeError
 from runtime import Runtime
@@ -217,13 +224,12 @@ class Batcher:
     async def _run_batch(self, batch: list[Pending], started: float) -> None:
         try:
             results = await asyncio.to_thread(self.engine.run_and_meter, self.route, batch)
-        except (IndexError, ShapeError) as exc:
-            if len(batch) > 1:  # one request's bad index must not fail the others: run each alone
+        except (IndexError, ShapeError, MemoryError) as exc:
+            if len(batch) > 1:  # one request's bad input must not fail the others: run each alone
                 for pending in batch:
                     await self._run_batch([pending], started)
                 return
-            what = "an input value" if isinstance(exc, IndexError) else "an input's size"
-            _fail(batch[0], InvalidInput(f"{what} is out of range for this model ({exc})"))
+            _fail(batch[0], _request_error(exc))
             return
         except Exception as exc:  # a failing batch fails its requests, never the batcher
             log.exception("batch for %s failed", self.route.model_name)
@@ -234,6 +240,16 @@ class Batcher:
             result.queue_seconds = started - pending.enqueued_at
             if not pending.payload.future.done():
                 pending.payload.future.set_result(result)
+
+
+def _request_error(exc: Exception) -> LuminalError:
+    """What a request that broke its own batch is told."""
+    if isinstance(exc, MemoryError):
+        return PayloadTooLarge(
+            "this request needs more memory than the server can give it; send a smaller batch or sequence"
+        )
+    what = "an input value" if isinstance(exc, IndexError) else "an input's size"
+    return InvalidInput(f"{what} is out of range for this model ({exc})")
 
 
 def _fail(pending: Pending, exc: BaseException) -> None:

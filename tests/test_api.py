@@ -7,12 +7,22 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime
 import pytest
+from onnx import helper
 from sqlalchemy import func, select
 
 from cloud.db import UsageRecord
 from cloud.metrics import REGISTRY
 from tests.conftest import FIXTURES, auth, upload, wait_for
-from tests.onnx_models import embedding_model, fixed_shape_model, int_input_model, mlp, unsupported_model
+from tests.onnx_models import (
+    embedding_model,
+    fixed_shape_model,
+    init,
+    int_input_model,
+    make_model,
+    mlp,
+    tensor,
+    unsupported_model,
+)
 
 MLP = mlp().SerializeToString()
 
@@ -326,3 +336,26 @@ def test_concurrent_uploads_of_a_new_name_get_distinct_versions(client, keys) ->
     assert sorted(c["version"] for c in created) == [1, 2, 3, 4]
     for number in range(1, 5):
         assert wait_for(client, keys["alice"], "race", number)["status"] == "ready"
+
+
+def test_a_request_too_big_for_memory_gets_413_not_500(client, keys) -> None:
+    # sum(sin(a x b x c)): three vectors of 4096 ask for a 4096^3 float tensor, 275 GB
+    vector = {name: tensor(name, ["n" + name]) for name in "abc"}
+    nodes = [
+        helper.make_node("Unsqueeze", ["a", "axes12"], ["a3"]),
+        helper.make_node("Unsqueeze", ["b", "axes02"], ["b3"]),
+        helper.make_node("Unsqueeze", ["c", "axes01"], ["c3"]),
+        helper.make_node("Mul", ["a3", "b3"], ["ab"]),
+        helper.make_node("Mul", ["ab", "c3"], ["abc"]),
+        helper.make_node("Sin", ["abc"], ["s"]),
+        helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0),
+    ]
+    axes = [init(f"axes{i}{j}", np.array([i, j], np.int64)) for i, j in ((1, 2), (0, 2), (0, 1))]
+    model = make_model(nodes, list(vector.values()), [tensor("y", [])], axes)
+    upload(client, keys["alice"], "cube", model.SerializeToString())
+    assert wait_for(client, keys["alice"], "cube", 1)["status"] == "ready"
+    small = infer(client, keys["alice"], "cube", {n: [0.5] * 4 for n in "abc"})
+    assert small.status_code == 200
+    huge = infer(client, keys["alice"], "cube", {n: [0.5] * 4096 for n in "abc"})
+    assert huge.status_code == 413, huge.text
+    assert "more memory than the server can give" in huge.json()["error"]["message"]
