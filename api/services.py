@@ -105,4 +105,6 @@ def build_engine(services: Services) -> Engine:
         max_queue_requests=settings.max_queue_requests,
         request_timeout_s=settings.request_timeout_s,
         retry_after_s=settings.retry_after_s,
+        # a model leaves memory within a quarter of idle_unload_s after it goes idle
+        idle_check_s=max(0.05, min(30.0, settings.idle_unload_s / 4)),
     )

@@ -91,6 +91,7 @@ class InProcessEngine:
         max_queue_requests: int,
         request_timeout_s: float,
         retry_after_s: int,
+        idle_check_s: float = 30.0,
     ) -> None:
         self.runtimes = runtimes
         self.ledger = ledger
@@ -103,6 +104,15 @@ class InProcessEngine:
         self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
         self._batchers: dict[int, Batcher] = {}
+        # needs the running loop the engine is built in (see api.services.build_engine)
+        self._janitor = asyncio.get_running_loop().create_task(self._unload_idle_every(idle_check_s))
+
+    async def _unload_idle_every(self, period_s: float) -> None:
+        """Scale to zero: models idle past the runtime's idle_unload_s leave device memory."""
+        while True:
+            await asyncio.sleep(period_s)
+            for runtime in self.runtimes.values():
+                runtime.unload_idle()
 
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
@@ -123,6 +133,7 @@ class InProcessEngine:
             self.runtimes[batcher.route.target].unload(batcher.route.artifact_key)
 
     async def close(self) -> None:
+        self._janitor.cancel()
         for version_id in list(self._batchers):
             self.forget(version_id)
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime
 import pytest
+from fastapi.testclient import TestClient
 from onnx import helper
 from sqlalchemy import func, select
 
+from api.main import create_app
+from api.services import open_database
+from cloud.auth import create_key
 from cloud.db import UsageRecord
 from cloud.metrics import REGISTRY
-from tests.conftest import FIXTURES, auth, upload, wait_for
+from tests.conftest import FIXTURES, auth, make_settings, upload, wait_for
 from tests.onnx_models import (
     embedding_model,
     fixed_shape_model,
@@ -359,3 +364,22 @@ def test_a_request_too_big_for_memory_gets_413_not_500(client, keys) -> None:
     huge = infer(client, keys["alice"], "cube", {n: [0.5] * 4096 for n in "abc"})
     assert huge.status_code == 413, huge.text
     assert "more memory than the server can give" in huge.json()["error"]["message"]
+
+
+def test_idle_models_leave_memory_and_load_again_on_the_next_request(tmp_path) -> None:
+    settings = make_settings(tmp_path / "data", idle_unload_s=0.2)
+    db = open_database(settings)
+    key = create_key(db, "alice")
+    db.dispose()
+    with TestClient(create_app(settings)) as client:
+        upload(client, key, "mlp", MLP)
+        wait_for(client, key, "mlp", 1)
+        runtime = client.app.state.services.engine.runtimes["cpu"]
+        assert infer(client, key, "mlp", {"x": [[0.0] * 8]}).status_code == 200
+        assert len(runtime.loaded_keys) == 1
+        deadline = time.monotonic() + 10
+        while runtime.loaded_keys:  # the engine's janitor unloads it, with no request to prompt it
+            assert time.monotonic() < deadline, "the idle model was never unloaded"
+            time.sleep(0.05)
+        assert infer(client, key, "mlp", {"x": [[0.0] * 8]}).status_code == 200
+        assert len(runtime.loaded_keys) == 1
