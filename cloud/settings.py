@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     max_batch_dim: int = 256
     max_sequence_dim: int = 4096
     dim_limits: dict[str, int] = {}
+    # working memory one request may need while it runs; a model's dim limits are lowered until
+    # its largest request fits, and a request estimated above it gets 413 before running
+    max_request_memory_bytes: int = 4 * 1024**3
     # price of one second of execution, per device type
     price_per_second: dict[str, float] = {"cpu": 0.00002, "cuda": 0.0004}
     # compiled models kept loaded per runtime, and how long an idle one stays

@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from cloud.errors import InvalidInput
+from cloud.errors import InvalidInput, PayloadTooLarge
 from cloud.settings import Settings
 from compiler import Signature, TensorSpec
 from compiler.dtypes import is_float, kind, numpy_dtype
+from compiler.memory import peak_bytes
 from compiler.shape import evaluate_shape, shape_to_json, symbols_of
 
 
@@ -42,6 +43,28 @@ def symbol_limits(signature: Signature, settings: Settings) -> dict[str, int]:
             limits[symbol] = settings.max_sequence_dim
         # the model's own bound (a position table of 64 rows) may be tighter than the service's
         limits[symbol] = min(limits[symbol], signature.size_limits.get(symbol, limits[symbol]))
+    return _fit_memory(signature, limits, settings.max_request_memory_bytes)
+
+
+def _fit_memory(signature: Signature, limits: dict[str, int], budget: int) -> dict[str, int]:
+    """The limits, lowered until a request at all of them fits the memory budget, each time
+    halving the symbol whose halving saves the most (a sequence under attention before the
+    batch). A request below the limits is still checked against the budget by its own sizes."""
+    if not signature.memory_terms or not limits:
+        return limits
+    limits = dict(limits)
+    while (needed := peak_bytes(signature.memory_terms, limits)) > budget:
+        halved = {s: {**limits, s: limits[s] // 2} for s in limits if limits[s] > 1}
+        if not halved:
+            break  # even the smallest request does not fit: each request is refused with the number
+        # ties (a symmetric model) go to the non-batch, then the largest, so the limits shrink evenly
+        symbol = min(
+            halved,
+            key=lambda s: (peak_bytes(signature.memory_terms, halved[s]), s == signature.batch_symbol, -limits[s]),
+        )
+        if peak_bytes(signature.memory_terms, halved[symbol]) >= needed:
+            break
+        limits = halved[symbol]
     return limits
 
 
@@ -54,6 +77,7 @@ def decode_inputs(
     raw: Mapping[str, Any],
     max_elements: int,
     limits: Mapping[str, int],
+    max_memory_bytes: int | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
     """Arrays by input name, and the rows along the batch dimension (1 when there is none).
 
@@ -74,6 +98,14 @@ def decode_inputs(
     for spec in signature.outputs:
         if symbols_of(spec.shape) <= bindings.keys():
             _check_elements(f"output {spec.name!r}", evaluate_shape(spec.shape, bindings), max_elements)
+    if max_memory_bytes is not None and signature.memory_terms:
+        needed = peak_bytes(signature.memory_terms, bindings)
+        if needed > max_memory_bytes:
+            sizes = ", ".join(f"{k}={v}" for k, v in sorted(bindings.items()))
+            raise PayloadTooLarge(
+                f"this request ({sizes}) would need about {needed / 2**20:,.0f} MiB of working memory; "
+                f"the limit is {max_memory_bytes / 2**20:,.0f} MiB"
+            )
     arrays = {s.name: _convert(s, raw[s.name], shapes[s.name]) for s in signature.inputs}
     rows = bindings.get(signature.batch_symbol, 1) if signature.batch_symbol else 1
     return arrays, rows

@@ -56,12 +56,17 @@ class Signature:
     batch_symbol: str | None
     # symbol -> the largest size the model itself allows (below the service's own limits)
     size_limits: dict[str, int] = field(default_factory=dict)
+    # the program's working memory in bytes is the largest of these at a request's sizes
+    # (compiler.memory); empty for artifacts compiled before it was recorded
+    memory_terms: list[str] = field(default_factory=list)
 
     @staticmethod
-    def of(graph: Graph) -> Signature:
+    def of(graph: Graph, memory_terms: list[str] | None = None) -> Signature:
         inputs = [TensorSpec(*spec) for spec in graph.input_specs()]
         outputs = [TensorSpec(*spec) for spec in graph.output_specs()]
-        return Signature(inputs, outputs, _batch_symbol(inputs, outputs), dict(graph.size_limits))
+        return Signature(
+            inputs, outputs, _batch_symbol(inputs, outputs), dict(graph.size_limits), list(memory_terms or [])
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,7 @@ class Signature:
             "outputs": [t.to_json() for t in self.outputs],
             "batch_symbol": self.batch_symbol,
             "size_limits": dict(sorted(self.size_limits.items())),
+            "memory_terms": self.memory_terms,
         }
 
     @staticmethod
@@ -78,6 +84,7 @@ class Signature:
             [TensorSpec.from_json(t) for t in data["outputs"]],
             data.get("batch_symbol"),
             dict(data.get("size_limits", {})),
+            list(data.get("memory_terms", [])),
         )
 
 

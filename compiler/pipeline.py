@@ -13,6 +13,7 @@ from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph, Op
+from compiler.memory import memory_terms
 from compiler.reference import run_graph
 from compiler.shape import SymDim
 
@@ -49,7 +50,8 @@ def compile_graph(graph: Graph, target: str = "cpu") -> Artifact:
         "verify_seconds": round(time.perf_counter() - generated, 6),
         "verify_max_abs_error": max_error,
     }
-    return Artifact(target, graph.content_hash(), Signature.of(graph), graph, kernels, report)
+    signature = Signature.of(graph, memory_terms(graph, kernels))
+    return Artifact(target, graph.content_hash(), signature, graph, kernels, report)
 
 
 def sample_inputs(graph: Graph, seed: int = 0, int_high: int = 3) -> dict[str, np.ndarray]:

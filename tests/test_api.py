@@ -343,8 +343,8 @@ def test_concurrent_uploads_of_a_new_name_get_distinct_versions(client, keys) ->
         assert wait_for(client, keys["alice"], "race", number)["status"] == "ready"
 
 
-def test_a_request_too_big_for_memory_gets_413_not_500(client, keys) -> None:
-    # sum(sin(a x b x c)): three vectors of 4096 ask for a 4096^3 float tensor, 275 GB
+def cube_model() -> bytes:
+    """sum(sin(a x b x c)): three vectors of 4096 ask for a 4096^3 float tensor, 275 GB."""
     vector = {name: tensor(name, ["n" + name]) for name in "abc"}
     nodes = [
         helper.make_node("Unsqueeze", ["a", "axes12"], ["a3"]),
@@ -356,11 +356,37 @@ def test_a_request_too_big_for_memory_gets_413_not_500(client, keys) -> None:
         helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0),
     ]
     axes = [init(f"axes{i}{j}", np.array([i, j], np.int64)) for i, j in ((1, 2), (0, 2), (0, 1))]
-    model = make_model(nodes, list(vector.values()), [tensor("y", [])], axes)
-    upload(client, keys["alice"], "cube", model.SerializeToString())
+    return make_model(nodes, list(vector.values()), [tensor("y", [])], axes).SerializeToString()
+
+
+def test_dim_limits_are_lowered_until_the_largest_request_fits_memory(client, keys, settings) -> None:
+    upload(client, keys["alice"], "cube", cube_model())
+    version = wait_for(client, keys["alice"], "cube", 1)
+    assert version["status"] == "ready"
+    limits = version["signature"]["dim_limits"]
+    assert set(limits) == {"na", "nb", "nc"} and max(limits.values()) < settings.max_sequence_dim
+    # each limit was halved from 4096 until a float32 cube at all of them (and its sines) fits
+    assert 2 * 4 * limits["na"] * limits["nb"] * limits["nc"] <= settings.max_request_memory_bytes
+    assert infer(client, keys["alice"], "cube", {n: [0.5] * 4 for n in "abc"}).status_code == 200
+    too_long = infer(client, keys["alice"], "cube", {n: [0.5] * 4096 for n in "abc"})
+    assert too_long.status_code == 400
+    assert f"allowed 1 to {limits['na']}" in too_long.json()["error"]["message"]
+
+
+def test_a_request_estimated_over_the_memory_budget_gets_413_before_it_runs(client, keys, settings) -> None:
+    settings.max_request_memory_bytes = 8  # not even the smallest cube fits
+    upload(client, keys["alice"], "cube", cube_model())
     assert wait_for(client, keys["alice"], "cube", 1)["status"] == "ready"
-    small = infer(client, keys["alice"], "cube", {n: [0.5] * 4 for n in "abc"})
-    assert small.status_code == 200
+    response = infer(client, keys["alice"], "cube", {n: [0.5] for n in "abc"})
+    assert response.status_code == 413
+    assert "would need about" in response.json()["error"]["message"]
+
+
+def test_a_request_that_runs_out_of_memory_gets_413_not_500(client, keys, settings) -> None:
+    settings.max_request_memory_bytes = 1 << 50  # no estimate stands in the way: the executor fails
+    settings.max_sequence_dim = 4096
+    upload(client, keys["alice"], "cube", cube_model())
+    assert wait_for(client, keys["alice"], "cube", 1)["status"] == "ready"
     huge = infer(client, keys["alice"], "cube", {n: [0.5] * 4096 for n in "abc"})
     assert huge.status_code == 413, huge.text
     assert "more memory than the server can give" in huge.json()["error"]["message"]

@@ -73,7 +73,12 @@ async def infer(
         signature = Signature.from_json(found.signature)
         settings = services.settings
         arrays, rows = await run_in_threadpool(
-            decode_inputs, signature, body.inputs, settings.max_request_elements, symbol_limits(signature, settings)
+            decode_inputs,
+            signature,
+            body.inputs,
+            settings.max_request_elements,
+            symbol_limits(signature, settings),
+            settings.max_request_memory_bytes,
         )
         route = Route(
             version_id=found.id,
