@@ -193,6 +193,8 @@ def view_from_json(data: list[Any]) -> tuple:
 
 def view_shape(shape: Shape, transform: tuple) -> Shape:
     kind = transform[0]
+    if kind in ("slice", "pad") and len(transform[1]) != len(shape):
+        raise ShapeError(f"a {kind} of {len(transform[1])} axes applied to {_fmt(shape)}")
     if kind == "reshape":
         target = transform[1]
         if not probably_equal(numel(target), numel(shape)):
@@ -214,6 +216,8 @@ def view_shape(shape: Shape, transform: tuple) -> Shape:
         return tuple(_padded_dim(d, b, a) for d, (b, a) in zip(shape, transform[1], strict=True))
     if kind == "window":
         _, axes, kernel, strides, dilations = transform
+        if not len(axes) == len(kernel) == len(strides) == len(dilations) or any(a >= len(shape) for a in axes):
+            raise ShapeError(f"a window over axes {list(axes)} of {_fmt(shape)} with kernel {list(kernel)}")
         out = list(shape)
         for axis, k, s, dil in zip(axes, kernel, strides, dilations, strict=True):
             d = shape[axis]

@@ -335,7 +335,9 @@ def load_graph(data: bytes) -> Graph:
     return onnx_to_graph(parse_model(data))
 
 
-def _symbol_name(raw: str) -> str:
+def _symbol_name(raw: str | bytes) -> str:
+    if isinstance(raw, bytes):  # protobuf hands back a string field that is not UTF-8 as bytes
+        raw = raw.decode("utf-8", "replace")
     cleaned = re.sub(r"[^0-9A-Za-z_]", "_", raw)
     return cleaned if cleaned and not cleaned[0].isdigit() else f"d_{cleaned}"
 

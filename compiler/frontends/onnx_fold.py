@@ -190,8 +190,8 @@ def fold_symbolic(node: onnx.NodeProto, args: list[np.ndarray | None], opset: in
     """Outputs of a shape-computing node with symbolic inputs, or None."""
     try:
         return _FOLDERS[node.op_type](node, args, opset) if node.op_type in _FOLDERS else None
-    except _Unknown:
-        return None
+    except (_Unknown, ShapeError, ValueError, IndexError, TypeError):
+        return None  # lowered instead, where a malformed node is reported with its name
 
 
 def shape_of(node: onnx.NodeProto, shape: tuple, opset: int) -> np.ndarray:
