@@ -54,7 +54,6 @@ class Services:
     compiler: EmbeddedCompilePool
     lock: DataDirLock
     engine: Engine | None = None
-
     def close(self) -> None:
         self.compiler.shutdown()
         self.db.dispose()

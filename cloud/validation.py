@@ -7,13 +7,14 @@ symbol across inputs, element counts of inputs and outputs) before any array is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from math import prod
 from typing import Any
 
 import numpy as np
 
-from cloud.errors import InvalidInput, PayloadTooLarge
+from cloud.errors import InvalidInput, InvalidRequest, PayloadTooLarge
 from cloud.settings import Settings
 from compiler import Signature, TensorSpec
 from compiler.dtypes import is_float, kind, numpy_dtype
@@ -70,6 +71,20 @@ def _fit_memory(signature: Signature, limits: dict[str, int], budget: int) -> di
 
 # JSON gives numbers, bools and nested lists; the kinds each declared dtype accepts
 _ACCEPTED_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
+
+
+def decode_body(
+    raw: bytes, signature: Signature, max_elements: int, limits: Mapping[str, int], max_memory_bytes: int | None
+) -> tuple[dict[str, np.ndarray], int]:
+    """An inference body `{"inputs": {name: nested list}}` to arrays (see decode_inputs); a plain
+    function of bytes, so a large body can be decoded in another process."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), dict) or not body["inputs"]:
+        raise InvalidRequest('inputs: the body must be {"inputs": {"<input name>": <nested list>, ...}}')
+    return decode_inputs(signature, body["inputs"], max_elements, limits, max_memory_bytes)
 
 
 def decode_inputs(

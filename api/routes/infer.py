@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentTenant, ServicesDep
 from api.schemas import InferRequest, InferResponse, InferUsage
 from cloud import metrics
 from cloud.errors import LuminalError
-from cloud.validation import decode_inputs, symbol_limits
+from cloud.validation import decode_body, symbol_limits
 from compiler import Signature
 from compiler.dtypes import is_float
 from scheduler.engine import Route
@@ -37,13 +36,6 @@ def encode_output(array: np.ndarray) -> Any:
     return array.tolist()
 
 
-def _parse_body(raw: bytes) -> InferRequest:
-    try:
-        return InferRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-
-
 # the body is read by the handler, after authentication, and decoded off the event loop; the
 # schema is declared here so the OpenAPI document still shows it
 _BODY_SCHEMA = {
@@ -60,26 +52,26 @@ async def infer(
     request: Request,
     tenant: CurrentTenant,
     services: ServicesDep,
-    response: Response,
     version: Annotated[int | None, Query(ge=1)] = None,
-) -> InferResponse:
+) -> Response:
     started = time.perf_counter()
     outcome = "error"
     model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant
     try:
-        body = await run_in_threadpool(_parse_body, await request.body())
+        raw = await request.body()
         found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
         model_label = name
         signature = Signature.from_json(found.signature)
         settings = services.settings
-        arrays, rows = await run_in_threadpool(
-            decode_inputs,
+        decode = partial(
+            decode_body,
+            raw,
             signature,
-            body.inputs,
             settings.max_request_elements,
             symbol_limits(signature, settings),
             settings.max_request_memory_bytes,
         )
+        arrays, rows = await run_in_threadpool(decode)
         route = Route(
             version_id=found.id,
             tenant_id=tenant.id,
@@ -96,22 +88,21 @@ async def infer(
     except LuminalError as exc:
         outcome = str(exc.status)
         raise
-    except RequestValidationError:
-        outcome = "400"
-        raise
     finally:
         metrics.REQUESTS.labels(tenant.name, model_label, outcome).inc()
         metrics.REQUEST_LATENCY.labels(tenant.name, model_label).observe(time.perf_counter() - started)
-    response.headers["X-Request-ID"] = request_id
-    return InferResponse(
-        model=name,
-        version=found.number,
-        outputs={k: encode_output(v) for k, v in result.outputs.items()},
-        usage=InferUsage(
-            request_id=request_id,
-            exec_ms=result.exec_seconds * 1000,
-            batch_size=result.batch_size,
-            batch_rows=result.batch_rows,
-            queue_ms=result.queue_seconds * 1000,
-        ),
+    usage = InferUsage(
+        request_id=request_id,
+        exec_ms=result.exec_seconds * 1000,
+        batch_size=result.batch_size,
+        batch_rows=result.batch_rows,
+        queue_ms=result.queue_seconds * 1000,
     )
+
+    def render() -> bytes:
+        outputs = {k: encode_output(v) for k, v in result.outputs.items()}
+        return InferResponse(model=name, version=found.number, outputs=outputs, usage=usage).model_dump_json().encode()
+
+    # large outputs take a while to write as JSON: not on the event loop, which answers /healthz
+    body = await run_in_threadpool(render)
+    return Response(body, media_type="application/json", headers={"X-Request-ID": request_id})
