@@ -13,7 +13,6 @@ The exports are 90 MB each, so they are not fixtures: this script writes them to
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,19 +73,11 @@ def export(folder: Path) -> None:
     print(f"wrote {folder}")
 
 
-def median_ms(fn, repeats: int = 7) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
-
-
 def check(folder: Path) -> int:
     import onnxruntime
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.cpu_latency import median_ms
     from compiler import compile_onnx, executable
 
     saved = np.load(folder / "batch.npz")
@@ -111,8 +102,8 @@ def check(folder: Path) -> int:
         print(
             f"{exporter}: compile {compile_s:.1f} s; max |ours - onnxruntime| {errors[0]:.1e}, "
             f"|ours - torch| {errors[1]:.1e} at {feeds['input_ids'].shape}; {errors[2]:.1e} at (7, 40); "
-            f"median ours {median_ms(lambda p=program: p.run(feeds)):.1f} ms, "
-            f"onnxruntime {median_ms(lambda s=session: s.run(None, feeds)):.1f} ms"
+            f"median ours {median_ms(lambda p=program: p.run(feeds), 7):.1f} ms, "
+            f"onnxruntime {median_ms(lambda s=session: s.run(None, feeds), 7):.1f} ms"
         )
     return 0 if worst < 1e-5 else 1
 
