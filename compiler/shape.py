@@ -102,6 +102,11 @@ def _make(terms: Mapping[tuple[Atom, ...], int]) -> Dim:
     return SymDim(tuple(live))
 
 
+def as_dim(value: object) -> Dim:
+    """An element of a (possibly symbolic) shape array as a Dim: numpy integers become int."""
+    return value if isinstance(value, SymDim) else int(value)  # type: ignore[call-overload]
+
+
 def dim_add(a: Dim, b: Dim) -> Dim:
     if isinstance(a, int) and isinstance(b, int):
         return a + b

@@ -18,7 +18,7 @@ from onnx import helper
 from compiler.frontends.onnx_context import attrs
 from compiler.shape import (
     ShapeError,
-    SymDim,
+    as_dim,
     bounds,
     dim_add,
     dim_div,
@@ -109,13 +109,8 @@ def _axes(node: onnx.NodeProto, args, opset: int) -> list[int] | None:
     return attrs(node).get("axes")
 
 
-def _dim(v):
-    """An element of a symbolic shape array as a Dim."""
-    return v if isinstance(v, SymDim) else int(v)
-
-
 def _sym_div(a, b):
-    a, b = _dim(a), _dim(b)
+    a, b = as_dim(a), as_dim(b)
     if isinstance(a, int) and isinstance(b, int):
         if b == 0:
             raise _Unknown
@@ -130,7 +125,7 @@ def _sym_div(a, b):
 
 
 def _sym_mod(a, b):
-    a, b = _dim(a), _dim(b)
+    a, b = as_dim(a), as_dim(b)
     if isinstance(b, int) and b > 0:
         return dim_mod(a, b)  # ONNX's integer Mod takes the divisor's sign, as Python's does
     if isinstance(a, int) and isinstance(b, int) and b != 0:
@@ -140,28 +135,28 @@ def _sym_mod(a, b):
 
 def _sym_fmod(a, b):
     """C's fmod takes the dividend's sign: Python's mod where the dividend is non-negative."""
-    if bounds(_dim(a))[0] < 0:
+    if bounds(as_dim(a))[0] < 0:
         raise _Unknown
     return _sym_mod(a, b)
 
 
 def _sym_add(a, b):
-    return dim_add(_dim(a), _dim(b))
+    return dim_add(as_dim(a), as_dim(b))
 
 
 def _sym_sub(a, b):
-    return dim_sub(_dim(a), _dim(b))
+    return dim_sub(as_dim(a), as_dim(b))
 
 
 def _sym_mul(a, b):
-    return dim_mul(_dim(a), _dim(b))
+    return dim_mul(as_dim(a), as_dim(b))
 
 
 def _sym_compare(op: str):
     """A comparison of dims, decided by the bounds of their difference (symbols are >= 1)."""
 
     def compare(a, b) -> bool:
-        low, high = bounds(dim_sub(_dim(a), _dim(b)))
+        low, high = bounds(dim_sub(as_dim(a), as_dim(b)))
         decided = {
             "Equal": (low == high == 0, low > 0 or high < 0),
             "Less": (high < 0, low >= 0),
@@ -270,7 +265,7 @@ def _max_min(node, args, opset):
 
 
 def _pick(op: str, a, b):
-    return dim_max(_dim(a), _dim(b)) if op == "Max" else dim_min(_dim(a), _dim(b))
+    return dim_max(as_dim(a), as_dim(b)) if op == "Max" else dim_min(as_dim(a), as_dim(b))
 
 
 def _compare(node, args, opset):

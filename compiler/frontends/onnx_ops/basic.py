@@ -8,7 +8,7 @@ from onnx import numpy_helper
 
 from compiler import composite as C
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse
-from compiler.shape import Dim, ShapeError, SymDim, dim_div, numel
+from compiler.shape import Dim, ShapeError, SymDim, as_dim, dim_div, numel
 
 
 @lowers("Identity", "Dropout")
@@ -58,7 +58,7 @@ def _reshape(ctx: Context, node: onnx.NodeProto) -> list[int]:
     known = ctx.known(node, 1)
     if known is None:
         raise refuse(node, "a shape computed at run time")
-    requested = [v if isinstance(v, SymDim) else int(v) for v in known.reshape(-1)]
+    requested = [as_dim(v) for v in known.reshape(-1)]
     allow_zero = attrs(node).get("allowzero", 0)
     return [ctx.b.reshape(x, _resolve_reshape(ctx.b.shape(x), requested, allow_zero))]
 

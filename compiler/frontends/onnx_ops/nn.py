@@ -16,7 +16,7 @@ from compiler.dtypes import is_float, lowest
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx_context import Context, attrs, lowers, refuse, text
 from compiler.ir import GraphBuilder, Op
-from compiler.shape import Dim, ShapeError, SymDim, bounds, dim_mul, numel
+from compiler.shape import Dim, ShapeError, SymDim, as_dim, bounds, dim_mul, numel
 
 
 def spatial_attrs(ctx: Context, node: onnx.NodeProto, spatial: tuple[Dim, ...], kernel):
@@ -417,7 +417,7 @@ def _pad(ctx: Context, node: onnx.NodeProto) -> list[int]:
         known = ctx.known(node, 1)
         if known is None:
             raise refuse(node, "pads computed at run time")
-        raw = [p if isinstance(p, SymDim) else int(p) for p in known.reshape(-1)]
+        raw = [as_dim(p) for p in known.reshape(-1)]
         if len(node.input) > 2 and node.input[2]:
             known = ctx.consts.get(node.input[2])
             fill = None if known is None else known.reshape(-1)[0].item()

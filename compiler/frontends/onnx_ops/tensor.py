@@ -31,6 +31,7 @@ from compiler.shape import (
     Dim,
     ShapeError,
     SymDim,
+    as_dim,
     bounds,
     broadcast_shapes,
     dim_add,
@@ -51,7 +52,7 @@ def _dims(ctx: Context, node: onnx.NodeProto, index: int, what: str) -> list[Dim
     known = ctx.known(node, index)
     if known is None:
         raise refuse(node, f"a {what} computed at run time")
-    return [v if isinstance(v, SymDim) else int(v) for v in known.reshape(-1)]
+    return [as_dim(v) for v in known.reshape(-1)]
 
 
 def _axes_input(ctx: Context, node: onnx.NodeProto, since: int) -> list[int] | None:
@@ -185,7 +186,7 @@ def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
         if step != int(step) or not is_signed_int(dtype):
             raise refuse(node, "symbolic bounds with a non-integer step")
         step = int(step)
-        first, last = _symbolic_or_int(first), _symbolic_or_int(last)
+        first, last = as_dim(first), as_dim(last)
         span = dim_sub(last, first) if step > 0 else dim_sub(first, last)
         count: Dim = dim_max(dim_ceildiv(span, abs(step)), 0)
     else:
@@ -198,10 +199,6 @@ def _range(ctx: Context, node: onnx.NodeProto) -> list[int]:
     elif first != 0:
         values = b.binary(Op.ADD, values, b.scalar_like(first, values))
     return [values]
-
-
-def _symbolic_or_int(value) -> Dim:
-    return value if isinstance(value, SymDim) else int(value)
 
 
 def _slice_params(ctx: Context, node: onnx.NodeProto, rank: int):
