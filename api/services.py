@@ -6,6 +6,7 @@ import fcntl
 from dataclasses import dataclass
 from pathlib import Path
 
+from api.codec import Codec
 from cloud.db import Database
 from cloud.metering import Ledger
 from cloud.registry import Registry
@@ -52,10 +53,12 @@ class Services:
     registry: Registry
     ledger: Ledger
     compiler: EmbeddedCompilePool
+    codec: Codec
     lock: DataDirLock
     engine: Engine | None = None
     def close(self) -> None:
         self.compiler.shutdown()
+        self.codec.close()
         self.db.dispose()
         self.lock.release()
 
@@ -83,6 +86,7 @@ def build_services(settings: Settings) -> Services:
         compiler=EmbeddedCompilePool(
             registry, settings.compile_workers, settings.compile_timeout_s, settings.compile_memory_bytes
         ),
+        codec=Codec(settings.codec_process_above_bytes, settings.codec_workers),
         lock=lock,
     )
 

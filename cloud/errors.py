@@ -28,6 +28,17 @@ class LuminalError(Exception):
         self.message = message
         self.details = details
 
+    def __reduce__(self) -> tuple:
+        # errors cross into the server from child processes (request decoding): keep every field
+        return (_restore, (type(self), self.__dict__))
+
+
+def _restore(cls: type[LuminalError], state: dict[str, Any]) -> LuminalError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state["message"])
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequest(LuminalError):
     status = 400

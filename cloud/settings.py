@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 200 * 1024 * 1024
     # largest inference request body, in bytes (JSON); far below uploads, since it is decoded whole
     max_infer_body_bytes: int = 32 * 1024 * 1024
+    # request bodies and responses at least this large are decoded and rendered in child
+    # processes (this many), so a big JSON parse never holds the server's interpreter lock
+    codec_process_above_bytes: int = 1024 * 1024
+    codec_workers: int = 1
     # batching policy, per model version
     max_batch_rows: int = 32
     max_queue_delay_ms: float = 5.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -409,3 +411,31 @@ def test_idle_models_leave_memory_and_load_again_on_the_next_request(tmp_path) -
             time.sleep(0.05)
         assert infer(client, key, "mlp", {"x": [[0.0] * 8]}).status_code == 200
         assert len(runtime.loaded_keys) == 1
+
+
+def test_large_bodies_are_decoded_and_rendered_in_a_child_process(client, keys, deployed) -> None:
+    codec = client.app.state.services.codec
+    codec.process_above_bytes = 0  # every body and response goes through the codec's children
+    x = np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32)
+    response = infer(client, keys["alice"], "mlp", {"x": x.tolist()})
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(response.json()["outputs"]["y"], ort(MLP, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    [child] = codec._pool._processes.values()
+    assert child.pid != os.getpid()
+    # an error raised in the child reaches the tenant whole: status, code and message
+    bad = infer(client, keys["alice"], "mlp", {"x": [[0.0] * 7]})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_input"
+    assert "x: float32[batch, 8]" in bad.json()["error"]["message"]
+
+
+def test_a_decoder_child_that_dies_costs_one_request_a_503(client, keys, deployed) -> None:
+    codec = client.app.state.services.codec
+    codec.process_above_bytes = 0
+    assert infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}).status_code == 200
+    [child] = codec._pool._processes.values()
+    with codec._lock:  # the next submitted request finds its child gone
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    response = infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]})
+    assert response.status_code == 503 and "retry" in response.json()["error"]["message"]
+    assert infer(client, keys["alice"], "mlp", {"x": [[0.0] * 8]}).status_code == 200

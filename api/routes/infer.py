@@ -4,36 +4,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from functools import partial
-from typing import Annotated, Any
+from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from api.codec import render_infer_response, rendered_size
 from api.deps import CurrentTenant, ServicesDep
 from api.schemas import InferRequest, InferResponse, InferUsage
 from cloud import metrics
 from cloud.errors import LuminalError
 from cloud.validation import decode_body, symbol_limits
 from compiler import Signature
-from compiler.dtypes import is_float
 from scheduler.engine import Route
 
 router = APIRouter(prefix="/v1/models", tags=["inference"])
-
-
-def encode_output(array: np.ndarray) -> Any:
-    """Nested lists; non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
-    if is_float(array.dtype.name) and array.dtype.itemsize < 4:
-        array = array.astype(np.float32)  # bfloat16 and float8 scalars are not JSON numbers
-    if is_float(array.dtype.name) and not np.all(np.isfinite(array)):
-        as_object = array.astype(object)
-        as_object[np.isnan(array)] = "NaN"
-        as_object[np.isposinf(array)] = "Infinity"
-        as_object[np.isneginf(array)] = "-Infinity"
-        return as_object.tolist()
-    return array.tolist()
 
 
 # the body is read by the handler, after authentication, and decoded off the event loop; the
@@ -63,7 +48,8 @@ async def infer(
         model_label = name
         signature = Signature.from_json(found.signature)
         settings = services.settings
-        decode = partial(
+        arrays, rows = await services.codec.run(
+            len(raw),
             decode_body,
             raw,
             signature,
@@ -71,7 +57,6 @@ async def infer(
             symbol_limits(signature, settings),
             settings.max_request_memory_bytes,
         )
-        arrays, rows = await run_in_threadpool(decode)
         route = Route(
             version_id=found.id,
             tenant_id=tenant.id,
@@ -99,10 +84,13 @@ async def infer(
         queue_ms=result.queue_seconds * 1000,
     )
 
-    def render() -> bytes:
-        outputs = {k: encode_output(v) for k, v in result.outputs.items()}
-        return InferResponse(model=name, version=found.number, outputs=outputs, usage=usage).model_dump_json().encode()
-
     # large outputs take a while to write as JSON: not on the event loop, which answers /healthz
-    body = await run_in_threadpool(render)
+    body = await services.codec.run(
+        rendered_size(result.outputs),
+        render_infer_response,
+        name,
+        found.number,
+        result.outputs,
+        usage.model_dump(),
+    )
     return Response(body, media_type="application/json", headers={"X-Request-ID": request_id})
