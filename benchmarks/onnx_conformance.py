@@ -36,10 +36,13 @@ def run_case(index: int) -> Outcome:
 _CASES: list = []
 
 
-def _init() -> None:
+def _init(candidates: tuple[str, ...] = ("native-blas",)) -> None:
     global _CASES
     warnings.simplefilter("ignore")
     _CASES = conformance.load_cases()
+    import compiler.onnx_backend as backend
+
+    backend.candidates = candidates
 
 
 def write_table(path: Path, results: list[tuple[str, str, str, float]], ops: list[str]) -> None:
@@ -95,15 +98,21 @@ def main() -> int:
     parser.add_argument("--show", default="failed,error", help="outcomes to list case by case")
     parser.add_argument("--write", type=Path, help="write the per-op markdown table here")
     parser.add_argument("--pin", type=Path, help="write the names of the passing cases here")
+    parser.add_argument(
+        "--candidates", default="native-blas",
+        help="programs each case compiles to, comma-separated (native-blas, native-loops, numpy); "
+        "by default the generated C alone, so every case checks the native code generator",
+    )
     args = parser.parse_args()
+    candidates = tuple(args.candidates.split(","))
 
-    _init()
+    _init(candidates)
     pattern = re.compile(args.filter)
     indices = [i for i, c in enumerate(_CASES) if pattern.search(c.name)]
     started = time.perf_counter()
     # fresh worker processes, recycled, so one pathological case cannot poison the rest
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.jobs, initializer=_init, maxtasksperchild=200) as pool:
+    with ctx.Pool(args.jobs, initializer=_init, initargs=(candidates,), maxtasksperchild=200) as pool:
         results = sorted(pool.imap_unordered(run_case, indices, chunksize=4))
     elapsed = time.perf_counter() - started
 

@@ -1,10 +1,12 @@
 """The artifact: what a compile produces and a runtime loads.
 
-An artifact is three files under one prefix of the object store:
+An artifact is three or four files under one prefix of the object store:
 
     manifest.json   format version, target, graph hash, signature (with symbolic dims by
                     name), the batch symbol, and the compile report
     program.json    the IR graph and the kernels generated for the target
+    program.so      only for the native CPU backend: the shared object built from the C source
+                    that program.json carries, with the CPU fingerprint it was built for
     weights.npz     every constant, by key (loaded with allow_pickle=False); constants in the
                     ml_dtypes formats NumPy cannot name are stored as unsigned ints of the same
                     width, with their dtype in the manifest's weight_dtypes
@@ -31,6 +33,8 @@ from compiler.shape import Shape, SymDim, shape_from_json, shape_to_json
 
 FORMAT_VERSION = 1
 FILES = ("manifest.json", "program.json", "weights.npz")
+# built code an artifact may carry besides: the native CPU backend's shared object
+BINARIES = ("program.so",)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,13 @@ class Artifact:
     graph: Graph
     kernels: list[dict[str, Any]]
     report: dict[str, Any] = field(default_factory=dict)
+    # built code by file name (the native backend's shared object), stored beside the program
+    binaries: dict[str, bytes] = field(default_factory=dict)
+    # constants the program made from the graph's (weights repacked for a library call)
+    program_weights: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def all_weights(self) -> dict[str, np.ndarray]:
+        return {**self.graph.weights, **self.program_weights}
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -114,19 +125,20 @@ class Artifact:
             "graph_hash": self.graph_hash,
             "signature": self.signature.to_json(),
             "report": self.report,
-            "files": list(FILES),
+            "files": list(FILES) + sorted(self.binaries),
             "weight_dtypes": {
-                key: array.dtype.name for key, array in self.graph.weights.items() if array.dtype.name not in STANDARD
+                key: array.dtype.name for key, array in self.all_weights().items() if array.dtype.name not in STANDARD
             },
+            "program_weights": sorted(self.program_weights),
         }
 
     def to_files(self) -> dict[str, bytes]:
         """The files in the order to write them: the manifest, which carries the others' hashes,
         comes last, so its presence means every other file was written completely."""
         weights = io.BytesIO()
-        np.savez(weights, **{key: _storable(array) for key, array in self.graph.weights.items()})
+        np.savez(weights, **{key: _storable(array) for key, array in self.all_weights().items()})
         program = {"graph": self.graph.to_json(), "kernels": self.kernels}
-        files = {"program.json": json.dumps(program).encode(), "weights.npz": weights.getvalue()}
+        files = {"program.json": json.dumps(program).encode(), "weights.npz": weights.getvalue(), **self.binaries}
         manifest = {**self.manifest(), "sha256": {name: _sha256(data) for name, data in files.items()}}
         return {**files, "manifest.json": json.dumps(manifest, indent=1).encode()}
 
@@ -137,12 +149,15 @@ class Artifact:
         manifest = json.loads(read("manifest.json"))
         if manifest.get("format_version") != FORMAT_VERSION:
             raise InvalidModel(f"artifact format {manifest.get('format_version')} is not {FORMAT_VERSION}")
-        files = {name: _read_checked(read, name, manifest.get("sha256", {})) for name in ("program.json", "weights.npz")}
+        listed = manifest.get("files", FILES)
+        names = [name for name in (*FILES, *BINARIES) if name in listed and name != "manifest.json"]
+        files = {name: _read_checked(read, name, manifest.get("sha256", {})) for name in names}
         program = json.loads(files["program.json"])
         with np.load(io.BytesIO(files["weights.npz"]), allow_pickle=False) as npz:
             weights = {key: npz[key] for key in npz.files}
         for key, name in manifest.get("weight_dtypes", {}).items():
             weights[key] = weights[key].view(numpy_dtype(name))
+        program_weights = {key: weights.pop(key) for key in manifest.get("program_weights", []) if key in weights}
         return Artifact(
             target=manifest["target"],
             graph_hash=manifest["graph_hash"],
@@ -150,6 +165,8 @@ class Artifact:
             graph=Graph.from_json(program["graph"], weights),
             kernels=program["kernels"],
             report=manifest["report"],
+            binaries={name: data for name, data in files.items() if name not in FILES},
+            program_weights=program_weights,
         )
 
 

@@ -23,7 +23,10 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 from compiler.artifact import Artifact
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import onnx_to_graph, parse_model
-from compiler.pipeline import compile_graph, executable
+from compiler.pipeline import CANDIDATES, compile_graph, executable
+
+# which candidate programs prepare() builds; a test forces one to check its code generator
+candidates: tuple[str, ...] = CANDIDATES
 
 
 class LuminalRep(BackendRep):
@@ -103,7 +106,7 @@ def _shape_inputs(model: onnx.ModelProto) -> list[str]:
 
 
 def _compile(model: onnx.ModelProto) -> LuminalRep:
-    return LuminalRep(compile_graph(onnx_to_graph(model), "cpu"))
+    return LuminalRep(compile_graph(onnx_to_graph(model), "cpu", candidates))
 
 
 class LuminalBackend(Backend):

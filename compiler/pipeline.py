@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -15,51 +18,205 @@ from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph, Op
 from compiler.memory import memory_terms
 from compiler.reference import run_graph
-from compiler.shape import SymDim
+from compiler.shape import ShapeError, SymDim
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.2.0"
+COMPILER_VERSION = "0.3.0"
 VERIFY_SYMBOL_SIZE = 3
+# the programs a cpu compile builds, verifies and times: generated C with BLAS calls, generated C
+# with loop nests only, and the NumPy lowering
+CANDIDATES = ("native-blas", "native-loops", "numpy")
+# candidates are timed with every symbol at this size, a few runs each within the budget
+MEASURE_SYMBOL_SIZE = 8
+MEASURE_REPEATS = 7
+MEASURE_BUDGET_S = 1.0
 
 
 class VerificationFailed(CompilerError):
     """The generated program disagrees with the reference interpreter: a compiler bug."""
 
 
-def compile_onnx(data: bytes, target: str = "cpu") -> Artifact:
-    return compile_graph(load_graph(data), target)
+def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] = CANDIDATES) -> Artifact:
+    return compile_graph(load_graph(data), target, candidates)
 
 
-def compile_graph(graph: Graph, target: str = "cpu") -> Artifact:
+# a loop-nest candidate doing more multiply-adds than this at the measuring size is not timed:
+# it would lose to the library call by orders of magnitude and take seconds to find out
+MAX_LOOP_FLOPS = 5e7
+
+
+def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] = CANDIDATES) -> Artifact:
+    """Candidates for the target, each verified against the reference and timed; the fastest
+    correct one is kept. A candidate that cannot be built or disagrees is rejected, not the
+    compile; the NumPy lowering needs nothing but NumPy and is always a candidate."""
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(sorted(CODEGENS))})"])
     started = time.perf_counter()
-    kernels = CODEGENS[target].generate(graph)
-    generated = time.perf_counter()
-    max_error = verify(graph, kernels, target)
+    numpy_kernels = CODEGENS[target].generate(graph)
+    verify_inputs, expected, int_high = verification_case(graph)
+    measure_inputs = sample_inputs(graph, seed=1, int_high=int_high, symbol_size=MEASURE_SYMBOL_SIZE)
+    try:
+        run_graph(graph, measure_inputs) if graph.size_limits else None
+    except (ShapeError, IndexError):
+        measure_inputs = verify_inputs  # sizes the model does not allow together: time the small case
+    wanted = candidates
+    candidates: list[_Candidate] = []
+    rejected: dict[str, str] = {}
+    if target == "cpu" and any(name.startswith("native") for name in wanted):
+        candidates, rejected = _native_candidates(graph, wanted, verify_inputs, expected, measure_inputs)
+    if "numpy" in wanted or not candidates:
+        numpy_program = CODEGENS[target].Executable(graph, numpy_kernels)
+        max_error = verify(graph, numpy_kernels, target, (verify_inputs, expected))
+        numpy_ms = _median_ms(numpy_program.run, measure_inputs) if candidates else 0.0
+        stats = {"kernels": len(numpy_kernels)}
+        candidates.append(_Candidate("numpy", numpy_kernels, {}, {}, max_error, numpy_ms, stats))
+    best = min(candidates, key=lambda c: c.ms)
+    program_weights = {k: v for k, v in best.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,
-        "strategy": "direct lowering",
+        "strategy": "measured candidates",
+        "chosen": best.name,
+        "candidates": [
+            {"name": c.name, "median_ms": round(c.ms, 4), "max_abs_error": c.max_error, **c.stats} for c in candidates
+        ],
+        "rejected": rejected,
+        "measured_at_symbol_size": MEASURE_SYMBOL_SIZE,
         "ir_nodes": len(graph.nodes),
-        "kernels": len(kernels),
-        "fused_contractions": sum(k["kind"] == "einsum" for k in kernels),
-        "weights_bytes": int(sum(w.nbytes for w in graph.weights.values())),
-        "codegen_seconds": round(generated - started, 6),
-        "verify_seconds": round(time.perf_counter() - generated, 6),
-        "verify_max_abs_error": max_error,
+        "kernels": best.stats.get("kernels", len(numpy_kernels)),
+        "fused_contractions": sum(k["kind"] == "einsum" for k in numpy_kernels),
+        "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),
+        "seconds": round(time.perf_counter() - started, 4),
+        "verify_max_abs_error": best.max_error,
     }
-    signature = Signature.of(graph, memory_terms(graph, kernels))
-    return Artifact(target, graph.content_hash(), signature, graph, kernels, report)
+    signature = Signature.of(graph, memory_terms(graph, numpy_kernels))
+    return Artifact(
+        target, graph.content_hash(), signature, graph, best.kernels, report, best.binaries, program_weights
+    )
 
 
-def sample_inputs(graph: Graph, seed: int = 0, int_high: int = 3) -> dict[str, np.ndarray]:
+@dataclass
+class _Candidate:
+    name: str
+    kernels: list[dict[str, Any]]
+    binaries: dict[str, bytes]
+    weights: dict[str, np.ndarray]
+    max_error: float
+    ms: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _native_candidates(
+    graph: Graph,
+    wanted: Sequence[str],
+    inputs: dict[str, np.ndarray],
+    expected: dict[str, np.ndarray],
+    measure_inputs: dict[str, np.ndarray],
+) -> tuple[list[_Candidate], dict[str, str]]:
+    """Generated C with contractions as BLAS calls, and (where there are contractions) with
+    every kernel a generated loop nest: the two whole-program choices measured today."""
+    from compiler.backends import native_cpu
+    from compiler.kernels.ir import GemmCall
+    from compiler.kernels.lower import NotNative, lower
+    from compiler.render.c import render
+
+    found, rejected = [], {}
+    for name, use_gemm in (("native-blas", True), ("native-loops", False)):
+        if name not in wanted:
+            continue
+        began = time.perf_counter()
+        try:
+            program = lower(graph, use_gemm=use_gemm)
+        except NotNative as exc:
+            rejected["native"] = f"not expressible natively: {exc}"
+            break
+        gemms = sum(isinstance(k, GemmCall) for k in program.kernels)
+        if not use_gemm and "native-blas" in wanted and not any(c.stats["gemm_calls"] for c in found):
+            break  # no contraction: the loop-only program is the one already built
+        if not use_gemm and len(wanted) > 1 and _loop_flops(program, measure_inputs, graph) > MAX_LOOP_FLOPS:
+            rejected[name] = "not measured: its loop nests do far more work than the library calls"
+            continue
+        source = render(program)
+        try:
+            library = native_cpu.build(source)
+        except CompilerError as exc:
+            rejected[name] = str(exc)
+            continue
+        built = time.perf_counter()
+        runner = native_cpu.NativeProgram(native_cpu.describe(program), program.weights, library)
+        try:
+            max_error = max((_max_error(expected[k], v) for k, v in runner.run(inputs).items()), default=0.0)
+        except VerificationFailed as exc:
+            rejected[name] = f"disagrees with the reference: {exc}"
+            continue
+        kernel = {
+            "kind": "native",
+            "layout": native_cpu.describe(program),
+            "source": source,
+            "fingerprint": native_cpu.cpu_fingerprint(),
+        }
+        stats = {
+            "kernels": len(program.kernels),
+            "gemm_calls": gemms,
+            "build_seconds": round(built - began, 4),
+        }
+        ms = _median_ms(runner.run, measure_inputs)
+        found.append(_Candidate(name, [kernel], {"program.so": library}, program.weights, max_error, ms, stats))
+    return found, rejected
+
+
+def _loop_flops(program: Any, inputs: dict[str, np.ndarray], graph: Graph) -> float:
+    """Multiply-adds the loop nests do at the measuring size (reductions count their extent)."""
+    from compiler.kernels.ir import LoopKernel
+    from compiler.reference import bind_symbols
+    from compiler.shape import evaluate
+
+    bindings = bind_symbols(graph, inputs)
+    total = 0.0
+    for kernel in program.kernels:
+        if isinstance(kernel, LoopKernel):
+            work = float(np.prod([evaluate(d, bindings) for d in kernel.shape]))
+            if kernel.reduce is not None:
+                work *= float(np.prod([evaluate(d, bindings) for d in kernel.reduce[1]]))
+            total += work
+    return total
+
+
+def _median_ms(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.ndarray]) -> float:
+    """Median of a few timed runs after one warm-up, within MEASURE_BUDGET_S."""
+    run(inputs)
+    times: list[float] = []
+    deadline = time.perf_counter() + MEASURE_BUDGET_S
+    while len(times) < MEASURE_REPEATS and (len(times) < 3 or time.perf_counter() < deadline):
+        began = time.perf_counter()
+        run(inputs)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1000
+
+
+def verification_case(graph: Graph) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """Random inputs, the reference's outputs for them, and the bound of integer inputs used."""
+    inputs = sample_inputs(graph)
+    try:
+        return inputs, run_graph(graph, inputs), 3
+    except IndexError:
+        # integer inputs used as indices may be out of range at random; index 0 is always valid
+        inputs = sample_inputs(graph, int_high=1)
+        return inputs, run_graph(graph, inputs), 1
+
+
+def sample_inputs(
+    graph: Graph, seed: int = 0, int_high: int = 3, symbol_size: int = VERIFY_SYMBOL_SIZE
+) -> dict[str, np.ndarray]:
     """Random inputs for every signature input, with each symbol set to a small size."""
     rng = np.random.default_rng(seed)
     inputs = {}
     for name, shape, dtype in graph.input_specs():
-        concrete = tuple(VERIFY_SYMBOL_SIZE if isinstance(d, SymDim) else d for d in shape)
+        concrete = tuple(
+            min(symbol_size, graph.size_limits.get(d.as_symbol() or "", symbol_size)) if isinstance(d, SymDim) else d
+            for d in shape
+        )
         if is_float(dtype):
             inputs[name] = rng.standard_normal(concrete).astype(numpy_dtype(dtype))
         elif dtype == "bool":
@@ -69,15 +226,11 @@ def sample_inputs(graph: Graph, seed: int = 0, int_high: int = 3) -> dict[str, n
     return inputs
 
 
-def verify(graph: Graph, kernels: list, target: str) -> float:
+def verify(
+    graph: Graph, kernels: list, target: str, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+) -> float:
     """Run generated code and the reference on the same random inputs; return the max error."""
-    inputs = sample_inputs(graph)
-    try:
-        expected = run_graph(graph, inputs)
-    except IndexError:
-        # integer inputs used as indices may be out of range at random; index 0 is always valid
-        inputs = sample_inputs(graph, int_high=1)
-        expected = run_graph(graph, inputs)
+    inputs, expected = case if case is not None else verification_case(graph)[:2]
     actual = CODEGENS[target].Executable(graph, kernels).run(inputs)
     try:
         return max((_max_error(expected[k], actual[k]) for k in expected), default=0.0)
@@ -127,5 +280,9 @@ def _max_error(expected: np.ndarray, actual: np.ndarray) -> float:
 
 
 def executable(artifact: Artifact):
+    if artifact.kernels and artifact.kernels[0].get("kind") == "native":
+        from compiler.backends import native_cpu
+
+        return native_cpu.load(artifact.kernels[0], artifact.all_weights(), artifact.binaries.get("program.so"))
     return CODEGENS[artifact.target].Executable(artifact.graph, artifact.kernels)
 

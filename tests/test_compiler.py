@@ -129,10 +129,12 @@ def test_batch_dimension_stays_symbolic() -> None:
         assert program.run({"x": f32(batch, 8)})["y"].shape == (batch, 3)
 
 
-def test_artifact_round_trips_through_files() -> None:
-    artifact = compile_onnx(mlp().SerializeToString())
+@pytest.mark.parametrize(("candidate", "built"), [("numpy", set()), ("native-blas", {"program.so"})])
+def test_artifact_round_trips_through_files(candidate, built) -> None:
+    artifact = compile_onnx(mlp().SerializeToString(), candidates=(candidate,))
+    assert artifact.report["chosen"] == candidate
     files = artifact.to_files()
-    assert set(files) == {"manifest.json", "program.json", "weights.npz"}
+    assert set(files) == {"manifest.json", "program.json", "weights.npz"} | built
     loaded = Artifact.from_files(files.__getitem__)
     x = f32(5, 8)
     np.testing.assert_array_equal(executable(loaded).run({"x": x})["y"], executable(artifact).run({"x": x})["y"])

@@ -1,0 +1,192 @@
+"""The native CPU backend: C from the renderer, built by the system C compiler, run through ctypes.
+
+The trio every backend has: `build` (source to a shared object, for this CPU), `NativeProgram`
+(loads it and allocates: outputs per call, temps in one arena that grows to the largest request
+seen and is reused), and `NativeProgram.run` (one call into `lc_run` per batch; ctypes releases
+the interpreter lock while it runs). A shared object is only valid on the CPU type it was built
+for (`-march=native`): `cpu_fingerprint` names that type, and a program loaded elsewhere is
+rebuilt from its source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler.dtypes import numpy_dtype
+from compiler.errors import CompilerError
+from compiler.kernels.ir import Buffer, Program
+from compiler.shape import evaluate, shape_from_json, shape_to_json
+
+ALIGNMENT = 64
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno")
+
+
+class NativeBuildFailed(CompilerError):
+    """The C compiler rejected generated code (a renderer bug) or is missing."""
+
+
+@cache
+def cpu_fingerprint() -> str:
+    """The CPU model and feature flags: code built with -march=native runs where these match."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            if key.strip() == "flags":
+                flags = value.strip()
+                break
+    except OSError:
+        pass
+    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+    return f"{platform.machine()}:{model}:{digest}"
+
+
+@cache
+def _openblas() -> tuple[str, str]:
+    import scipy_openblas32
+
+    return scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library()
+
+
+def compiler_command() -> str:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not found:
+        raise NativeBuildFailed("no C compiler found (install gcc, or set CC)")
+    return found
+
+
+def build(source: str) -> bytes:
+    """The shared object for `source`, built for this CPU."""
+    lib_dir, lib_name = _openblas()
+    with tempfile.TemporaryDirectory(prefix="luminal-build-") as tmp:
+        src, out = Path(tmp) / "program.c", Path(tmp) / "program.so"
+        src.write_text(source)
+        command = [
+            compiler_command(), *CFLAGS, str(src), "-o", str(out),
+            f"-L{lib_dir}", f"-l{lib_name}", f"-Wl,-rpath,{lib_dir}", "-lm",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise NativeBuildFailed(f"the C compiler failed: {done.stderr.strip()[-2000:]}")
+        return out.read_bytes()
+
+
+_LIBRARY_DIR = Path(tempfile.gettempdir()) / f"luminal-native-{os.getuid()}"
+
+
+def _load_library(data: bytes) -> ctypes.CDLL:
+    """dlopen needs a file: each distinct library is written once, by content hash."""
+    _LIBRARY_DIR.mkdir(mode=0o700, exist_ok=True)
+    path = _LIBRARY_DIR / f"{hashlib.sha256(data).hexdigest()}.so"
+    if not path.exists() or path.stat().st_size != len(data):
+        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    return ctypes.CDLL(str(path))
+
+
+def describe(program: Program) -> dict[str, Any]:
+    """What the runtime needs besides the library: buffers, arena slots, symbols."""
+    return {
+        "buffers": [
+            {"dtype": b.dtype, "shape": shape_to_json(b.shape), "role": b.role, "name": b.name}
+            for b in program.buffers
+        ],
+        "slots": {str(k): v for k, v in program.slots.items()},
+        "symbols": program.symbols,
+    }
+
+
+class NativeProgram:
+    """A built program bound to its weights; `run` is thread-safe (one call at a time)."""
+
+    def __init__(self, layout: Mapping[str, Any], weights: Mapping[str, np.ndarray], library: bytes) -> None:
+        self.buffers = [
+            Buffer(i, b["dtype"], shape_from_json(b["shape"]), b["role"], b["name"])
+            for i, b in enumerate(layout["buffers"])
+        ]
+        self.slots = {int(k): v for k, v in layout["slots"].items()}
+        self.symbols = list(layout["symbols"])
+        self._library = _load_library(library)
+        self._entry = self._library.lc_run
+        self._entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._entry.restype = None
+        self._pointers = (ctypes.c_void_p * max(1, len(self.buffers)))()
+        self._weights: list[np.ndarray] = []
+        for b in self.buffers:
+            if b.role == "weight":
+                array = np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))
+                self._weights.append(array)
+                self._pointers[b.id] = array.ctypes.data
+        self._inputs = [b for b in self.buffers if b.role == "input"]
+        self._outputs = [b for b in self.buffers if b.role == "output"]
+        self._temps = [b for b in self.buffers if b.role == "temp"]
+        self._arena = np.empty(0, np.uint8)
+        self._lock = threading.Lock()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        bindings = self._bind(inputs)
+        arrays = [np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs]
+        outputs = {
+            b.name: np.empty(tuple(evaluate(d, bindings) for d in b.shape), numpy_dtype(b.dtype))
+            for b in self._outputs
+        }
+        slot_bytes: dict[int, int] = {}
+        for b in self._temps:
+            size = int(np.prod([evaluate(d, bindings) for d in b.shape], dtype=np.int64)) * numpy_dtype(b.dtype).itemsize
+            slot = self.slots[b.id]
+            slot_bytes[slot] = max(slot_bytes.get(slot, 0), size)
+        offsets, total = {}, 0
+        for slot in sorted(slot_bytes):
+            offsets[slot] = total
+            total += -(-slot_bytes[slot] // ALIGNMENT) * ALIGNMENT
+        dims = (ctypes.c_int64 * max(1, len(self.symbols)))(*(bindings[s] for s in self.symbols))
+        with self._lock:
+            if self._arena.nbytes < total + ALIGNMENT:
+                self._arena = np.empty(total + ALIGNMENT, np.uint8)  # grows to the largest request
+            base = self._arena.ctypes.data
+            base += -base % ALIGNMENT
+            for b in self._temps:
+                self._pointers[b.id] = base + offsets[self.slots[b.id]]
+            for b, array in zip(self._inputs, arrays):
+                self._pointers[b.id] = array.ctypes.data
+            for b in self._outputs:
+                self._pointers[b.id] = outputs[b.name].ctypes.data
+            self._entry(dims, self._pointers)
+        return outputs
+
+    def _bind(self, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
+        bindings: dict[str, int] = {}
+        for b in self._inputs:
+            actual = np.shape(inputs[b.name])
+            for declared, size in zip(b.shape, actual, strict=True):
+                if not isinstance(declared, int):
+                    symbol = declared.as_symbol()
+                    if symbol is not None:
+                        bindings.setdefault(symbol, int(size))
+        return bindings
+
+
+def load(kernel: Mapping[str, Any], weights: Mapping[str, np.ndarray], library: bytes | None) -> NativeProgram:
+    """A program from an artifact; rebuilt from its source when built for another CPU type."""
+    if library is None or kernel.get("fingerprint") != cpu_fingerprint():
+        library = build(kernel["source"])
+    return NativeProgram(kernel["layout"], weights, library)
+
+
+__all__ = ["NativeBuildFailed", "NativeProgram", "build", "cpu_fingerprint", "describe", "load"]

@@ -1,0 +1,230 @@
+"""The kernel IR: what the search hands to a renderer, with nothing device-specific in it.
+
+A `Program` is a list of buffers and a list of kernels run in order. A kernel is either a
+`LoopKernel` (a loop nest over the output's index space, optionally reducing over extra axes,
+whose body is one value expression of loads) or a `GemmCall` (a batched matrix multiply a
+library or generated code performs). Index expressions are affine forms over loop variables
+(`Ix`) with coefficients that may be symbolic dims; anything non-affine (a division, a gathered
+index) is an opaque `Atom` inside them. Renderers (C today, CUDA C later) turn these into source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from compiler.shape import Dim, Shape, ShapeError, dim_add, dim_div, dim_mul, provably_le
+
+# ---- index expressions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Atom:
+    """A non-affine integer term: ("floordiv", Ix, Dim), ("mod", Ix, Dim), ("min", Ix, Ix),
+    ("value", Expr, Dim) — a loaded value used as an index into an axis of that size (gather),
+    wrapped when negative and clamped into the axis."""
+
+    op: str
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Ix:
+    """sum(coef * var) + const, where a var is a loop variable name or an Atom."""
+
+    terms: tuple[tuple[str | Atom, Dim], ...] = ()
+    const: Dim = 0
+
+    @staticmethod
+    def var(name: str | Atom) -> Ix:
+        return Ix(((name, 1),), 0)
+
+    @staticmethod
+    def of(value: Dim) -> Ix:
+        return Ix((), value)
+
+    def __add__(self, other: Ix) -> Ix:
+        merged: dict[str | Atom, Dim] = dict(self.terms)
+        for var, coef in other.terms:
+            merged[var] = dim_add(merged[var], coef) if var in merged else coef
+        return Ix(_canonical(merged), dim_add(self.const, other.const))
+
+    def scale(self, factor: Dim) -> Ix:
+        if factor == 0:
+            return Ix()
+        return Ix(
+            _canonical({v: dim_mul(c, factor) for v, c in self.terms}), dim_mul(self.const, factor)
+        )
+
+    def is_const(self) -> bool:
+        return not self.terms
+
+
+def _canonical(terms: dict[str | Atom, Dim]) -> tuple[tuple[str | Atom, Dim], ...]:
+    return tuple(sorted(((v, c) for v, c in terms.items() if c != 0), key=lambda t: repr(t[0])))
+
+
+def ix_max(ix: Ix, extents: dict[str, Dim]) -> Dim | None:
+    """An upper bound of ix over the loops' ranges, or None when unknown (atoms, negative terms)."""
+    total: Dim = ix.const
+    for var, coef in ix.terms:
+        if not isinstance(var, str) or (isinstance(coef, int) and coef < 0):
+            return None
+        total = dim_add(total, dim_mul(coef, dim_add(extents[var], -1)))
+    return total
+
+
+def ix_floordiv(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> Ix:
+    if divisor == 1:
+        return ix
+    whole, rest = _split(ix, divisor, extents)
+    if whole is not None:
+        return whole
+    return Ix.var(Atom("floordiv", (ix, divisor)))
+
+
+def ix_mod(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> Ix:
+    if divisor == 1:
+        return Ix()
+    whole, rest = _split(ix, divisor, extents)
+    if whole is not None:
+        return rest
+    top = ix_max(ix, extents)
+    if top is not None and provably_le(dim_add(top, 1), divisor):
+        return ix
+    return Ix.var(Atom("mod", (ix, divisor)))
+
+
+def _split(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> tuple[Ix | None, Ix]:
+    """(ix // divisor, ix % divisor) when ix = divisor*q + r with 0 <= r < divisor provably."""
+    quotient: dict[str | Atom, Dim] = {}
+    rest: dict[str | Atom, Dim] = {}
+    for var, coef in ix.terms:
+        try:
+            quotient[var] = dim_div(coef, divisor)
+        except (ShapeError, ZeroDivisionError):
+            rest[var] = coef
+    const_q: Dim = 0
+    const_r: Dim = ix.const
+    try:
+        const_q, const_r = dim_div(ix.const, divisor), 0
+    except (ShapeError, ZeroDivisionError):
+        pass
+    remainder = Ix(_canonical(rest), const_r)
+    top = ix_max(remainder, extents)
+    if top is None or (isinstance(const_r, int) and const_r < 0) or not provably_le(dim_add(top, 1), divisor):
+        return None, ix
+    return Ix(_canonical(quotient), const_q), remainder
+
+
+# ---- value expressions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    buffer: int
+    index: Ix
+
+
+@dataclass(frozen=True, slots=True)
+class Guarded:
+    """value where every (index, size) pair has 0 <= index < size, else fill (padding)."""
+
+    guards: tuple[tuple[Ix, Dim], ...]
+    value: Expr
+    fill: Any
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    value: Any
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class IndexValue:
+    """A loop index as a value (iota)."""
+
+    index: Ix
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Apply:
+    """op is a primitive op name (log2, exp2, sin, sqrt, recip, add, mul, mod, less_than) or
+    "cast"; `dtype` is the result's."""
+
+    op: str
+    args: tuple
+    dtype: str
+
+
+Expr = Load | Guarded | Const | IndexValue | Apply
+
+
+# ---- kernels and programs ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Buffer:
+    id: int
+    dtype: str
+    shape: Shape
+    # "input" | "output" | "weight" | "temp"
+    role: str
+    # the input or output name, or the weight key
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class LoopKernel:
+    """out[o...] = value(o...), or with `reduce`: out[o...] = reduce over r... of value(o..., r...).
+    Loop variables are named o0.. (output axes, row-major into `out`) and r0.. (reduced axes)."""
+
+    out: int
+    shape: Shape
+    value: Expr
+    # ("sum" | "max", extents of r0..)
+    reduce: tuple[str, Shape] | None = None
+    # which node of the primitive graph this computes (for reports)
+    node: int = -1
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """For each batch index: C[m, n] = sum_k A[m, k] * B[k, n] (alpha 1, beta 0), row-major.
+    A is stored [m, k] (or [k, m] when trans_a) with its batch offsets `a_batch_strides`, one per
+    batch axis (0 where A is shared across that axis); likewise B; C is contiguous."""
+
+    a: int
+    b: int
+    c: int
+    batch: Shape
+    m: Dim
+    n: Dim
+    k: Dim
+    trans_a: bool
+    trans_b: bool
+    a_batch_strides: tuple[Dim, ...]
+    b_batch_strides: tuple[Dim, ...]
+    dtype: str
+    node: int = -1
+
+
+Kernel = LoopKernel | GemmCall
+
+
+@dataclass
+class Program:
+    buffers: list[Buffer]
+    kernels: list[Kernel]
+    # symbols the program reads at run time, in the order the entry point receives them
+    symbols: list[str]
+    # temp buffer id -> arena slot; slots are shared by temps whose lifetimes do not overlap
+    slots: dict[int, int] = field(default_factory=dict)
+    # every weight a buffer names: the graph's, and operands repacked for a library call
+    weights: dict[str, Any] = field(default_factory=dict)
+
+    def buffer(self, i: int) -> Buffer:
+        return self.buffers[i]

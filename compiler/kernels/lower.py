@@ -1,0 +1,509 @@
+"""From the primitive-op graph to the kernel IR: which values get a buffer, and the loop nests.
+
+A value gets its own buffer (it is a *root*) when it is an output, a reduction, a contraction,
+or an elementwise value read more than once or through a view that reads it repeatedly
+(broadcast, sliding window) or conditionally (padding). Everything else is inlined into the
+kernel that reads it: chains of elementwise ops, casts, gathers and every view become one loop
+nest whose loads go through index expressions. Contractions become GEMM calls when
+`use_gemm`, with operands repacked into the layout the call wants only when their layout is not
+already right (weights are repacked once, here, not at run time); otherwise they stay loop nests
+with a sum, which is the alternative the search measures against the library call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler.contraction import Contraction, find_contraction, users_of
+from compiler.ir import BINARY_OPS, UNARY_OPS, Graph, Op
+from compiler.kernels.ir import (
+    Apply,
+    Atom,
+    Buffer,
+    Const,
+    Expr,
+    GemmCall,
+    Guarded,
+    IndexValue,
+    Ix,
+    Kernel,
+    Load,
+    LoopKernel,
+    Program,
+    ix_floordiv,
+    ix_mod,
+)
+from compiler.reference import eval_node
+from compiler.shape import Dim, Shape, dim_min, dim_mul, dim_sub, evaluate, is_static, numel
+
+# element types the native renderers handle; a graph with others stays on the NumPy backend
+NATIVE_DTYPES = frozenset(
+    {"float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+)
+GEMM_DTYPES = frozenset({"float32", "float64"})
+# views that read a source element more than once or conditionally: an elementwise value read
+# through one is computed once into a buffer instead of recomputed per read
+_REPEATING_VIEWS = frozenset({"expand", "window", "pad"})
+_COMPUTE = UNARY_OPS | BINARY_OPS | {Op.CAST, Op.GATHER}
+# probe size for symbols when grouping reshape axes (a prime, so products rarely coincide)
+_PROBE = 1009
+
+
+class NotNative(Exception):
+    """The graph uses something the native backends do not handle (an element type)."""
+
+
+def lower(graph: Graph, use_gemm: bool = True) -> Program:
+    return _Lowering(graph, use_gemm).run()
+
+
+@dataclass
+class _Use:
+    count: int = 0
+    repeated: bool = False
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, use_gemm: bool) -> None:
+        self.graph = graph
+        self.nodes = graph.nodes
+        users = users_of(graph)
+        self.contractions: dict[int, Contraction] = {}
+        for i, node in enumerate(self.nodes):
+            if use_gemm and node.op is Op.SUM_REDUCE and node.dtype in GEMM_DTYPES:
+                found = find_contraction(graph, i, users)
+                if found is not None and len(found.operands) == 2:
+                    self.contractions[i] = found
+        self.buffers: list[Buffer] = []
+        self.kernels: list[Kernel] = []
+        self.buffer_of: dict[int, int] = {}
+        self.weights: dict[str, np.ndarray] = dict(graph.weights)
+        self.symbols: set[str] = set()
+
+    # -- which values get buffers ----------------------------------------------------------------
+
+    def reads(self, i: int) -> tuple[int, ...]:
+        if i in self.contractions:
+            return self.contractions[i].operands
+        return self.nodes[i].srcs
+
+    def plan_roots(self) -> tuple[set[int], set[int]]:
+        outputs = {i for _, i in self.graph.outputs}
+        needed: set[int] = set()
+        stack = list(outputs)
+        while stack:
+            i = stack.pop()
+            if i in needed:
+                continue
+            needed.add(i)
+            stack.extend(self.reads(i))
+        for i in needed:
+            if self.nodes[i].dtype not in NATIVE_DTYPES:
+                raise NotNative(f"{self.nodes[i].dtype} values")
+        uses: dict[int, _Use] = {}
+        consumers = [i for i in needed if self.nodes[i].op is not Op.VIEW] + list(outputs)
+        for consumer in consumers:
+            sources = self.reads(consumer) if consumer not in outputs or self.nodes[consumer].op is not Op.VIEW else ()
+            for src in sources:
+                repeated = False
+                while self.nodes[src].op is Op.VIEW:
+                    repeated |= self.nodes[src].arg[0] in _REPEATING_VIEWS
+                    src = self.nodes[src].srcs[0]
+                use = uses.setdefault(src, _Use())
+                use.count += 1
+                use.repeated |= repeated
+        roots = set(outputs) | set(self.contractions)
+        for i in needed:
+            node = self.nodes[i]
+            if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE) or node.op in _COMPUTE and i in uses and (uses[i].count > 1 or uses[i].repeated):
+                roots.add(i)
+        return needed, roots
+
+    # -- buffers -----------------------------------------------------------------------------------
+
+    def new_buffer(self, dtype: str, shape: Shape, role: str, name: str = "") -> int:
+        for d in shape:
+            if not isinstance(d, int):
+                self.symbols |= d.symbols
+        self.buffers.append(Buffer(len(self.buffers), dtype, tuple(shape), role, name))
+        return len(self.buffers) - 1
+
+    def weight_buffer(self, key: str) -> int:
+        array = self.weights[key]
+        for buffer in self.buffers:
+            if buffer.role == "weight" and buffer.name == key:
+                return buffer.id
+        return self.new_buffer(array.dtype.name, array.shape, "weight", key)
+
+    # -- expressions -------------------------------------------------------------------------------
+
+    def expr(self, i: int, idx: list[Ix], extents: dict[str, Dim]) -> Expr:
+        node = self.nodes[i]
+        if i in self.buffer_of:
+            return Load(self.buffer_of[i], linear(idx, node.shape))
+        op = node.op
+        if op is Op.CONSTANT:
+            array = self.weights[node.arg]
+            if array.size == 1:
+                return Const(array.reshape(()).item(), node.dtype)
+            return Load(self.weight_buffer(node.arg), linear(idx, node.shape))
+        if op is Op.INPUT:
+            raise AssertionError("inputs have buffers")
+        if op is Op.IOTA:
+            return IndexValue(idx[0], node.dtype)
+        if op is Op.VIEW:
+            src = node.srcs[0]
+            src_idx, guards = view_index(node.arg, idx, self.nodes[src].shape, node.shape, extents)
+            inner = self.expr(src, src_idx, extents)
+            if guards:
+                return Guarded(tuple(guards), inner, node.arg[2], node.dtype)
+            return inner
+        if op is Op.GATHER:
+            data, indices = node.srcs
+            axis = node.arg
+            rank = len(self.nodes[indices].shape)
+            chosen = self.expr(indices, idx[axis : axis + rank], extents)
+            size = self.nodes[data].shape[axis]
+            data_idx = idx[:axis] + [Ix.var(Atom("value", (chosen, size)))] + idx[axis + rank :]
+            return self.expr(data, data_idx, extents)
+        if op in UNARY_OPS or op in BINARY_OPS:
+            return Apply(op.value, tuple(self.expr(s, idx, extents) for s in node.srcs), node.dtype)
+        if op is Op.CAST:
+            return Apply("cast", (self.expr(node.srcs[0], idx, extents),), node.dtype)
+        raise AssertionError(f"{op} is always a root")
+
+    # -- kernels -------------------------------------------------------------------------------
+
+    def run(self) -> Program:
+        _, roots = self.plan_roots()
+        for i in self.graph.inputs:
+            node = self.nodes[i]
+            self.buffer_of[i] = self.new_buffer(node.dtype, node.shape, "input", node.arg)
+        output_names: dict[int, list[str]] = {}
+        for name, i in self.graph.outputs:
+            output_names.setdefault(i, []).append(name)
+        for i in sorted(roots):
+            node = self.nodes[i]
+            if node.op in (Op.INPUT, Op.CONSTANT, Op.VIEW, Op.IOTA):
+                continue  # an output that computes nothing: copied into its buffer below
+            names = output_names.get(i)
+            role, name = ("output", names.pop(0)) if names else ("temp", "")
+            out = self.new_buffer(node.dtype, node.shape, role, name)
+            if i in self.contractions:
+                self.lower_contraction(i, out)
+            else:
+                self.kernels.append(self.loop_kernel(i, out))
+            self.buffer_of[i] = out
+        for i, names in output_names.items():
+            for name in names:
+                node = self.nodes[i]
+                out = self.new_buffer(node.dtype, node.shape, "output", name)
+                extents = {f"o{j}": d for j, d in enumerate(node.shape)}
+                value = self.expr(i, [Ix.var(f"o{j}") for j in range(len(node.shape))], extents)
+                self.kernels.append(LoopKernel(out, node.shape, value, None, i))
+        program = Program(self.buffers, self.kernels, sorted(self.symbols))
+        program.slots = plan_slots(program)
+        program.weights = {b.name: self.weights[b.name] for b in self.buffers if b.role == "weight"}
+        return program
+
+    def loop_kernel(self, i: int, out: int) -> LoopKernel:
+        node = self.nodes[i]
+        out_vars = [Ix.var(f"o{j}") for j in range(len(node.shape))]
+        extents = {f"o{j}": d for j, d in enumerate(node.shape)}
+        if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
+            src = node.srcs[0]
+            src_shape = self.nodes[src].shape
+            axes = node.arg
+            src_idx, kept, reduced = [], iter(out_vars), []
+            for axis, d in enumerate(src_shape):
+                if axis in axes:
+                    name = f"r{len(reduced)}"
+                    extents[name] = d
+                    reduced.append(d)
+                    src_idx.append(Ix.var(name))
+                else:
+                    src_idx.append(next(kept))
+            value = self.expr(src, src_idx, extents)
+            kind = "sum" if node.op is Op.SUM_REDUCE else "max"
+            return LoopKernel(out, node.shape, value, (kind, tuple(reduced)), i)
+        return LoopKernel(out, node.shape, self.expr(i, out_vars, extents), None, i)
+
+    def lower_contraction(self, i: int, out: int) -> None:
+        found = self.contractions[i]
+        inputs, out_letters = found.subscripts.split("->")
+        a_letters, b_letters = inputs.split(",")
+        node = self.nodes[i]
+        sizes: dict[str, Dim] = {}
+        for operand, letters, squeezed in zip(found.operands, (a_letters, b_letters), found.squeezes):
+            kept = [d for axis, d in enumerate(self.nodes[operand].shape) if axis not in squeezed]
+            sizes.update(zip(letters, kept))
+        only_a = set(a_letters) - set(b_letters) - set(out_letters)
+        only_b = set(b_letters) - set(a_letters) - set(out_letters)
+        if only_a or only_b:
+            # a factor summed on its own first: not a matrix product
+            self.kernels.append(self.loop_kernel(i, out))
+            return
+        batch = [c for c in out_letters if c in a_letters and c in b_letters]
+        m_letters = [c for c in out_letters if c in a_letters and c not in b_letters]
+        n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
+        k_letters = [c for c in a_letters if c in b_letters and c not in out_letters]
+        a, b = (found.operands[0], a_letters, found.squeezes[0]), (found.operands[1], b_letters, found.squeezes[1])
+        if "".join(batch + n_letters + m_letters) == out_letters and "".join(batch + m_letters + n_letters) != out_letters:
+            a, b, m_letters, n_letters = b, a, n_letters, m_letters  # C^T = B^T A^T: write C in place
+        canonical = batch + m_letters + n_letters
+        target = out
+        if "".join(canonical) != out_letters:
+            target = self.new_buffer(node.dtype, tuple(sizes[c] for c in canonical), "temp")
+        a_buf, trans_a, a_strides = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
+        b_buf, trans_b, b_strides = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype)
+
+        def size(letters: Sequence[str]) -> Dim:
+            return numel(sizes[c] for c in letters)
+
+        self.kernels.append(
+            GemmCall(
+                a_buf, b_buf, target, tuple(sizes[c] for c in batch), size(m_letters), size(n_letters),
+                size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i,
+            )
+        )
+        if target != out:
+            extents = {f"o{j}": d for j, d in enumerate(node.shape)}
+            var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_letters)}
+            index = linear([var_of[c] for c in canonical], tuple(sizes[c] for c in canonical))
+            del extents
+            self.kernels.append(LoopKernel(out, node.shape, Load(target, index), None, i))
+
+    def gemm_operand(
+        self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
+        sizes: dict[str, Dim], dtype: str,
+    ) -> tuple[int, bool, tuple[Dim, ...]]:
+        """A buffer holding the operand as [its batch letters, rows, cols] (or cols, rows when
+        transposed), whether it is transposed, and its stride per batch letter."""
+        base, letters, squeezed = operand
+        own_batch = [c for c in batch if c in letters]
+        shape = self.nodes[base].shape
+        letter_iter = iter(letters)
+        axis_letter = [None if axis in squeezed else next(letter_iter) for axis in range(len(shape))]
+        for trans, order in ((False, own_batch + rows + cols), (True, own_batch + cols + rows)):
+            extents = {c: sizes[c] for c in order}
+            idx = [Ix() if c is None else Ix.var(c) for c in axis_letter]
+            value = self.expr(base, idx, extents)
+            if isinstance(value, Load) and value.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
+                return value.buffer, trans, self.batch_strides(batch, order, sizes)
+        order = own_batch + rows + cols
+        packed_shape = tuple(sizes[c] for c in order)
+        folded = self.constant_value(base)
+        if folded is not None:
+            array = np.squeeze(folded, axis=squeezed) if squeezed else folded
+            array = np.ascontiguousarray(np.transpose(array, [letters.index(c) for c in order]))
+            key = f"{self.nodes[base].arg if self.nodes[base].op is Op.CONSTANT else 'folded'}:gemm:{base}:{''.join(order)}"
+            self.weights[key] = array
+            buffer = self.new_buffer(array.dtype.name, array.shape, "weight", key)
+        else:
+            buffer = self.new_buffer(dtype, packed_shape, "temp")
+            extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
+            var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
+            idx = [Ix() if c is None else var_of[c] for c in axis_letter]
+            self.kernels.append(LoopKernel(buffer, packed_shape, self.expr(base, idx, extents), None, base))
+        return buffer, False, self.batch_strides(batch, order, sizes)
+
+    @staticmethod
+    def batch_strides(batch: list[str], order: list[str], sizes: dict[str, Dim]) -> tuple[Dim, ...]:
+        strides = []
+        for c in batch:
+            if c in order:
+                strides.append(numel(sizes[x] for x in order[order.index(c) + 1 :]))
+            else:
+                strides.append(0)
+        return tuple(strides)
+
+    def constant_value(self, i: int) -> np.ndarray | None:
+        """The value of a node that depends on constants only (static shapes), else None."""
+        memo: dict[int, np.ndarray] = {}
+        order: list[int] = []
+        stack, seen = [i], set()
+        while stack:
+            j = stack.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            node = self.nodes[j]
+            if node.op in (Op.INPUT, Op.IOTA) or not is_static(node.shape):
+                return None
+            order.append(j)
+            stack.extend(node.srcs)
+        for j in sorted(order):
+            node = self.nodes[j]
+            memo[j] = eval_node(node, [memo[s] for s in node.srcs], self.graph, {})
+        return np.asarray(memo[i])
+
+
+# ---- index arithmetic ----------------------------------------------------------------------------
+
+
+def strides_of(shape: Shape) -> list[Dim]:
+    strides: list[Dim] = [1] * len(shape)
+    for j in range(len(shape) - 2, -1, -1):
+        strides[j] = dim_mul(strides[j + 1], shape[j + 1])
+    return strides
+
+
+def linear(idx: Sequence[Ix], shape: Shape) -> Ix:
+    total = Ix()
+    for ix, d, stride in zip(idx, shape, strides_of(shape), strict=True):
+        if d != 1:
+            total = total + ix.scale(stride)
+    return total
+
+
+def _probe(d: Dim) -> int:
+    return d if isinstance(d, int) else evaluate(d, {s: _PROBE for s in d.symbols})
+
+
+def view_index(
+    transform: tuple, idx: list[Ix], src_shape: Shape, out_shape: Shape, extents: dict[str, Dim]
+) -> tuple[list[Ix], list[tuple[Ix, Dim]]]:
+    """The source index a view reads for output index `idx`, and the bounds it must satisfy."""
+    kind = transform[0]
+    if kind == "permute":
+        src = [Ix()] * len(src_shape)
+        for j, p in enumerate(transform[1]):
+            src[p] = idx[j]
+        return src, []
+    if kind == "expand":
+        return [Ix() if s == 1 else ix for ix, s in zip(idx, src_shape)], []
+    if kind == "slice":
+        src = []
+        for ix, d, (start, stop, step) in zip(idx, src_shape, transform[1]):
+            if isinstance(d, int) and isinstance(start, int) and (stop is None or isinstance(stop, int)):
+                start = range(*slice(start, stop, step).indices(d)).start
+            elif step < 0:
+                start = dim_min(start, dim_sub(d, 1))
+            src.append(ix.scale(step) + Ix.of(start))
+        return src, []
+    if kind == "pad":
+        src, guards = [], []
+        for ix, d, (before, _after) in zip(idx, src_shape, transform[1]):
+            if before == 0 and _after == 0:
+                src.append(ix)
+                continue
+            shifted = ix + Ix.of(dim_sub(0, before))
+            src.append(shifted)
+            guards.append((shifted, d))
+        return src, guards
+    if kind == "window":
+        _, axes, _kernel, strides, dilations = transform
+        src = list(idx[: len(src_shape)])
+        for j, (axis, stride, dilation) in enumerate(zip(axes, strides, dilations)):
+            src[axis] = idx[axis].scale(stride) + idx[len(src_shape) + j].scale(dilation)
+        return src, []
+    if kind == "reshape":
+        return reshape_index(idx, src_shape, out_shape, extents), []
+    raise NotNative(f"view {kind}")
+
+
+def reshape_index(idx: list[Ix], src_shape: Shape, out_shape: Shape, extents: dict[str, Dim]) -> list[Ix]:
+    """Axes are grouped where running products agree, so a split or merge of adjacent axes costs
+    one multiply-add or one division, not a round trip through the flat offset."""
+    src_axes = [j for j, d in enumerate(src_shape) if d != 1]
+    out_axes = [j for j, d in enumerate(out_shape) if d != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    s = o = 0
+    while s < len(src_axes) and o < len(out_axes):
+        gs, go = [src_axes[s]], [out_axes[o]]
+        ps, po = _probe(src_shape[gs[0]]), _probe(out_shape[go[0]])
+        s, o = s + 1, o + 1
+        while ps != po:
+            if ps < po and s < len(src_axes):
+                gs.append(src_axes[s])
+                ps *= _probe(src_shape[src_axes[s]])
+                s += 1
+            elif po < ps and o < len(out_axes):
+                go.append(out_axes[o])
+                po *= _probe(out_shape[out_axes[o]])
+                o += 1
+            else:
+                break
+        groups.append((gs, go))
+    if s < len(src_axes) or o < len(out_axes) or any(
+        _probe(numel(src_shape[j] for j in gs)) != _probe(numel(out_shape[j] for j in go)) for gs, go in groups
+    ):
+        groups = [(src_axes, out_axes)]  # no alignment: one group through the flat offset
+    src = [Ix()] * len(src_shape)
+    for gs, go in groups:
+        out_dims = tuple(out_shape[j] for j in go)
+        flat = linear([idx[j] for j in go], out_dims)
+        inner: Dim = 1
+        for pos in range(len(gs) - 1, -1, -1):
+            axis = gs[pos]
+            part = ix_floordiv(flat, inner, extents)
+            src[axis] = part if pos == 0 else ix_mod(part, src_shape[axis], extents)
+            inner = dim_mul(inner, src_shape[axis])
+    return src
+
+
+# ---- buffer planning ----------------------------------------------------------------------------
+
+
+def plan_slots(program: Program) -> dict[int, int]:
+    """Arena slots for temps: a temp takes a free slot when first written and frees it after its
+    last read, so temps whose lifetimes do not overlap share memory."""
+    last_read: dict[int, int] = {}
+    first_write: dict[int, int] = {}
+    for step, kernel in enumerate(program.kernels):
+        for buffer in kernel_reads(kernel):
+            last_read[buffer] = step
+        first_write.setdefault(kernel_writes(kernel), step)
+    slots: dict[int, int] = {}
+    free: list[int] = []
+    count = 0
+    releases: dict[int, list[int]] = {}
+    for buffer, step in last_read.items():
+        releases.setdefault(step, []).append(buffer)
+    for step, kernel in enumerate(program.kernels):
+        written = kernel_writes(kernel)
+        if program.buffers[written].role == "temp" and written not in slots:
+            if free:
+                slots[written] = free.pop()
+            else:
+                slots[written] = count
+                count += 1
+        for buffer in releases.get(step, []):
+            if buffer in slots and first_write.get(buffer, -1) <= step:
+                free.append(slots[buffer])
+        free.sort(reverse=True)
+    return slots
+
+
+def kernel_writes(kernel: Kernel) -> int:
+    return kernel.c if isinstance(kernel, GemmCall) else kernel.out
+
+
+def kernel_reads(kernel: Kernel) -> set[int]:
+    if isinstance(kernel, GemmCall):
+        return {kernel.a, kernel.b}
+    found: set[int] = set()
+    stack: list[object] = [kernel.value]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Load):
+            found.add(e.buffer)
+            stack.append(e.index)
+        elif isinstance(e, Guarded):
+            stack.append(e.value)
+            stack.extend(ix for ix, _ in e.guards)
+        elif isinstance(e, Apply):
+            stack.extend(e.args)
+        elif isinstance(e, IndexValue):
+            stack.append(e.index)
+        elif isinstance(e, Ix):
+            stack.extend(v for v, _ in e.terms if isinstance(v, Atom))
+        elif isinstance(e, Atom):
+            stack.extend(a for a in e.args if isinstance(a, (Ix, Load, Guarded, Apply, IndexValue, Const)))
+    return found
+
+
+__all__ = ["GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "linear", "lower", "plan_slots", "view_index"]

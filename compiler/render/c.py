@@ -1,0 +1,314 @@
+"""Renders a kernel-IR program as one C translation unit with a single entry point.
+
+    void lc_run(const int64_t *S, void **B)
+
+`S` holds the program's symbols (batch, sequence...) in `Program.symbols` order and `B` a
+pointer per buffer, in `Program.buffers` order. Loop nests parallelize their output loops with
+OpenMP when the work is large enough; GEMM calls go to OpenBLAS (the `scipy-openblas32` wheel's
+`scipy_cblas_*` symbols). Nothing here knows how the code is compiled or loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+from compiler.kernels.ir import (
+    Apply,
+    Atom,
+    Const,
+    Expr,
+    GemmCall,
+    Guarded,
+    IndexValue,
+    Ix,
+    Load,
+    LoopKernel,
+    Program,
+)
+from compiler.shape import Dim
+
+C_TYPES = {
+    "float32": "float",
+    "float64": "double",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "bool": "uint8_t",
+}
+_MAX_INIT = {
+    "float32": "-INFINITY",
+    "float64": "-INFINITY",
+    "int8": "INT8_MIN",
+    "int16": "INT16_MIN",
+    "int32": "INT32_MIN",
+    "int64": "INT64_MIN",
+}
+# below this many output elements a loop nest runs on one thread (starting a team costs ~µs)
+PARALLEL_MIN_ELEMENTS = 32768
+
+_PRELUDE = """\
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                       float, float *, int);
+void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *,
+                       int, double, double *, int);
+
+static inline int64_t lc_fdiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t lc_fmod(int64_t a, int64_t b) {
+    int64_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+/* a gathered index: negative counts from the end; out of range is clamped (never read out of bounds) */
+static inline int64_t lc_index(int64_t v, int64_t n) {
+    if (v < 0) v += n;
+    return v < 0 ? 0 : (v >= n ? n - 1 : v);
+}
+static inline int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
+"""
+
+
+def render(program: Program) -> str:
+    renderer = _Renderer(program)
+    parts = [_PRELUDE]
+    for number, kernel in enumerate(program.kernels):
+        parts.append(renderer.kernel(number, kernel))
+    calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
+    parts.append(f"void lc_run(const int64_t *S, void **B) {{\n{calls}}}\n")
+    return "\n".join(parts)
+
+
+class _Renderer:
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def symbols(self) -> str:
+        return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
+
+    def pointer(self, buffer: int, writable: bool = False) -> str:
+        ctype = C_TYPES[self.program.buffers[buffer].dtype]
+        const = "" if writable else "const "
+        return f"    {const}{ctype} *restrict b{buffer} = ({const}{ctype} *)B[{buffer}];\n"
+
+    def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
+        head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
+        if isinstance(kernel, GemmCall):
+            return head + self.gemm(kernel) + "}\n"
+        reads = sorted(_loads(kernel.value) - {kernel.out})
+        body = "".join(self.pointer(b) for b in reads) + self.pointer(kernel.out, writable=True)
+        return head + body + self.loops(kernel) + "}\n"
+
+    def loops(self, kernel: LoopKernel) -> str:
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        rank = len(kernel.shape)
+        total = " * ".join(f"(int64_t)({dim(d)})" for d in kernel.shape) or "1"
+        lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
+        if rank:
+            collapse = f" collapse({rank})" if rank > 1 else ""
+            lines.append(f"    #pragma omp parallel for{collapse} if(work >= {PARALLEL_MIN_ELEMENTS})\n")
+        indent = "    "
+        for j, d in enumerate(kernel.shape):
+            lines.append(f"{indent}for (int64_t o{j} = 0; o{j} < {dim(d)}; ++o{j})\n")
+            indent += "    "
+        lines.append(f"{indent}{{\n")
+        inner = indent + "    "
+        target = f"b{kernel.out}[{self.ix(_row_major(kernel.shape))}]"
+        if kernel.reduce is None:
+            lines.append(f"{inner}{target} = ({out_type})({self.expr(kernel.value)});\n")
+        else:
+            kind, extents = kernel.reduce
+            dtype = self.program.buffers[kernel.out].dtype
+            acc_type = "double" if dtype in ("float32", "float64") and kind == "sum" else out_type
+            if kind == "sum" and dtype not in ("float32", "float64"):
+                acc_type = "int64_t" if dtype != "bool" else "uint8_t"
+            init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
+            lines.append(f"{inner}{acc_type} acc = {init};\n")
+            body = inner
+            for j, d in enumerate(extents):
+                lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
+                body += "    "
+            value = self.expr(kernel.value)
+            if kind == "sum":
+                lines.append(f"{body}acc += ({acc_type})({value});\n")
+            else:
+                lines.append(f"{body}{{ const {out_type} v = {value}; if (v > acc || v != v) acc = v; }}\n")
+            lines.append(f"{inner}{target} = ({out_type})acc;\n")
+        lines.append(f"{indent}}}\n")
+        return "".join(lines)
+
+    def gemm(self, call: GemmCall) -> str:
+        prefix = "s" if call.dtype == "float32" else "d"
+        ctype = C_TYPES[call.dtype]
+        lines = [self.pointer(b) for b in sorted({call.a, call.b})] + [self.pointer(call.c, writable=True)]
+        m, n, k = dim(call.m), dim(call.n), dim(call.k)
+        lines.append(f"    const int64_t m = {m}, n = {n}, k = {k};\n")
+        lines.append("    if (m == 0 || n == 0) return;\n")
+        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n")
+        for d in call.batch:
+            lines.append(f" * (int64_t)({dim(d)})")
+        lines.append("); return; }\n")
+        lda = "m" if call.trans_a else "k"
+        ldb = "k" if call.trans_b else "n"
+        indent = "    "
+        a_off, b_off, c_off = Ix(), Ix(), Ix()
+        c_strides = _row_major_strides(call.batch)
+        for j, d in enumerate(call.batch):
+            lines.append(f"{indent}for (int64_t t{j} = 0; t{j} < {dim(d)}; ++t{j})\n")
+            indent += "    "
+            var = Ix.var(f"t{j}")
+            a_off = a_off + var.scale(call.a_batch_strides[j])
+            b_off = b_off + var.scale(call.b_batch_strides[j])
+            c_off = c_off + var.scale(c_strides[j])
+        trans_a = 112 if call.trans_a else 111
+        trans_b = 112 if call.trans_b else 111
+        lines.append(
+            f"{indent}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)m, (int)n, (int)k, 1, "
+            f"b{call.a} + ({self.ix(a_off)}), (int){lda}, b{call.b} + ({self.ix(b_off)}), (int){ldb}, "
+            f"0, b{call.c} + ({self.ix(c_off)}) * m * n, (int)n);\n"
+        )
+        return "".join(lines)
+
+    def ix(self, e: Ix) -> str:
+        parts = []
+        for var, coef in e.terms:
+            term = var if isinstance(var, str) else self.ix_atom(var)
+            parts.append(term if coef == 1 else f"{term} * {dim(coef)}")
+        if e.const != 0 or not parts:
+            parts.append(dim(e.const))
+        return " + ".join(parts)
+
+    def ix_atom(self, atom: Atom) -> str:
+        if atom.op == "floordiv":
+            return f"(({self.ix(atom.args[0])}) / {dim(atom.args[1])})"
+        if atom.op == "mod":
+            return f"(({self.ix(atom.args[0])}) % {dim(atom.args[1])})"
+        if atom.op == "value":
+            return f"lc_index((int64_t)({self.expr(atom.args[0])}), {dim(atom.args[1])})"
+        raise TypeError(f"cannot render index atom {atom.op}")
+
+    def dtype_of(self, e: Expr) -> str:
+        return self.program.buffers[e.buffer].dtype if isinstance(e, Load) else e.dtype
+
+    def expr(self, e: Expr) -> str:
+        if isinstance(e, Load):
+            return f"b{e.buffer}[{self.ix(e.index)}]"
+        if isinstance(e, Const):
+            return literal(e.value, e.dtype)
+        if isinstance(e, IndexValue):
+            return f"(({C_TYPES[e.dtype]})({self.ix(e.index)}))"
+        if isinstance(e, Guarded):
+            checks = " && ".join(f"(uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)})" for g, n in e.guards)
+            return f"(({checks}) ? ({self.expr(e.value)}) : ({literal(e.fill, e.dtype)}))"
+        if isinstance(e, Apply):
+            return self.apply(e)
+        raise TypeError(f"cannot render {e!r}")
+
+    def apply(self, e: Apply) -> str:
+        args = [self.expr(a) for a in e.args]
+        dtype = e.dtype
+        ctype = C_TYPES[dtype]
+        arg_dtype = self.dtype_of(e.args[0])
+        if e.op == "cast":
+            if dtype == "bool":
+                return f"((uint8_t)(({args[0]}) != 0))"
+            return f"(({ctype})({args[0]}))"
+        if e.op == "less_than":
+            return f"((uint8_t)(({args[0]}) < ({args[1]})))"
+        if e.op == "add":
+            return f"(({args[0]}) || ({args[1]}))" if dtype == "bool" else f"(({ctype})(({args[0]}) + ({args[1]})))"
+        if e.op == "mul":
+            return f"(({args[0]}) && ({args[1]}))" if dtype == "bool" else f"(({ctype})(({args[0]}) * ({args[1]})))"
+        if e.op == "mod":
+            if dtype == "float32":
+                return f"fmodf({args[0]}, {args[1]})"
+            if dtype == "float64":
+                return f"fmod({args[0]}, {args[1]})"
+            return f"(({ctype})lc_imod({args[0]}, {args[1]}))"
+        if e.op == "recip":
+            if dtype in ("float32", "float64"):
+                one = "1.0f" if dtype == "float32" else "1.0"
+                return f"({one} / ({args[0]}))"
+            return f"(({ctype})(({args[0]}) == 0 ? 0 : 1 / ({args[0]})))"
+        functions = {"log2": "log2", "exp2": "exp2", "sin": "sin", "sqrt": "sqrt"}
+        if e.op in functions:
+            name = functions[e.op]
+            if arg_dtype == "float32":
+                return f"{name}f({args[0]})"
+            return f"(({ctype}){name}((double)({args[0]})))"
+        raise TypeError(f"cannot render op {e.op}")
+
+
+def _loads(e: object) -> set[int]:
+    from compiler.kernels.lower import kernel_reads
+
+    return kernel_reads(LoopKernel(-1, (), e))  # type: ignore[arg-type]
+
+
+def _row_major(shape: tuple) -> Ix:
+    total = Ix()
+    for j, stride in enumerate(_row_major_strides(shape)):
+        if shape[j] != 1:
+            total = total + Ix.var(f"o{j}").scale(stride)
+    return total
+
+
+def _row_major_strides(shape: tuple) -> list[Dim]:
+    from compiler.kernels.lower import strides_of
+
+    return strides_of(tuple(shape))
+
+
+def literal(value: object, dtype: str) -> str:
+    if dtype in ("float32", "float64"):
+        x = float(value)  # type: ignore[arg-type]
+        suffix = "f" if dtype == "float32" else ""
+        if math.isnan(x):
+            return "NAN"
+        if math.isinf(x):
+            return "INFINITY" if x > 0 else "-INFINITY"
+        return f"{x!r}{suffix}" if "e" in repr(x) or "." in repr(x) else f"{x!r}.0{suffix}"
+    if dtype == "bool":
+        return "1" if value else "0"
+    v = int(value)  # type: ignore[call-overload]
+    if dtype == "int64" and v == -(2**63):
+        return "INT64_MIN"
+    if dtype == "uint64":
+        return f"{v}ULL"
+    return f"(({C_TYPES[dtype]}){v}LL)"
+
+
+def dim(d: Dim) -> str:
+    if isinstance(d, int):
+        return f"{d}LL"
+    parts = []
+    for atoms, coef in d.terms:
+        factors = [str(coef)] + [_dim_atom(a) for a in atoms]
+        parts.append("*".join(f"({f})" for f in factors))
+    return "(" + " + ".join(parts) + ")"
+
+
+def _dim_atom(atom: object) -> str:
+    if isinstance(atom, str):
+        return f"s_{atom}"
+    op, *operands = atom  # type: ignore[misc]
+    if op == "floordiv":
+        return f"lc_fdiv({dim(operands[0])}, {operands[1]})"
+    if op == "mod":
+        return f"lc_fmod({dim(operands[0])}, {operands[1]})"
+    a, b = dim(operands[0]), dim(operands[1])
+    return f"(({a}) > ({b}) ? ({a}) : ({b}))" if op == "max" else f"(({a}) < ({b}) ? ({a}) : ({b}))"
+
+
+
+
+__all__ = ["C_TYPES", "render"]
