@@ -89,7 +89,17 @@ def build(source: str) -> bytes:
 _LIBRARY_DIR = Path(tempfile.gettempdir()) / f"luminal-native-{os.getuid()}"
 
 
+@cache
+def _single_threaded_blas() -> None:
+    """The generated code splits each GEMM across OpenMP's threads; OpenBLAS's own threads on top
+    would double the threads on every core."""
+    lib_dir, lib_name = _openblas()
+    library = ctypes.CDLL(str(Path(lib_dir) / f"lib{lib_name}.so"))
+    library.scipy_openblas_set_num_threads(1)
+
+
 def _load_library(data: bytes) -> ctypes.CDLL:
+    _single_threaded_blas()
     """dlopen needs a file: each distinct library is written once, by content hash."""
     _LIBRARY_DIR.mkdir(mode=0o700, exist_ok=True)
     path = _LIBRARY_DIR / f"{hashlib.sha256(data).hexdigest()}.so"

@@ -44,9 +44,9 @@ NATIVE_DTYPES = frozenset(
     {"float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
 )
 GEMM_DTYPES = frozenset({"float32", "float64"})
-# views that read a source element more than once or conditionally: an elementwise value read
-# through one is computed once into a buffer instead of recomputed per read
-_REPEATING_VIEWS = frozenset({"expand", "window", "pad"})
+# views that read a source element more than once: an elementwise value read through one is
+# computed once into a buffer instead of recomputed per read (padding reads each at most once)
+_REPEATING_VIEWS = frozenset({"expand", "window"})
 _COMPUTE = UNARY_OPS | BINARY_OPS | {Op.CAST, Op.GATHER}
 # probe size for symbols when grouping reshape axes (a prime, so products rarely coincide)
 _PROBE = 1009

@@ -48,11 +48,15 @@ _MAX_INIT = {
     "int32": "INT32_MIN",
     "int64": "INT64_MIN",
 }
-# below this many output elements a loop nest runs on one thread (starting a team costs ~µs)
-PARALLEL_MIN_ELEMENTS = 32768
+# below this many output elements a loop nest runs on one thread: waking a team costs more than
+# the loop (and on a busy machine a descheduled thread stalls the whole region)
+PARALLEL_MIN_ELEMENTS = 1 << 18
+# likewise for a matrix product, in multiply-adds
+GEMM_PARALLEL_MIN_FLOPS = 1 << 21
 
 _PRELUDE = """\
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -147,35 +151,49 @@ class _Renderer:
         return "".join(lines)
 
     def gemm(self, call: GemmCall) -> str:
+        """One library call per (batch index, block): the blocks split the larger of m and n
+        across OpenMP's threads, so the loops and the library share one pool of threads (the
+        library itself runs single-threaded; see native_cpu)."""
         prefix = "s" if call.dtype == "float32" else "d"
         ctype = C_TYPES[call.dtype]
         lines = [self.pointer(b) for b in sorted({call.a, call.b})] + [self.pointer(call.c, writable=True)]
-        m, n, k = dim(call.m), dim(call.n), dim(call.k)
-        lines.append(f"    const int64_t m = {m}, n = {n}, k = {k};\n")
-        lines.append("    if (m == 0 || n == 0) return;\n")
-        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n")
-        for d in call.batch:
-            lines.append(f" * (int64_t)({dim(d)})")
-        lines.append("); return; }\n")
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
+        lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
+        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
+        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append(f"    const int64_t blocks = (batch >= threads || m * n * k < {GEMM_PARALLEL_MIN_FLOPS}) ? 1 : threads;\n")
+        lines.append("    const int split_m = m >= n;\n")
+        lines.append("    const int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
+        lines.append(f"    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n")
+        lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
+        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        body = "            "
+        # the batch index t unflattened over the batch axes gives each operand's offset
+        a_off, b_off = Ix(), Ix()
+        rest = "t"
+        for j in range(len(call.batch) - 1, -1, -1):
+            lines.append(f"{body}const int64_t t{j} = {rest} % ({dim(call.batch[j])}); const int64_t q{j} = {rest} / ({dim(call.batch[j])});\n")
+            lines.append(f"{body}(void)q{j};\n")
+            rest = f"q{j}"
+            a_off = a_off + Ix.var(f"t{j}").scale(call.a_batch_strides[j])
+            b_off = b_off + Ix.var(f"t{j}").scale(call.b_batch_strides[j])
+        lines.append(f"{body}const int64_t lo = block * span, hi = (lo + span < (split_m ? m : n)) ? lo + span : (split_m ? m : n);\n")
+        lines.append(f"{body}if (lo >= hi) continue;\n")
         lda = "m" if call.trans_a else "k"
         ldb = "k" if call.trans_b else "n"
-        indent = "    "
-        a_off, b_off, c_off = Ix(), Ix(), Ix()
-        c_strides = _row_major_strides(call.batch)
-        for j, d in enumerate(call.batch):
-            lines.append(f"{indent}for (int64_t t{j} = 0; t{j} < {dim(d)}; ++t{j})\n")
-            indent += "    "
-            var = Ix.var(f"t{j}")
-            a_off = a_off + var.scale(call.a_batch_strides[j])
-            b_off = b_off + var.scale(call.b_batch_strides[j])
-            c_off = c_off + var.scale(c_strides[j])
+        a_row = "lo" if call.trans_a else "lo * k"  # where row lo of A starts
+        b_col = "lo * k" if call.trans_b else "lo"  # where column lo of B starts
+        lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + (split_m ? {a_row} : 0);\n")
+        lines.append(f"{body}const {ctype} *bm = b{call.b} + ({self.ix(b_off)}) + (split_m ? 0 : {b_col});\n")
+        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         trans_a = 112 if call.trans_a else 111
         trans_b = 112 if call.trans_b else 111
         lines.append(
-            f"{indent}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)m, (int)n, (int)k, 1, "
-            f"b{call.a} + ({self.ix(a_off)}), (int){lda}, b{call.b} + ({self.ix(b_off)}), (int){ldb}, "
-            f"0, b{call.c} + ({self.ix(c_off)}) * m * n, (int)n);\n"
+            f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
+            f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
         )
+        lines.append("        }\n")
         return "".join(lines)
 
     def ix(self, e: Ix) -> str:

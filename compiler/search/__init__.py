@@ -1,0 +1,9 @@
+"""The search compiler: rewrites a primitive-op graph into a cheaper equivalent one.
+
+Its first stage is an egglog e-graph that removes work (compiler/search/egraph.py), driven by
+the rules in compiler/search/rules.py.
+"""
+
+from compiler.search.egraph import SearchBudget, optimize
+
+__all__ = ["SearchBudget", "optimize"]
