@@ -11,7 +11,6 @@ import pytest
 
 from compiler import Artifact, compile_onnx, executable
 from compiler.frontends.onnx import load_graph
-from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import kernel_reads, lower
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph

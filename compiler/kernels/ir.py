@@ -77,7 +77,7 @@ def ix_max(ix: Ix, extents: dict[str, Dim]) -> Dim | None:
 def ix_floordiv(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> Ix:
     if divisor == 1:
         return ix
-    whole, rest = _split(ix, divisor, extents)
+    whole, _ = _split(ix, divisor, extents)
     if whole is not None:
         return whole
     return Ix.var(Atom("floordiv", (ix, divisor)))
