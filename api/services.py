@@ -84,7 +84,11 @@ def build_services(settings: Settings) -> Services:
         registry=registry,
         ledger=Ledger(db),
         compiler=EmbeddedCompilePool(
-            registry, settings.compile_workers, settings.compile_timeout_s, settings.compile_memory_bytes
+            registry,
+            settings.compile_workers,
+            settings.compile_timeout_s,
+            settings.compile_memory_bytes,
+            settings.compile_candidates,
         ),
         codec=Codec(settings.codec_process_above_bytes, settings.codec_workers),
         lock=lock,

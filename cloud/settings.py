@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from compiler.pipeline import CANDIDATES
+
 
 def _default_data_dir() -> Path:
     return Path.home() / ".luminal-cloud"
@@ -30,6 +32,9 @@ class Settings(BaseSettings):
     # each compile's limits: wall time, and address space of its process
     compile_timeout_s: float = 600.0
     compile_memory_bytes: int = 8 * 1024**3
+    # the programs each cpu compile builds, verifies and times, keeping the fastest: generated C
+    # with BLAS calls, generated C with loop nests only, the NumPy lowering
+    compile_candidates: tuple[str, ...] = CANDIDATES
     # device types a model may be provisioned for
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes

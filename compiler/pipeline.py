@@ -38,7 +38,7 @@ class VerificationFailed(CompilerError):
     """The generated program disagrees with the reference interpreter: a compiler bug."""
 
 
-def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] = CANDIDATES) -> Artifact:
+def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] | None = None) -> Artifact:
     return compile_graph(load_graph(data), target, candidates)
 
 
@@ -47,7 +47,7 @@ def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] = C
 MAX_LOOP_FLOPS = 5e7
 
 
-def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] = CANDIDATES) -> Artifact:
+def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] | None = None) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built or disagrees is rejected, not the
     compile; the NumPy lowering needs nothing but NumPy and is always a candidate."""
@@ -61,7 +61,7 @@ def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] =
         run_graph(graph, measure_inputs) if graph.size_limits else None
     except (ShapeError, IndexError):
         measure_inputs = verify_inputs  # sizes the model does not allow together: time the small case
-    wanted = candidates
+    wanted = CANDIDATES if candidates is None else tuple(candidates)
     candidates: list[_Candidate] = []
     rejected: dict[str, str] = {}
     if target == "cpu" and any(name.startswith("native") for name in wanted):

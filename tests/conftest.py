@@ -11,8 +11,16 @@ from api.main import create_app
 from api.services import open_database
 from cloud.auth import create_key
 from cloud.settings import Settings
+from compiler import pipeline
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def one_native_candidate(monkeypatch) -> None:
+    """Compiles in tests build the generated C alone (a C build and timing per candidate would
+    triple the suite's compile time); tests of the candidate search ask for several by name."""
+    monkeypatch.setattr(pipeline, "CANDIDATES", ("native-blas",))
 
 
 def make_settings(data_dir: Path, **overrides) -> Settings:
@@ -21,6 +29,8 @@ def make_settings(data_dir: Path, **overrides) -> Settings:
         "max_queue_delay_ms": 20.0,
         "max_upload_bytes": 2 * 1024 * 1024,
         "max_infer_body_bytes": 1024 * 1024,
+        # one C build per compile: the service is tested on generated code, at a test's pace
+        "compile_candidates": ("native-blas",),
     }
     values.update(overrides)
     return Settings(**values)

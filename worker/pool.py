@@ -57,9 +57,11 @@ class FairQueue:
 
 
 class EmbeddedCompilePool:
-    def __init__(self, registry: Registry, workers: int, timeout_s: float, memory_bytes: int) -> None:
+    def __init__(
+        self, registry: Registry, workers: int, timeout_s: float, memory_bytes: int, candidates: tuple[str, ...]
+    ) -> None:
         self.registry = registry
-        self.sandbox = Sandbox(timeout_s, memory_bytes)
+        self.sandbox = Sandbox(timeout_s, memory_bytes, candidates)
         self._queue = FairQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)

@@ -32,11 +32,13 @@ class CompileCancelled(CompilerError):
     """The version was deleted while it compiled."""
 
 
-def _compile_child(conn: Connection, data: bytes, target: str, memory_bytes: int) -> None:
+def _compile_child(
+    conn: Connection, data: bytes, target: str, memory_bytes: int, candidates: tuple[str, ...] | None
+) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        conn.send(("ok", compile_onnx(data, target).to_files()))
+        conn.send(("ok", compile_onnx(data, target, candidates).to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
     except CompilerError as exc:
@@ -50,9 +52,10 @@ def _compile_child(conn: Connection, data: bytes, target: str, memory_bytes: int
 class Sandbox:
     """Runs compile_onnx in child processes; `cancel` stops a running one."""
 
-    def __init__(self, timeout_s: float, memory_bytes: int) -> None:
+    def __init__(self, timeout_s: float, memory_bytes: int, candidates: tuple[str, ...] | None = None) -> None:
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
+        self.candidates = candidates
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["compiler", "worker.sandbox"])
         self._running: dict[int, multiprocessing.Process] = {}
@@ -62,7 +65,7 @@ class Sandbox:
     def compile(self, version_id: int, data: bytes, target: str) -> Artifact:
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
-            target=_compile_child, args=(sender, data, target, self.memory_bytes), daemon=True,
+            target=_compile_child, args=(sender, data, target, self.memory_bytes, self.candidates), daemon=True,
             name=f"compile-{version_id}",
         )
         with self._lock:
