@@ -14,9 +14,25 @@
 5. The extracted term DAG is rebuilt into a Graph (inputs and outputs as before), then layout and
    folding run again (folding turns the compile-time products of constants into weights).
 
-Steps 2-5 repeat while they lower the cost, up to budget.max_rounds. Any failure or an exhausted
-budget returns the best graph found so far, at worst the input graph: optimize never raises for a
-valid graph. The result is deterministic: the program text is, and so is egglog on one thread.
+Steps 2-5 repeat while they lower the cost and the Python passes found something new, up to
+budget.max_rounds. Large graphs are cut into chunks of consecutive nodes, one e-graph each (DAG
+extraction's memory is quadratic in a chain's length). Any failure or an exhausted budget returns
+the best graph found so far, at worst the input graph: optimize never raises for a valid graph.
+The result is deterministic: the program text is, and so is egglog on one thread.
+
+The report (JSON-able):
+    nodes_before, nodes_after, cost_before, cost_after   node counts and program_cost
+    layout_rules    {Python layout rule: rewrites}
+    folding         {"fold_weights_only": nodes folded into weights}
+    rules           {rule set: {rule: matches}}; egglog counts matches, and a rule re-run by a
+                    later stage counts its old matches again (a union that changes nothing)
+    rounds          per e-graph round: chunks, copied_chunks (reached past the deadline),
+                    enodes {"initial" and each stage: e-nodes after it, summed over chunks},
+                    stopped {stage: {"saturated" | "iterations" | "enodes" | "time": chunks}},
+                    extracted_cost
+    seconds         layout, fold, egraph_build, egraph_run, extract, rebuild, total
+    fallback        None, or why the search stopped early and kept the best graph so far
+Counts include rounds whose result was not kept (it cost no less than the graph before it).
 """
 
 from __future__ import annotations
@@ -64,9 +80,14 @@ class SearchBudget:
     max_rounds: int = 2
     # runs of the analysis rule set before each rewrite iteration
     analysis_iterations: int = 6
+    # nodes per e-graph: DAG extraction keeps, per e-class, the set of e-classes below it, so its
+    # memory grows with the square of a chain's length (19k nodes in one e-graph took > 8 GB)
+    chunk_nodes: int = 2048
 
 
 _SPAN = bindings.RustSpan(__file__, 0, 0)
+# the rules and dtype tables, loaded into every e-graph
+_PRELUDE = ruleset_program() + "\n" + dtype_facts()
 # seeding value facts reads every element of a weight; bigger weights get none
 _MAX_FACT_ELEMENTS = 1 << 16
 
@@ -80,6 +101,8 @@ _TERM_OPS = (
 
 
 def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph, dict[str, Any]]:
+    """An equivalent graph with less work (same inputs, outputs, shapes and dtypes) and a report
+    of what ran; see the module docstring."""
     started = time.perf_counter()
     deadline = started + budget.max_seconds
     report: dict[str, Any] = {
@@ -96,7 +119,9 @@ def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph
     try:
         best = _python_passes(graph, report)
         check_graph(best, graph)
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the input graph, by contract
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure keeps the input graph, by contract
         best = graph
         report["fallback"] = f"python passes: {type(exc).__name__}: {exc}"
     for _ in range(budget.max_rounds):
@@ -106,18 +131,29 @@ def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph
         report["rounds"].append(round_report)
         try:
             candidate = _egraph_round(best, budget, deadline, report, round_report)
+            python_rewrites = _total(report["layout_rules"]) + _total(report["folding"])
             candidate = _python_passes(candidate, report)
             check_graph(candidate, graph)
-        except Exception as exc:  # noqa: BLE001 - keep the best graph so far, by contract
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a Rust panic too (pyo3: a BaseException)
             report["fallback"] = f"e-graph round: {type(exc).__name__}: {exc}"
             break
         if program_cost(candidate) >= program_cost(best):
             break
         best = candidate
+        # the e-graph saturates within a round: only a new fold or layout change gives another
+        # round something new to match
+        if _total(report["layout_rules"]) + _total(report["folding"]) == python_rewrites:
+            break
     report["nodes_after"] = len(best.nodes)
     report["cost_after"] = program_cost(best)
     report["seconds"]["total"] = time.perf_counter() - started
     return best, _plain(report)
+
+
+def _total(counts: Counter[str]) -> int:
+    return sum(counts.values())
 
 
 def _python_passes(graph: Graph, report: dict[str, Any]) -> Graph:
@@ -135,33 +171,91 @@ def _python_passes(graph: Graph, report: dict[str, Any]) -> Graph:
 # ---- one e-graph round ------------------------------------------------------------------------
 
 
+@dataclass
+class _Round:
+    """State of one e-graph round: the graph being rewritten and the one being written."""
+
+    graph: Graph
+    writer: GraphWriter
+    # node of `graph` -> its node in the writer, for every node already rewritten
+    resolved: dict[int, int]
+    const: list[bool]
+    # node -> the last node reading it (graph outputs read at len(nodes))
+    last_read: list[int]
+
+
 def _egraph_round(
     graph: Graph, budget: SearchBudget, deadline: float, report: dict[str, Any], round_report: dict[str, Any]
 ) -> Graph:
+    """Rewrites the graph chunk by chunk (consecutive nodes, budget.chunk_nodes at a time), each
+    in its own e-graph, so time and memory grow linearly with the graph; a chunk reached after the
+    deadline is copied unchanged."""
+    writer = GraphWriter(graph.weights)
+    last_read = list(range(len(graph.nodes)))
+    for i, node in enumerate(graph.nodes):
+        for s in node.srcs:
+            last_read[s] = i
+    for _, i in graph.outputs:
+        last_read[i] = len(graph.nodes)
+    state = _Round(
+        graph,
+        writer,
+        {i: writer.add(graph.nodes[i]) for i in graph.inputs},
+        constant_valued(graph),
+        last_read,
+    )
+    round_report.update(
+        chunks=0, copied_chunks=0, enodes=Counter(), stopped={s.name: Counter() for s in STAGES}
+    )
+    round_report["extracted_cost"] = 0
+    for start in range(0, len(graph.nodes), budget.chunk_nodes):
+        chunk = range(start, min(start + budget.chunk_nodes, len(graph.nodes)))
+        if time.perf_counter() >= deadline:
+            _copy(state, chunk)
+            round_report["copied_chunks"] += 1
+        else:
+            _rewrite_chunk(state, chunk, budget, deadline, report, round_report)
+            round_report["chunks"] += 1
+    round_report["enodes"] = dict(round_report["enodes"])
+    round_report["stopped"] = {name: dict(sorted(c.items())) for name, c in round_report["stopped"].items()}
+    inputs = [state.resolved[i] for i in graph.inputs]
+    return writer.finish(inputs, [(name, state.resolved[i]) for name, i in graph.outputs], graph.size_limits)
+
+
+def _copy(state: _Round, chunk: range) -> None:
+    for i in chunk:
+        node = state.graph.nodes[i]
+        srcs = tuple(state.resolved[s] for s in node.srcs)
+        state.resolved[i] = state.writer.add(Node(node.op, srcs, node.shape, node.dtype, node.arg))
+
+
+def _rewrite_chunk(
+    state: _Round, chunk: range, budget: SearchBudget, deadline: float, report: dict, round_report: dict
+) -> None:
     t0 = time.perf_counter()
     views: dict[tuple, int] = {}
+    # the chunk's values read after it ends: its outputs
+    outputs = [i for i in chunk if state.last_read[i] >= chunk.stop]
     egraph = bindings.EGraph()
-    egraph.parse_and_run_program(ruleset_program())
-    egraph.parse_and_run_program(dtype_facts())
-    egraph.parse_and_run_program(_graph_program(graph, views))
-    enodes = {"initial": _count_enodes(egraph)}
-    stopped: dict[str, str] = {}
+    egraph.parse_and_run_program(_PRELUDE)
+    egraph.parse_and_run_program(_chunk_program(state, chunk, outputs, views))
+    enodes = round_report["enodes"]
+    enodes["initial"] += _count_enodes(egraph)
     t1 = time.perf_counter()
     for stage in STAGES:
-        stopped[stage.name] = _run_stage(egraph, stage.rulesets, budget, deadline, report["rules"])
-        enodes[stage.name] = _count_enodes(egraph)
+        reason = _run_stage(egraph, stage.rulesets, budget, deadline, report["rules"])
+        round_report["stopped"][stage.name][reason] += 1
+        enodes[stage.name] += _count_enodes(egraph)
     t2 = time.perf_counter()
     termdag, root, cost = _extract(egraph)
+    round_report["extracted_cost"] += cost
     t3 = time.perf_counter()
-    rebuilt = _rebuild(termdag, root, graph, {v: k for k, v in views.items()})
-    t4 = time.perf_counter()
-    round_report.update(enodes=enodes, stopped=stopped, extracted_cost=cost)
+    _rebuild(termdag, root, state, outputs, {v: k for k, v in views.items()})
     seconds = report["seconds"]
     seconds["egraph_build"] += t1 - t0
     seconds["egraph_run"] += t2 - t1
     seconds["extract"] += t3 - t2
-    seconds["rebuild"] += t4 - t3
-    return rebuilt
+    seconds["rebuild"] += time.perf_counter() - t3
 
 
 def _run_stage(
@@ -217,18 +311,19 @@ def _count_enodes(egraph: bindings.EGraph) -> int:
 # ---- graph -> egglog text ---------------------------------------------------------------------
 
 
-def _graph_program(graph: Graph, views: dict[tuple, int]) -> str:
-    """One let per node, then the seeded facts, then the outputs as one Cons list."""
-    const = constant_valued(graph)
-    lines = []
-    for i, node in enumerate(graph.nodes):
-        lines.append(f"(let $n{i} {_term(i, node, const, graph, views)})")
-    for i, node in enumerate(graph.nodes):
-        lines.extend(_seed_facts(i, node, const[i], graph))
+def _chunk_program(state: _Round, chunk: range, outputs: list[int], views: dict[tuple, int]) -> str:
+    """One let per node (values from earlier chunks are leaves), the seeded facts, and the
+    chunk's outputs as one Cons list."""
+    graph, const = state.graph, state.const
+    outside = sorted({s for i in chunk for s in graph.nodes[i].srcs if s < chunk.start})
+    lines = [f"(let $n{i} (Leaf {i}))" for i in outside]
+    lines += [f"(let $n{i} {_term(i, graph.nodes[i], const, graph, views)})" for i in chunk]
+    for i in [*outside, *chunk]:
+        lines.extend(_seed_facts(i, graph.nodes[i], graph))
     lines.append("(let $o0 (Nil))")
-    for k, (_, i) in enumerate(reversed(graph.outputs)):
+    for k, i in enumerate(reversed(outputs)):
         lines.append(f"(let $o{k + 1} (Cons $n{i} $o{k}))")
-    lines.append(f"(let $outs $o{len(graph.outputs)})")
+    lines.append(f"(let $outs $o{len(outputs)})")
     return "\n".join(lines)
 
 
@@ -257,12 +352,11 @@ def _term(i: int, node: Node, const: list[bool], graph: Graph, views: dict[tuple
     raise ValueError(f"no e-graph term for {op}")
 
 
-def _seed_facts(i: int, node: Node, const: bool, graph: Graph) -> list[str]:
-    name = f"$n{i}"
-    facts = [f"(IsConst {name})"] if const else []
+def _seed_facts(i: int, node: Node, graph: Graph) -> list[str]:
     if node.op is not Op.CONSTANT:
-        return facts
-    facts.append(f"(Materialized {name})")
+        return []
+    name = f"$n{i}"
+    facts = [f"(Materialized {name})"]
     value = graph.weights[node.arg]
     if value.size == 0 or value.size > _MAX_FACT_ELEMENTS:
         return facts
@@ -292,9 +386,10 @@ def _log2_ceil(x: float) -> int:
 # ---- extracted terms -> graph ----------------------------------------------------------------
 
 
-def _rebuild(termdag: bindings.TermDag, root: int, graph: Graph, views: dict[int, tuple]) -> Graph:
-    writer = GraphWriter(graph.weights)
-    inputs = [writer.add(graph.nodes[i]) for i in graph.inputs]
+def _rebuild(
+    termdag: bindings.TermDag, root: int, state: _Round, outputs: list[int], views: dict[int, tuple]
+) -> None:
+    """Writes the extracted terms of one chunk and records its outputs in state.resolved."""
     built: dict[int, Any] = {}
     for term_id in _postorder(termdag, root):
         term = termdag.get(term_id)
@@ -302,16 +397,25 @@ def _rebuild(termdag: bindings.TermDag, root: int, graph: Graph, views: dict[int
             built[term_id] = term.value.value
         elif isinstance(term, bindings.TermApp) and term.name not in ("Cons", "Nil"):
             args = [built[a] for a in term.args]
-            built[term_id] = writer.add(_node(term.name, args, writer.nodes, graph, views))
-    outputs = []
+            if term.name == "Leaf":
+                (i,) = args
+                built[term_id] = (
+                    state.resolved[i] if i in state.resolved else state.writer.add(state.graph.nodes[i])
+                )
+            else:
+                built[term_id] = state.writer.add(_node(term.name, args, state.writer.nodes, views))
+    extracted = []
     term = termdag.get(root)
     while isinstance(term, bindings.TermApp) and term.name == "Cons":
-        outputs.append(built[term.args[0]])
+        extracted.append(built[term.args[0]])
         term = termdag.get(term.args[1])
-    if len(outputs) != len(graph.outputs):
+    if len(extracted) != len(outputs):
         raise ValueError("extracted a different number of outputs")
-    names = [name for name, _ in graph.outputs]
-    return writer.finish(inputs, list(zip(names, outputs)), graph.size_limits)
+    for i, new in zip(outputs, extracted):
+        old = state.graph.nodes[i]
+        if state.writer.nodes[new].shape != old.shape or state.writer.nodes[new].dtype != old.dtype:
+            raise ValueError(f"node {i} changed shape or dtype")
+        state.resolved[i] = new
 
 
 def _postorder(termdag: bindings.TermDag, root: int) -> list[int]:
@@ -334,10 +438,8 @@ def _postorder(termdag: bindings.TermDag, root: int) -> list[int]:
     return order
 
 
-def _node(name: str, args: list[Any], nodes: list[Node], graph: Graph, views: dict[int, tuple]) -> Node:
+def _node(name: str, args: list[Any], nodes: list[Node], views: dict[int, tuple]) -> Node:
     """The IR node of one extracted term; shapes are inferred and checked, never trusted."""
-    if name == "Leaf":
-        return graph.nodes[args[0]]
     dtype, *rest = args
     if name == "Cast":
         source_dtype, x = rest
@@ -353,7 +455,9 @@ def _node(name: str, args: list[Any], nodes: list[Node], graph: Graph, views: di
     if name == "Gather":
         data, index, axis = rest
         shape = nodes[data].shape
-        return Node(Op.GATHER, (data, index), shape[:axis] + nodes[index].shape + shape[axis + 1 :], dtype, axis)
+        return Node(
+            Op.GATHER, (data, index), shape[:axis] + nodes[index].shape + shape[axis + 1 :], dtype, axis
+        )
     op = _TERM_OPS[name]
     if op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
         x, mask = rest

@@ -91,7 +91,9 @@ def _place_canonical(writer: GraphWriter, node: Node, counts: Counter[str]) -> i
     return writer.add(node)
 
 
-def _first_layout_match(node: Node, nodes: list[Node], counts: Counter[str]) -> tuple[int, tuple | None] | None:
+def _first_layout_match(
+    node: Node, nodes: list[Node], counts: Counter[str]
+) -> tuple[int, tuple | None] | None:
     for name, rule in LAYOUT_RULES:
         replacement = rule(node, nodes)
         if replacement is None:
@@ -115,7 +117,7 @@ def fold_constants(graph: Graph, counts: Counter[str]) -> Graph:
     """Evaluates nodes computed from weights only into new weights, once, with the reference
     interpreter's node evaluator, unless the result is larger than the weights it frees plus
     FOLD_SLACK_BYTES (a weight still read elsewhere is not freed: a transposed copy of a tied
-    embedding would double it)."""
+    embedding would double it). An iota of static length reads no weights: it folds when small."""
     readers = Counter(s for node in graph.nodes for s in set(node.srcs))
     readers.update(i for _, i in graph.outputs)
     writer = GraphWriter(graph.weights)
@@ -164,7 +166,9 @@ def _fold(node: Node, old_srcs: tuple[int, ...], writer: GraphWriter, readers: C
 def _folded_key(node: Node, src_keys: Iterable[str]) -> str:
     """A weight key derived from how the value is computed, so it is deterministic and cheap
     (the value itself is never hashed)."""
-    text = json.dumps([node.op.value, repr(node.arg), [str(d) for d in node.shape], node.dtype, list(src_keys)])
+    text = json.dumps(
+        [node.op.value, repr(node.arg), [str(d) for d in node.shape], node.dtype, list(src_keys)]
+    )
     return "f" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -11,7 +11,8 @@ Two kinds of rules live here, both named for what they rewrite:
   after the e-graph, because composing permutations and shapes (possibly symbolic) is a
   computation egglog would need a Python-side table for anyway. Inside the e-graph a view is an
   opaque ``(View dtype src kind key)`` whose key names (transform, source shape) in a Python table,
-  so two views with the same key are the same index map over sources of the same shape.
+  so two views with the same key are the same index map over sources of the same shape. A sum
+  or max over axes of size 1 is rewritten to a reshape there too.
 
 Constant folding of weights-only subgraphs is a Python pass too (compiler/search/passes.py); the
 rules below only create the compile-time products ``CMul`` / ``CAdd`` of constants that it folds.
@@ -33,7 +34,11 @@ have the shape and dtype of its result in this IR, so ``x*1 -> x`` needs no broa
   exact for integers and bools (wrapping arithmetic is associative), a rounding-level change for
   floats, where they are guarded by the magnitude analysis so the folded constant can neither
   overflow nor leave the normal range (c1*c2 with c1 = c2 = 1e30 would be inf in float32 while
-  c1*(c2*x) is finite for x = 1e-30).
+  c1*(c2*x) is finite for x = 1e-30); a multiplied constant with a zero element has no lower
+  bound and is not folded. What no guard on constants can prevent: an intermediate overflow of
+  the original (c2*x = inf for c2 = 1e30, x = 1e10, then c1 = 1e-30) disappears when folded.
+  Only constants stored at their own size fold (bare, or under one shared view), so a folded
+  constant is never bigger than the ones it replaces.
 * ``x*0 -> 0`` is applied to integers and bools only: for floats inf*0 and NaN*0 are NaN.
 * Casts: ``cast(cast(x, a), b) -> cast(x, b)`` only when ``a`` holds every value of x's dtype
   exactly (``WIDENS``); a cast to the value's own dtype is removed.
@@ -42,7 +47,7 @@ have the shape and dtype of its result in this IR, so ``x*1 -> x`` needs no broa
   multiply and add do on bools.
 
 No rule is commutative or associative in general: operands of add and mul are written with the
-constant first (passes.order_constant_first does this for the input graph and the rules keep it),
+constant first (egraph._term writes the input graph so, and the rules' results keep it),
 so each rule needs one operand order only, except the identities, which match both orders.
 """
 
@@ -83,7 +88,6 @@ DECLARATIONS = """
   (Nil)
   (Cons T Outs))
 
-(relation IsConst (T))
 (relation Materialized (T))
 (relation IsOne (T))
 (relation IsZero (T))
@@ -110,20 +114,26 @@ TERM_CONSTRUCTORS = frozenset(
 # 10, a view 1 (an index map), a leaf 1, a compile-time op on constants 1 (folded away).
 TERM_COSTS = {"Leaf": 1, "View": 1, "CMul": 1, "CAdd": 1, "Cons": 0, "Nil": 0}
 COMPUTE_COST = 10
-# Meaning of the e-graph's terms (the i64 and String arguments):
-#   (Leaf id)                   an INPUT, CONSTANT or IOTA node of the graph given to the e-graph
-#   (Op dtype src...)           a primitive op; dtype is the result dtype
-#   (Cast to from src)          a cast from dtype `from` to dtype `to`
-#   (SumR dtype src axes)       axes as a bit mask
+# The terms (String and i64 arguments carry what a rule may need to guard on):
+#   (Leaf id)                    an INPUT, CONSTANT or IOTA node, or a value from an earlier chunk
+#   (Op dtype src...)            a primitive op; dtype is its result's dtype
+#   (Cast to from src)           a cast from dtype `from` to dtype `to`
+#   (SumR dtype src axes)        (and MaxR) the reduced axes as a bit mask
 #   (Gather dtype data idx axis)
-#   (View dtype src kind key)   kind is the transform's first element; key indexes (transform,
-#                               source shape) in a Python-side table
-#   (CMul dtype a b), (CAdd dtype a b)  a product or sum of two constants, folded after extraction
-# Analyses: IsConst (computed from weights only), Materialized (a constant stored at its own
-# size, so an elementwise op of two is folded at no growth), IsOne / IsZero (every element),
-# NonNeg (every element >= 0 or NaN), mag-hi / mag-lo (|x| <= 2**hi; every element's |x| >= 2**lo).
-# Dtype tables: exp-max / exp-min (largest and smallest normal binary exponent), exp2-safe (the
-# largest log2|x| for which exp2(x) stays finite and normal), WIDENS below.
+#   (View dtype src kind key)    kind is the transform's name; key indexes (transform, source
+#                                shape) in a Python-side table
+#   (CMul dtype a b)             (and CAdd) a product or sum of two constants, folded after
+#                                extraction
+# The analyses:
+#   Materialized x               x is a constant stored at its own size: an elementwise op of two
+#                                folds with no growth
+#   IsOne x, IsZero x            every element is 1 (True), 0 (False)
+#   NonNeg x                     every element is >= 0 or NaN
+#   mag-hi x = h, mag-lo x = l   every element has |x| <= 2**h; every element has |x| >= 2**l
+# The dtype tables: FloatType, ExactArith (integers and bool: wrapping arithmetic is exact),
+# Unsigned, HasZero, CountsBools (a bool survives a round trip and 1+1 != 0), Widens a b (every
+# value of a is one of b), exp-max / exp-min (largest / smallest normal binary exponent),
+# exp2-safe (the largest log2|x| for which exp2(x) is finite and normal).
 
 
 @dataclass(frozen=True)
@@ -156,9 +166,8 @@ FACTS = RuleSet(
     "facts",
     "value facts propagated through views, casts and constant arithmetic",
     (
-        _rule("const_through_view", "(IsConst x) (= e (View d x kind key))", "(IsConst e)"),
-        _rule("const_folded_product", "(= e (CMul d a b))", "(IsConst e) (Materialized e)"),
-        _rule("const_folded_sum", "(= e (CAdd d a b))", "(IsConst e) (Materialized e)"),
+        _rule("folded_product_is_materialized", "(= e (CMul d a b))", "(Materialized e)"),
+        _rule("folded_sum_is_materialized", "(= e (CAdd d a b))", "(Materialized e)"),
         _rule("one_through_view", f"(IsOne x) (= e (View d x kind key)) {_NOT_PAD}", "(IsOne e)"),
         _rule("zero_through_view", f"(IsZero x) (= e (View d x kind key)) {_NOT_PAD}", "(IsZero e)"),
         # 1 is representable in every dtype; 0 in every dtype but float8_e8m0fnu
@@ -166,11 +175,12 @@ FACTS = RuleSet(
         _rule("zero_through_cast", "(IsZero x) (= e (Cast to from x)) (HasZero to)", "(IsZero e)"),
         _rule("nonneg_exp2", "(= e (Exp2 d x))", "(NonNeg e)"),
         _rule("nonneg_sqrt", "(= e (Sqrt d x))", "(NonNeg e)"),
-        _rule("nonneg_square", "(= e (Mul d x x))", "(NonNeg e)"),
-        _rule("nonneg_product", "(= e (Mul d a b)) (NonNeg a) (NonNeg b)", "(NonNeg e)"),
-        _rule("nonneg_sum", "(= e (Add d a b)) (NonNeg a) (NonNeg b)", "(NonNeg e)"),
+        # arithmetic only on floats: integers wrap to negative values
+        _rule("nonneg_square", "(= e (Mul d x x)) (FloatType d)", "(NonNeg e)"),
+        _rule("nonneg_product", "(= e (Mul d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
+        _rule("nonneg_sum", "(= e (Add d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
         _rule("nonneg_view", f"(NonNeg x) (= e (View d x kind key)) {_NOT_PAD}", "(NonNeg e)"),
-        _rule("nonneg_sum_reduce", "(NonNeg x) (= e (SumR d x axes))", "(NonNeg e)"),
+        _rule("nonneg_sum_reduce", "(NonNeg x) (= e (SumR d x axes)) (FloatType d)", "(NonNeg e)"),
         _rule("nonneg_max_reduce", "(NonNeg x) (= e (MaxR d x axes))", "(NonNeg e)"),
         _rule("nonneg_gather", "(NonNeg x) (= e (Gather d x i axis))", "(NonNeg e)"),
         _rule("nonneg_cast_to_float", "(NonNeg x) (= e (Cast to from x)) (FloatType to)", "(NonNeg e)"),
@@ -398,7 +408,10 @@ LayoutRule = Callable[[Node, list[Node]], Replacement | None]
 
 
 def _full_slice(spec: tuple, shape: Shape) -> bool:
-    return all(start == 0 and step == 1 and (stop is None or stop == d) for (start, stop, step), d in zip(spec, shape))
+    return all(
+        start == 0 and step == 1 and (stop is None or stop == d)
+        for (start, stop, step), d in zip(spec, shape)
+    )
 
 
 def drop_identity_view(node: Node, nodes: list[Node]) -> Replacement | None:
@@ -478,17 +491,17 @@ def static_bytes(shape: Shape, dtype: str) -> int | None:
 
 __all__ = [
     "ANALYSIS",
+    "COMPUTE_COST",
     "FOLD_SLACK_BYTES",
     "LAYOUT_RULES",
     "RULESETS",
     "STAGES",
-    "Rule",
-    "RuleSet",
-    "Stage",
-    "COMPUTE_COST",
     "TERM_CONSTRUCTORS",
     "TERM_COSTS",
     "WIDENS",
+    "Rule",
+    "RuleSet",
+    "Stage",
     "dtype_facts",
     "ruleset_program",
 ]
