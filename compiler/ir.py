@@ -285,7 +285,7 @@ class GraphBuilder:
         self._inputs.append(i)
         return i
 
-    def constant(self, value: np.ndarray | float | int, dtype: str | None = None) -> int:
+    def constant(self, value: np.ndarray | float, dtype: str | None = None) -> int:
         array = np.asarray(value, dtype=None if dtype is None else numpy_dtype(dtype))
         if array.dtype.name not in DTYPES:
             raise ShapeError(f"constant of unsupported dtype {array.dtype}")
@@ -387,10 +387,10 @@ class GraphBuilder:
 
     def finish(self, outputs: list[tuple[str, int]]) -> Graph:
         graph = Graph(list(self.nodes), list(self._inputs), outputs, dict(self.weights), dict(self.size_limits))
-        return _prune(graph)
+        return prune(graph)
 
 
-def _prune(graph: Graph) -> Graph:
+def prune(graph: Graph) -> Graph:
     """Drop nodes no output depends on (inputs are kept: they are the signature)."""
     live = set(graph.inputs) | {i for _, i in graph.outputs}
     for i in range(len(graph.nodes) - 1, -1, -1):
@@ -417,19 +417,20 @@ def _prune(graph: Graph) -> Graph:
 __all__ = [
     "BINARY_OPS",
     "DTYPES",
+    "REDUCE_OPS",
+    "UNARY_OPS",
     "Dim",
     "Graph",
     "GraphBuilder",
     "Node",
     "Op",
-    "REDUCE_OPS",
     "Shape",
     "ShapeError",
     "SymDim",
-    "UNARY_OPS",
     "dim_div",
     "dim_from_json",
     "dim_to_json",
     "is_static",
+    "prune",
     "view_shape",
 ]

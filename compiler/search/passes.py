@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from compiler.dtypes import numpy_dtype
-from compiler.ir import Graph, Node, Op, view_shape
+from compiler.ir import Graph, Node, Op, prune, view_shape
 from compiler.reference import eval_node
 from compiler.search.rules import FOLD_SLACK_BYTES, LAYOUT_RULES, static_bytes
 from compiler.shape import ShapeError, is_static
@@ -44,28 +44,6 @@ class GraphWriter:
 
     def finish(self, inputs: list[int], outputs: list[tuple[str, int]], size_limits: dict[str, int]) -> Graph:
         return prune(Graph(self.nodes, inputs, outputs, self.weights, dict(size_limits)))
-
-
-def prune(graph: Graph) -> Graph:
-    """Drops nodes no output depends on (inputs stay: they are the signature) and unused weights."""
-    live = set(graph.inputs) | {i for _, i in graph.outputs}
-    for i in range(len(graph.nodes) - 1, -1, -1):
-        if i in live:
-            live.update(graph.nodes[i].srcs)
-    remap: dict[int, int] = {}
-    nodes: list[Node] = []
-    for i, node in enumerate(graph.nodes):
-        if i in live:
-            remap[i] = len(nodes)
-            nodes.append(Node(node.op, tuple(remap[s] for s in node.srcs), node.shape, node.dtype, node.arg))
-    used = {n.arg for n in nodes if n.op is Op.CONSTANT}
-    return Graph(
-        nodes=nodes,
-        inputs=[remap[i] for i in graph.inputs],
-        outputs=[(name, remap[i]) for name, i in graph.outputs],
-        weights={k: v for k, v in graph.weights.items() if k in used},
-        size_limits=dict(graph.size_limits),
-    )
 
 
 def canonicalize_layout(graph: Graph, counts: Counter[str]) -> Graph:
@@ -207,5 +185,4 @@ __all__ = [
     "constant_valued",
     "fold_constants",
     "program_cost",
-    "prune",
 ]
