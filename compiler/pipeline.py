@@ -11,14 +11,18 @@ from typing import Any
 import numpy as np
 
 from compiler.artifact import Artifact, Signature
+from compiler.backends import native_cpu
 from compiler.codegen import numpy_cpu
 from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph, Op
+from compiler.kernels.ir import GemmCall, LoopKernel
+from compiler.kernels.lower import NotNative, lower
 from compiler.memory import memory_terms
-from compiler.reference import run_graph
-from compiler.shape import ShapeError, SymDim
+from compiler.reference import bind_symbols, run_graph
+from compiler.render.c import render
+from compiler.shape import ShapeError, SymDim, evaluate
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
@@ -116,11 +120,6 @@ def _native_candidates(
 ) -> tuple[list[_Candidate], dict[str, str]]:
     """Generated C with contractions as BLAS calls, and (where there are contractions) with
     every kernel a generated loop nest: the two whole-program choices measured today."""
-    from compiler.backends import native_cpu
-    from compiler.kernels.ir import GemmCall
-    from compiler.kernels.lower import NotNative, lower
-    from compiler.render.c import render
-
     found, rejected = [], {}
     for name, use_gemm in (("native-blas", True), ("native-loops", False)):
         if name not in wanted:
@@ -144,7 +143,8 @@ def _native_candidates(
             rejected[name] = str(exc)
             continue
         built = time.perf_counter()
-        runner = native_cpu.NativeProgram(native_cpu.describe(program), program.weights, library)
+        layout = native_cpu.describe(program, graph.size_limits)
+        runner = native_cpu.NativeProgram(layout, program.weights, library)
         try:
             max_error = max((_max_error(expected[k], v) for k, v in runner.run(inputs).items()), default=0.0)
         except VerificationFailed as exc:
@@ -152,7 +152,7 @@ def _native_candidates(
             continue
         kernel = {
             "kind": "native",
-            "layout": native_cpu.describe(program),
+            "layout": layout,
             "source": source,
             "fingerprint": native_cpu.cpu_fingerprint(),
         }
@@ -168,10 +168,6 @@ def _native_candidates(
 
 def _loop_flops(program: Any, inputs: dict[str, np.ndarray], graph: Graph) -> float:
     """Multiply-adds the loop nests do at the measuring size (reductions count their extent)."""
-    from compiler.kernels.ir import LoopKernel
-    from compiler.reference import bind_symbols
-    from compiler.shape import evaluate
-
     bindings = bind_symbols(graph, inputs)
     total = 0.0
     for kernel in program.kernels:
@@ -281,8 +277,6 @@ def _max_error(expected: np.ndarray, actual: np.ndarray) -> float:
 
 def executable(artifact: Artifact):
     if artifact.kernels and artifact.kernels[0].get("kind") == "native":
-        from compiler.backends import native_cpu
-
         return native_cpu.load(artifact.kernels[0], artifact.all_weights(), artifact.binaries.get("program.so"))
     return CODEGENS[artifact.target].Executable(artifact.graph, artifact.kernels)
 

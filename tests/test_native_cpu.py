@@ -54,7 +54,7 @@ def test_gemm_then_bias_and_relu_is_one_library_call_and_one_loop() -> None:
     assert [op for _, op in kinds[3:]] == ["add", "max_reduce", "exp2", "sum_reduce", "recip", "mul"]
     source = render(program)
     assert source.count("scipy_cblas_sgemm(101") == 2
-    assert "void lc_run(const int64_t *S, void **B)" in source and "#pragma omp parallel for" in source
+    assert "int lc_run(const int64_t *S, void **B)" in source and "#pragma omp parallel for" in source
 
 
 def test_matches_onnxruntime_on_a_transformers_encoder() -> None:

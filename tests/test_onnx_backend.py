@@ -66,7 +66,7 @@ def test_pinned_cases_are_a_floor_and_exist() -> None:
 
 # every this-many-th case is compiled to native C only (a C build per case costs ~0.4 s, so the
 # rest use the NumPy lowering here); benchmarks/onnx_conformance.py runs every case natively
-NATIVE_SAMPLE_EVERY = 4
+NATIVE_SAMPLE_EVERY = 8
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -9,7 +9,9 @@ the server's threads.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
+import signal
 import threading
 from multiprocessing.connection import Connection
 
@@ -35,6 +37,7 @@ class CompileCancelled(CompilerError):
 def _compile_child(
     conn: Connection, data: bytes, target: str, memory_bytes: int, candidates: tuple[str, ...] | None
 ) -> None:
+    os.setpgid(0, 0)  # its own process group: stopping it stops the C compiler it may be running
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
@@ -47,6 +50,16 @@ def _compile_child(
         conn.send(("memory", None))
     except Exception as exc:  # noqa: BLE001  a compiler bug: the parent fails the version with its type
         conn.send(("crash", type(exc).__name__))
+
+
+def _kill_group(child: multiprocessing.Process) -> None:
+    """The child and everything it started (gcc and its cc1), which would otherwise outlive it."""
+    if child.exitcode is not None:
+        return  # reaped: its pid, and so its group id, may belong to someone else now
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, TypeError):
+        child.kill()  # not started, already gone, or the group was never made
 
 
 class Sandbox:
@@ -80,7 +93,7 @@ class Sandbox:
             with self._lock:
                 self._running.pop(version_id, None)
                 self._cancelled.discard(version_id)
-            child.kill()
+            _kill_group(child)
             child.join()
             receiver.close()
 
@@ -113,4 +126,4 @@ class Sandbox:
             self._cancelled.add(version_id)
             child = self._running.get(version_id)
         if child is not None:
-            child.kill()
+            _kill_group(child)

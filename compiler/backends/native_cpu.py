@@ -28,7 +28,7 @@ import numpy as np
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer, Program
-from compiler.shape import evaluate, shape_from_json, shape_to_json
+from compiler.shape import ShapeError, evaluate, shape_from_json, shape_to_json
 
 ALIGNMENT = 64
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno")
@@ -70,8 +70,22 @@ def compiler_command() -> str:
     return found
 
 
+_LIBRARY_DIR = Path(tempfile.gettempdir()) / f"luminal-native-{os.getuid()}"
+
+
 def build(source: str) -> bytes:
-    """The shared object for `source`, built for this CPU."""
+    """The shared object for `source`, built for this CPU; a source built before on this machine
+    (a re-upload, a recompile after a restart) is read back instead of compiled again."""
+    command_key = " ".join((compiler_command(), *CFLAGS, cpu_fingerprint()))
+    cached = _LIBRARY_DIR / f"build-{hashlib.sha256((command_key + source).encode()).hexdigest()}.so"
+    if cached.exists():
+        return cached.read_bytes()
+    library = _compile(source)
+    _write_atomically(cached, library)
+    return library
+
+
+def _compile(source: str) -> bytes:
     lib_dir, lib_name = _openblas()
     with tempfile.TemporaryDirectory(prefix="luminal-build-") as tmp:
         src, out = Path(tmp) / "program.c", Path(tmp) / "program.so"
@@ -86,9 +100,6 @@ def build(source: str) -> bytes:
         return out.read_bytes()
 
 
-_LIBRARY_DIR = Path(tempfile.gettempdir()) / f"luminal-native-{os.getuid()}"
-
-
 @cache
 def _single_threaded_blas() -> None:
     """The generated code splits each GEMM across OpenMP's threads; OpenBLAS's own threads on top
@@ -101,18 +112,24 @@ def _single_threaded_blas() -> None:
 def _load_library(data: bytes) -> ctypes.CDLL:
     _single_threaded_blas()
     """dlopen needs a file: each distinct library is written once, by content hash."""
-    _LIBRARY_DIR.mkdir(mode=0o700, exist_ok=True)
     path = _LIBRARY_DIR / f"{hashlib.sha256(data).hexdigest()}.so"
     if not path.exists() or path.stat().st_size != len(data):
-        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        partial.write_bytes(data)
-        os.replace(partial, path)
+        _write_atomically(path, data)
     return ctypes.CDLL(str(path))
 
 
-def describe(program: Program) -> dict[str, Any]:
-    """What the runtime needs besides the library: buffers, arena slots, symbols."""
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def describe(program: Program, size_limits: Mapping[str, int]) -> dict[str, Any]:
+    """What the runtime needs besides the library: buffers, arena slots, symbols, and the largest
+    size each symbol may take (the graph's own limits)."""
     return {
+        "size_limits": dict(sorted(size_limits.items())),
         "buffers": [
             {"dtype": b.dtype, "shape": shape_to_json(b.shape), "role": b.role, "name": b.name}
             for b in program.buffers
@@ -132,10 +149,11 @@ class NativeProgram:
         ]
         self.slots = {int(k): v for k, v in layout["slots"].items()}
         self.symbols = list(layout["symbols"])
+        self.size_limits = dict(layout.get("size_limits", {}))
         self._library = _load_library(library)
         self._entry = self._library.lc_run
         self._entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._entry.restype = None
+        self._entry.restype = ctypes.c_int
         self._pointers = (ctypes.c_void_p * max(1, len(self.buffers)))()
         self._weights: list[np.ndarray] = []
         for b in self.buffers:
@@ -177,7 +195,9 @@ class NativeProgram:
                 self._pointers[b.id] = array.ctypes.data
             for b in self._outputs:
                 self._pointers[b.id] = outputs[b.name].ctypes.data
-            self._entry(dims, self._pointers)
+            bad_index = self._entry(dims, self._pointers)
+        if bad_index:
+            raise IndexError("an index is out of bounds for the axis it selects from")
         return outputs
 
     def _bind(self, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
@@ -189,6 +209,10 @@ class NativeProgram:
                     symbol = declared.as_symbol()
                     if symbol is not None:
                         bindings.setdefault(symbol, int(size))
+        for symbol, limit in self.size_limits.items():
+            if bindings.get(symbol, 0) > limit:
+                # the generated code reads without bounds checks: a slice past its buffer is refused here
+                raise ShapeError(f"{symbol}={bindings[symbol]} takes a slice past the end of a buffer (at most {limit})")
         return bindings
 
 

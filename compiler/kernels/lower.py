@@ -107,8 +107,10 @@ class _Lowering:
         consumers = [i for i in needed if self.nodes[i].op is not Op.VIEW] + list(outputs)
         for consumer in consumers:
             sources = self.reads(consumer) if consumer not in outputs or self.nodes[consumer].op is not Op.VIEW else ()
-            for src in sources:
-                repeated = False
+            for position, src in enumerate(sources):
+                # a gather's computed indices get a buffer: inlined, the index expression would be
+                # copied into every index expression derived from it (exponential through reshapes)
+                repeated = self.nodes[consumer].op is Op.GATHER and position == 1
                 while self.nodes[src].op is Op.VIEW:
                     repeated |= self.nodes[src].arg[0] in _REPEATING_VIEWS
                     src = self.nodes[src].srcs[0]
@@ -270,10 +272,8 @@ class _Lowering:
             )
         )
         if target != out:
-            extents = {f"o{j}": d for j, d in enumerate(node.shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_letters)}
             index = linear([var_of[c] for c in canonical], tuple(sizes[c] for c in canonical))
-            del extents
             self.kernels.append(LoopKernel(out, node.shape, Load(target, index), None, i))
 
     def gemm_operand(
@@ -485,8 +485,13 @@ def kernel_writes(kernel: Kernel) -> int:
 def kernel_reads(kernel: Kernel) -> set[int]:
     if isinstance(kernel, GemmCall):
         return {kernel.a, kernel.b}
+    return expr_reads(kernel.value)
+
+
+def expr_reads(expr: Expr) -> set[int]:
+    """The buffers an expression loads from, indices (gathered ones) included."""
     found: set[int] = set()
-    stack: list[object] = [kernel.value]
+    stack: list[object] = [expr]
     while stack:
         e = stack.pop()
         if isinstance(e, Load):
@@ -506,4 +511,7 @@ def kernel_reads(kernel: Kernel) -> set[int]:
     return found
 
 
-__all__ = ["GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "linear", "lower", "plan_slots", "view_index"]
+__all__ = [
+    "GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "expr_reads", "kernel_reads", "linear", "lower", "plan_slots",
+    "strides_of", "view_index",
+]

@@ -1,6 +1,6 @@
 """Renders a kernel-IR program as one C translation unit with a single entry point.
 
-    void lc_run(const int64_t *S, void **B)
+    int lc_run(const int64_t *S, void **B)    (nonzero: a gathered index was out of range)
 
 `S` holds the program's symbols (batch, sequence...) in `Program.symbols` order and `B` a
 pointer per buffer, in `Program.buffers` order. Loop nests parallelize their output loops with
@@ -25,6 +25,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
+from compiler.kernels.lower import expr_reads, linear
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -73,10 +74,13 @@ static inline int64_t lc_fmod(int64_t a, int64_t b) {
     int64_t r = a % b;
     return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
-/* a gathered index: negative counts from the end; out of range is clamped (never read out of bounds) */
+/* set when a gathered index was out of range; lc_run returns it (calls are serialized by the caller) */
+static int lc_bad_index;
+/* a gathered index: negative counts from the end; out of range reads element 0 and is reported */
 static inline int64_t lc_index(int64_t v, int64_t n) {
     if (v < 0) v += n;
-    return v < 0 ? 0 : (v >= n ? n - 1 : v);
+    if (v < 0 || v >= n) { lc_bad_index = 1; return 0; }
+    return v;
 }
 static inline int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
 """
@@ -88,7 +92,8 @@ def render(program: Program) -> str:
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
     calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
-    parts.append(f"void lc_run(const int64_t *S, void **B) {{\n{calls}}}\n")
+    # nonzero when an index was out of range: the outputs are then garbage and the caller raises
+    parts.append(f"int lc_run(const int64_t *S, void **B) {{\n    lc_bad_index = 0;\n{calls}    return lc_bad_index;\n}}\n")
     return "\n".join(parts)
 
 
@@ -108,7 +113,7 @@ class _Renderer:
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if isinstance(kernel, GemmCall):
             return head + self.gemm(kernel) + "}\n"
-        reads = sorted(_loads(kernel.value) - {kernel.out})
+        reads = sorted(expr_reads(kernel.value) - {kernel.out})
         body = "".join(self.pointer(b) for b in reads) + self.pointer(kernel.out, writable=True)
         return head + body + self.loops(kernel) + "}\n"
 
@@ -126,7 +131,7 @@ class _Renderer:
             indent += "    "
         lines.append(f"{indent}{{\n")
         inner = indent + "    "
-        target = f"b{kernel.out}[{self.ix(_row_major(kernel.shape))}]"
+        target = f"b{kernel.out}[{self.ix(linear([Ix.var(f'o{j}') for j in range(rank)], kernel.shape))}]"
         if kernel.reduce is None:
             lines.append(f"{inner}{target} = ({out_type})({self.expr(kernel.value)});\n")
         else:
@@ -257,33 +262,13 @@ class _Renderer:
                 one = "1.0f" if dtype == "float32" else "1.0"
                 return f"({one} / ({args[0]}))"
             return f"(({ctype})(({args[0]}) == 0 ? 0 : 1 / ({args[0]})))"
-        functions = {"log2": "log2", "exp2": "exp2", "sin": "sin", "sqrt": "sqrt"}
-        if e.op in functions:
-            name = functions[e.op]
-            if arg_dtype == "float32":
-                return f"{name}f({args[0]})"
-            return f"(({ctype}){name}((double)({args[0]})))"
+        if e.op in ("log2", "exp2", "sin", "sqrt"):
+            # float32 goes through double too: pow is exp2(y * log2 x), which magnifies a last-bit
+            # error of log2f past what NumPy's float32 functions give (onnx's pow cases fail)
+            if e.op == "sqrt" and arg_dtype == "float32":
+                return f"sqrtf({args[0]})"
+            return f"(({ctype}){e.op}((double)({args[0]})))"
         raise TypeError(f"cannot render op {e.op}")
-
-
-def _loads(e: object) -> set[int]:
-    from compiler.kernels.lower import kernel_reads
-
-    return kernel_reads(LoopKernel(-1, (), e))  # type: ignore[arg-type]
-
-
-def _row_major(shape: tuple) -> Ix:
-    total = Ix()
-    for j, stride in enumerate(_row_major_strides(shape)):
-        if shape[j] != 1:
-            total = total + Ix.var(f"o{j}").scale(stride)
-    return total
-
-
-def _row_major_strides(shape: tuple) -> list[Dim]:
-    from compiler.kernels.lower import strides_of
-
-    return strides_of(tuple(shape))
 
 
 def literal(value: object, dtype: str) -> str:
