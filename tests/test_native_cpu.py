@@ -45,13 +45,16 @@ def test_gemm_then_bias_and_relu_is_one_library_call_and_one_loop() -> None:
     graph = load_graph(mlp().SerializeToString())  # Gemm, Relu, Gemm, Softmax
     program = lower(graph)
     kinds = [(type(k).__name__, graph.nodes[k.node].op.value) for k in program.kernels]
-    # the hidden layer: the call, then bias add and relu in one loop nest (a max over {x, 0})
-    assert kinds[:2] == [("GemmCall", "sum_reduce"), ("LoopKernel", "max_reduce")]
+    # the hidden layer: the call, then bias add and relu (a max over {x, 0}, unrolled) in the one
+    # loop nest that writes the next call's operand
+    assert kinds[:2] == [("GemmCall", "sum_reduce"), ("LoopKernel", "view")]
     relu = program.kernels[1]
     assert kernel_reads(relu) == {program.kernels[0].c, *(b.id for b in program.buffers if b.role == "weight" and
                                                           b.shape == (16,))}
-    # softmax: max, exp, sum, reciprocal and the normalizing multiply; no kernel per broadcast
-    assert [op for _, op in kinds[3:]] == ["add", "max_reduce", "exp2", "sum_reduce", "recip", "mul"]
+    # softmax: max, exp, sum and the normalizing multiply; the bias add and the reciprocal are
+    # recomputed by their readers; no kernel per broadcast
+    assert [op for _, op in kinds[3:]] == ["max_reduce", "exp2", "sum_reduce", "mul"]
+    assert "LC_MAX(" in render(program).split("static void k1(")[1].split("static void k2(")[0]
     source = render(program)
     assert source.count("scipy_cblas_sgemm(101") == 2
     assert "int lc_run(const int64_t *S, void **B)" in source and "#pragma omp parallel for" in source
@@ -101,3 +104,75 @@ def test_float16_graphs_stay_on_the_numpy_lowering_and_say_why() -> None:
     artifact = compile_onnx((FIXTURES / "attention_fp16_dynamo.onnx").read_bytes(), candidates=("native-blas",))
     assert artifact.report["chosen"] == "numpy"
     assert "float16" in artifact.report["rejected"]["native"]
+
+
+def _single_node_model(
+    op: str, inputs: list[tuple[str, int, list]], output_type: int, output_shape: list, **attributes
+) -> bytes:
+    from onnx import helper
+
+    node = helper.make_node(op, [name for name, _, _ in inputs], ["y"], **attributes)
+    graph = helper.make_graph(
+        [node], op, [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info("y", output_type, output_shape)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_float32_exp_is_vectorizable_arithmetic_within_two_ulp_of_numpy() -> None:
+    from onnx import TensorProto
+
+    artifact = compile_onnx(_single_node_model("Exp", [("x", TensorProto.FLOAT, ["n"])], TensorProto.FLOAT, ["n"]))
+    assert "lc_exp2f(" in artifact.kernels[0]["source"].split("int lc_run")[0].split("static void k0")[1]
+    program = executable(artifact)
+    x = np.concatenate([
+        np.linspace(-110, 89, 20001, dtype=np.float32),  # past both ends of float32's normal range
+        np.array([0.0, -0.0, 1e-8, -1e-8, np.inf, -np.inf, np.nan, -200.0, 200.0], np.float32),
+    ])
+    got = program.run({"x": x})["y"]
+    # exp is exp2(x * log2 e) in both: the float32 product's rounding is the reference's too
+    want = run_graph(load_graph(_single_node_model(
+        "Exp", [("x", TensorProto.FLOAT, ["n"])], TensorProto.FLOAT, ["n"]
+    )), {"x": x})["y"].astype(np.float64)
+    finite = np.isfinite(want) & (want >= np.finfo(np.float32).tiny)
+    ulp = np.spacing(want[finite].astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got[finite] - want[finite]) / ulp) <= 2.0
+    tiny = want < np.finfo(np.float32).tiny  # subnormal results: an absolute bound
+    assert np.max(np.abs(got[tiny] - want[tiny])) <= 2 * np.finfo(np.float32).smallest_subnormal
+    assert np.isnan(got[-3]) and got[-4] == 0.0 and np.isinf(got[-5]) and got[-2] == 0.0 and np.isinf(got[-1])
+    assert np.all(got[~finite & ~np.isnan(x)] >= 0)
+
+
+def test_vectorized_max_reductions_propagate_nan() -> None:
+    from onnx import TensorProto
+
+    maximum = executable(compile_onnx(_single_node_model(
+        "ReduceMax", [("x", TensorProto.FLOAT, ["n", 300])], TensorProto.FLOAT, ["n"], axes=[1], keepdims=0
+    )))
+    x = np.random.default_rng(0).standard_normal((4, 300)).astype(np.float32)
+    x[1, 7] = np.nan
+    x[2, 299] = np.nan
+    got = maximum.run({"x": x})["y"]
+    assert np.isnan(got[1]) and np.isnan(got[2])
+    np.testing.assert_array_equal(got[[0, 3]], x[[0, 3]].max(axis=1))
+
+
+def test_a_scalar_computed_from_constants_is_a_literal_not_a_buffer() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    # x * (1 / sqrt(32)): the attention scale, which once filled a [batch, heads, seq, seq] buffer
+    nodes = [
+        helper.make_node("Sqrt", ["d"], ["root"]),
+        helper.make_node("Reciprocal", ["root"], ["scale"]),
+        helper.make_node("Mul", ["x", "scale"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "scale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        [numpy_helper.from_array(np.array(32.0, np.float32), "d")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = lower(load_graph(data))
+    assert len(program.kernels) == 1 and not [b for b in program.buffers if b.role in ("weight", "temp")]
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    np.testing.assert_allclose(executable(compile_onnx(data)).run({"x": x})["y"], x / np.sqrt(32), rtol=1e-6)

@@ -48,6 +48,14 @@ GEMM_DTYPES = frozenset({"float32", "float64"})
 # computed once into a buffer instead of recomputed per read (padding reads each at most once)
 _REPEATING_VIEWS = frozenset({"expand", "window"})
 _COMPUTE = UNARY_OPS | BINARY_OPS | {Op.CAST, Op.GATHER}
+# a reduction over at most this many elements (static) is unrolled into the expression that reads
+# it (a clamp is a max over a concatenation of 2): a loop of 2 is not worth a kernel and a buffer
+UNROLL_REDUCE_MAX = 4
+# a value read more than once is recomputed by each reader while its inlined expression costs at
+# most this (loads and arithmetic 1, transcendental functions 8); the C compiler shares what one
+# kernel recomputes, and a buffer round trip costs more than a few multiply-adds
+INLINE_COST_LIMIT = 8
+_OP_COST = {Op.EXP2: 8, Op.LOG2: 8, Op.SIN: 8, Op.SQRT: 4, Op.RECIP: 2, Op.MOD: 4, Op.GATHER: 2}
 # probe size for symbols when grouping reshape axes (a prime, so products rarely coincide)
 _PROBE = 1009
 
@@ -82,6 +90,30 @@ class _Lowering:
         self.buffer_of: dict[int, int] = {}
         self.weights: dict[str, np.ndarray] = dict(graph.weights)
         self.symbols: set[str] = set()
+        self.scalars = self.scalar_constants()
+
+    def scalar_constants(self) -> dict[int, np.ndarray]:
+        """Values every element of which is one constant, computed here: a scale of 1/sqrt(d)
+        broadcast over the attention scores is a literal in the loop, not a buffer of copies."""
+        found: dict[int, np.ndarray] = {}
+        for i, node in enumerate(self.nodes):
+            if node.op is Op.CONSTANT and self.weights[node.arg].size == 1:
+                found[i] = np.asarray(self.weights[node.arg]).reshape(())
+            elif node.op is Op.VIEW and node.arg[0] != "pad" and node.srcs[0] in found:
+                found[i] = found[node.srcs[0]]
+            elif (node.op in UNARY_OPS or node.op in BINARY_OPS or node.op is Op.CAST) and all(
+                s in found for s in node.srcs
+            ):
+                found[i] = np.asarray(eval_node(node, [found[s] for s in node.srcs], self.graph, {})).reshape(())
+        return found
+
+    def unrolled_reduce(self, i: int) -> bool:
+        """A reduction small enough to be computed inside the expression that reads it."""
+        node = self.nodes[i]
+        if node.op not in (Op.SUM_REDUCE, Op.MAX_REDUCE) or i in self.contractions:
+            return False
+        extents = [self.nodes[node.srcs[0]].shape[a] for a in node.arg]
+        return all(isinstance(d, int) for d in extents) and int(np.prod(extents, dtype=np.int64)) <= UNROLL_REDUCE_MAX
 
     # -- which values get buffers ----------------------------------------------------------------
 
@@ -118,11 +150,35 @@ class _Lowering:
                 use.count += 1
                 use.repeated |= repeated
         roots = set(outputs) | set(self.contractions)
-        for i in needed:
+        cost: dict[int, int] = {}
+        for i in sorted(needed):
             node = self.nodes[i]
-            if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE) or node.op in _COMPUTE and i in uses and (uses[i].count > 1 or uses[i].repeated):
+            inline = node.op in _COMPUTE or self.unrolled_reduce(i)
+            if i in self.scalars:
+                cost[i] = 1
+                continue
+            if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE) and not inline:
                 roots.add(i)
+            if not inline:
+                cost[i] = 1
+                continue
+            if i in roots:
+                cost[i] = 1
+                continue
+            cost[i] = _OP_COST.get(node.op, 1) + sum(cost.get(self.source(s), 1) for s in self.reads(i))
+            if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
+                cost[i] *= max(1, int(np.prod([self.nodes[node.srcs[0]].shape[a] for a in node.arg])))
+            use = uses.get(i)
+            if use is not None and (use.repeated or use.count > 1 and cost[i] > INLINE_COST_LIMIT):
+                roots.add(i)
+                cost[i] = 1
         return needed, roots
+
+    def source(self, i: int) -> int:
+        """The value a chain of views reads."""
+        while self.nodes[i].op is Op.VIEW:
+            i = self.nodes[i].srcs[0]
+        return i
 
     # -- buffers -----------------------------------------------------------------------------------
 
@@ -146,6 +202,8 @@ class _Lowering:
         node = self.nodes[i]
         if i in self.buffer_of:
             return Load(self.buffer_of[i], linear(idx, node.shape))
+        if i in self.scalars:
+            return Const(self.scalars[i].item(), node.dtype)
         op = node.op
         if op is Op.CONSTANT:
             array = self.weights[node.arg]
@@ -159,6 +217,10 @@ class _Lowering:
         if op is Op.VIEW:
             src = node.srcs[0]
             src_idx, guards = view_index(node.arg, idx, self.nodes[src].shape, node.shape, extents)
+            known = [(g, n) for g, n in guards if g.is_const() and isinstance(g.const, int) and isinstance(n, int)]
+            if any(not 0 <= g.const < n for g, n in known):
+                return Const(node.arg[2], node.dtype)  # statically in the padding (an unrolled index)
+            guards = [guard for guard in guards if guard not in known]
             inner = self.expr(src, src_idx, extents)
             if guards:
                 return Guarded(tuple(guards), inner, node.arg[2], node.dtype)
@@ -175,7 +237,27 @@ class _Lowering:
             return Apply(op.value, tuple(self.expr(s, idx, extents) for s in node.srcs), node.dtype)
         if op is Op.CAST:
             return Apply("cast", (self.expr(node.srcs[0], idx, extents),), node.dtype)
+        if op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
+            return self.unrolled(i, idx, extents)
         raise AssertionError(f"{op} is always a root")
+
+    def unrolled(self, i: int, idx: list[Ix], extents: dict[str, Dim]) -> Expr:
+        """A small reduction as one expression: every reduced index a constant."""
+        node = self.nodes[i]
+        src_shape = self.nodes[node.srcs[0]].shape
+        axes = node.arg
+        terms: list[Expr] = []
+        for flat in range(int(np.prod([src_shape[a] for a in axes], dtype=np.int64))):
+            picked = iter(np.unravel_index(flat, [src_shape[a] for a in axes]) if axes else ())
+            kept = iter(idx)
+            src_idx = [Ix.of(int(next(picked))) if axis in axes else next(kept) for axis in range(len(src_shape))]
+            terms.append(self.expr(node.srcs[0], src_idx, extents))
+        if not terms:
+            return Const(0 if node.op is Op.SUM_REDUCE else float("-inf"), node.dtype)
+        total = terms[0]
+        for term in terms[1:]:
+            total = Apply("add" if node.op is Op.SUM_REDUCE else "max", (total, term), node.dtype)
+        return total
 
     # -- kernels -------------------------------------------------------------------------------
 
@@ -189,7 +271,7 @@ class _Lowering:
             output_names.setdefault(i, []).append(name)
         for i in sorted(roots):
             node = self.nodes[i]
-            if node.op in (Op.INPUT, Op.CONSTANT, Op.VIEW, Op.IOTA):
+            if node.op in (Op.INPUT, Op.CONSTANT, Op.VIEW, Op.IOTA) or i in self.scalars:
                 continue  # an output that computes nothing: copied into its buffer below
             names = output_names.get(i)
             role, name = ("output", names.pop(0)) if names else ("temp", "")
@@ -215,7 +297,7 @@ class _Lowering:
         node = self.nodes[i]
         out_vars = [Ix.var(f"o{j}") for j in range(len(node.shape))]
         extents = {f"o{j}": d for j, d in enumerate(node.shape)}
-        if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
+        if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE) and not self.unrolled_reduce(i):
             src = node.srcs[0]
             src_shape = self.nodes[src].shape
             axes = node.arg

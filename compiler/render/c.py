@@ -66,6 +66,7 @@ void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, 
 void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *,
                        int, double, double *, int);
 
+
 static inline int64_t lc_fdiv(int64_t a, int64_t b) {
     int64_t q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
@@ -83,15 +84,49 @@ static inline int64_t lc_index(int64_t v, int64_t n) {
     return v;
 }
 static inline int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
+/* 2^x for float32 in plain arithmetic, so loops that call it vectorize (libm's exp2f does not):
+   x = n + f with |f| <= 1/2, 2^f by its degree-7 Taylor polynomial (truncation error under
+   6e-9), 2^n built from exponent bits in two halves so that n in [-150, 128] stays exact;
+   NaN propagates through the polynomial, +-inf clamp to inf and 0 */
+static inline float lc_exp2f(float x) {
+    const float c = x < -150.0f ? -150.0f : (x > 128.0f ? 128.0f : x);
+    const float n = __builtin_rintf(c);
+    const float f = c - n;
+    float p = 1.5252733804059841e-05f;
+    p = p * f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.6181291076284772e-03f;
+    p = p * f + 5.5504108664821580e-02f;
+    p = p * f + 2.4022650695910071e-01f;
+    p = p * f + 6.9314718055994531e-01f;
+    p = p * f + 1.0f;
+    const int32_t i = (int32_t)n, half = i / 2;
+    const uint32_t hi = (uint32_t)(half + 127) << 23, lo = (uint32_t)(i - half + 127) << 23;
+    float scale_hi, scale_lo;
+    memcpy(&scale_hi, &hi, 4);
+    memcpy(&scale_lo, &lo, 4);
+    return p * scale_hi * scale_lo;
+}
+/* max that propagates NaN from either side, as NumPy's maximum does */
+#define LC_MAX(a, b) ({ __typeof__(a) lc_a_ = (a), lc_b_ = (b); ((lc_a_ > lc_b_) | (lc_a_ != lc_a_)) ? lc_a_ : lc_b_; })
 """
 
 
-def render(program: Program) -> str:
+def render(program: Program, profile: bool = False) -> str:
+    """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
+    `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact)."""
     renderer = _Renderer(program)
     parts = [_PRELUDE]
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
-    calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
+    if profile:
+        parts.append(f"double lc_kernel_seconds[{max(1, len(program.kernels))}];\n")
+        calls = "".join(
+            f"    {{ double t = omp_get_wtime(); k{n}(S, B); lc_kernel_seconds[{n}] += omp_get_wtime() - t; }}\n"
+            for n in range(len(program.kernels))
+        )
+    else:
+        calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
     # nonzero when an index was out of range: the outputs are then garbage and the caller raises
     parts.append(f"int lc_run(const int64_t *S, void **B) {{\n    lc_bad_index = 0;\n{calls}    return lc_bad_index;\n}}\n")
     return "\n".join(parts)
@@ -118,12 +153,16 @@ class _Renderer:
         return head + body + self.loops(kernel) + "}\n"
 
     def loops(self, kernel: LoopKernel) -> str:
+        """The output loops, the outer ones shared among threads; an elementwise kernel keeps its
+        innermost loop out of the parallel collapse so that it stays a plain counted loop over
+        contiguous elements, which the C compiler vectorizes."""
         out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
         rank = len(kernel.shape)
         total = " * ".join(f"(int64_t)({dim(d)})" for d in kernel.shape) or "1"
         lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
-        if rank:
-            collapse = f" collapse({rank})" if rank > 1 else ""
+        parallel = rank if kernel.reduce is not None or rank == 1 else rank - 1
+        if parallel:
+            collapse = f" collapse({parallel})" if parallel > 1 else ""
             lines.append(f"    #pragma omp parallel for{collapse} if(work >= {PARALLEL_MIN_ELEMENTS})\n")
         indent = "    "
         for j, d in enumerate(kernel.shape):
@@ -139,19 +178,29 @@ class _Renderer:
             dtype = self.program.buffers[kernel.out].dtype
             acc_type = "double" if dtype in ("float32", "float64") and kind == "sum" else out_type
             if kind == "sum" and dtype not in ("float32", "float64"):
-                acc_type = "int64_t" if dtype != "bool" else "uint8_t"
+                acc_type = "int64_t"  # a bool sum (any) counts, then tests the count
             init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
+            floating = dtype in ("float32", "float64")
             lines.append(f"{inner}{acc_type} acc = {init};\n")
+            if kind == "max" and floating:
+                lines.append(f"{inner}int lc_nan = 0;\n")
             body = inner
+            # the innermost reduced loop may add (or compare) in any order: it vectorizes
+            clause = "reduction(+:acc)" if kind == "sum" else ("reduction(max:acc) reduction(|:lc_nan)" if floating else "reduction(max:acc)")
             for j, d in enumerate(extents):
+                if j == len(extents) - 1 and not self.gathers(kernel.value):
+                    lines.append(f"{body}#pragma omp simd {clause}\n")
                 lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
                 body += "    "
             value = self.expr(kernel.value)
             if kind == "sum":
                 lines.append(f"{body}acc += ({acc_type})({value});\n")
+            elif floating:
+                lines.append(f"{body}{{ const {out_type} v = {value}; acc = v > acc ? v : acc; lc_nan |= v != v; }}\n")
+                lines.append(f"{inner}if (lc_nan) acc = NAN;\n")
             else:
-                lines.append(f"{body}{{ const {out_type} v = {value}; if (v > acc || v != v) acc = v; }}\n")
-            lines.append(f"{inner}{target} = ({out_type})acc;\n")
+                lines.append(f"{body}{{ const {out_type} v = {value}; acc = v > acc ? v : acc; }}\n")
+            lines.append(f"{inner}{target} = ({out_type})({'acc != 0' if dtype == 'bool' else 'acc'});\n")
         lines.append(f"{indent}}}\n")
         return "".join(lines)
 
@@ -201,6 +250,30 @@ class _Renderer:
         lines.append("        }\n")
         return "".join(lines)
 
+    @staticmethod
+    def gathers(expr: Expr) -> bool:
+        """Whether an expression reads through a gathered index (which reports out-of-range
+        indices through a global flag: not a loop to vectorize)."""
+        stack: list[object] = [expr]
+        while stack:
+            e = stack.pop()
+            if isinstance(e, Atom):
+                if e.op == "value":
+                    return True
+                stack.extend(e.args)
+            elif isinstance(e, Load):
+                stack.append(e.index)
+            elif isinstance(e, Ix):
+                stack.extend(v for v, _ in e.terms if isinstance(v, Atom))
+            elif isinstance(e, Guarded):
+                stack.append(e.value)
+                stack.extend(g for g, _ in e.guards)
+            elif isinstance(e, Apply):
+                stack.extend(e.args)
+            elif isinstance(e, IndexValue):
+                stack.append(e.index)
+        return False
+
     def ix(self, e: Ix) -> str:
         parts = []
         for var, coef in e.terms:
@@ -230,7 +303,8 @@ class _Renderer:
         if isinstance(e, IndexValue):
             return f"(({C_TYPES[e.dtype]})({self.ix(e.index)}))"
         if isinstance(e, Guarded):
-            checks = " && ".join(f"(uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)})" for g, n in e.guards)
+            # `&`, not `&&`: no branch, so the loop stays vectorizable
+            checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in e.guards)
             return f"(({checks}) ? ({self.expr(e.value)}) : ({literal(e.fill, e.dtype)}))"
         if isinstance(e, Apply):
             return self.apply(e)
@@ -251,6 +325,8 @@ class _Renderer:
             return f"(({args[0]}) || ({args[1]}))" if dtype == "bool" else f"(({ctype})(({args[0]}) + ({args[1]})))"
         if e.op == "mul":
             return f"(({args[0]}) && ({args[1]}))" if dtype == "bool" else f"(({ctype})(({args[0]}) * ({args[1]})))"
+        if e.op == "max":
+            return f"LC_MAX(({ctype})({args[0]}), ({ctype})({args[1]}))"
         if e.op == "mod":
             if dtype == "float32":
                 return f"fmodf({args[0]}, {args[1]})"
@@ -267,8 +343,24 @@ class _Renderer:
             # error of log2f past what NumPy's float32 functions give (onnx's pow cases fail)
             if e.op == "sqrt" and arg_dtype == "float32":
                 return f"sqrtf({args[0]})"
+            if e.op == "exp2" and arg_dtype == "float32" and not _uses(e.args[0], "log2"):
+                return f"lc_exp2f({args[0]})"
             return f"(({ctype}){e.op}((double)({args[0]})))"
         raise TypeError(f"cannot render op {e.op}")
+
+
+def _uses(expr: Expr, op: str) -> bool:
+    """Whether `op` is applied anywhere in the expression (outside index computations)."""
+    stack: list[Expr] = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Apply):
+            if e.op == op:
+                return True
+            stack.extend(e.args)
+        elif isinstance(e, Guarded):
+            stack.append(e.value)
+    return False
 
 
 def literal(value: object, dtype: str) -> str:
