@@ -11,7 +11,8 @@ import pytest
 
 from compiler import Artifact, compile_onnx, executable
 from compiler.frontends.onnx import load_graph
-from compiler.kernels.lower import kernel_reads, lower
+from compiler.kernels.ir import Ix, Load
+from compiler.kernels.lower import kernel_reads, linear, lower
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.c import render
@@ -176,3 +177,29 @@ def test_a_scalar_computed_from_constants_is_a_literal_not_a_buffer() -> None:
     assert len(program.kernels) == 1 and not [b for b in program.buffers if b.role in ("weight", "temp")]
     x = np.arange(16, dtype=np.float32).reshape(2, 8)
     np.testing.assert_allclose(executable(compile_onnx(data)).run({"x": x})["y"], x / np.sqrt(32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_convolution_is_one_product_per_image_written_in_place(batch: int) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 9, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 5, 5])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = lower(load_graph(data))
+    gemms = [k for k in program.kernels if type(k).__name__ == "GemmCall"]
+    # [channel] x [y, x] per image: the weights are the left operand as stored and the product
+    # lands in the output's NCHW layout, with no transpose kernel after it
+    assert len(gemms) == 1 and (gemms[0].m, gemms[0].n, gemms[0].k) == (8, 25, 36) and not gemms[0].trans_a
+    assert program.buffers[gemms[0].a].role == "weight"
+    (copy,) = [k for k in program.kernels if k is not gemms[0] and gemms[0].c in kernel_reads(k)]
+    assert copy.value == Load(gemms[0].c, linear([Ix.var(f"o{j}") for j in range(4)], copy.shape))
+    x = rng.standard_normal((batch, 4, 9, 9)).astype(np.float32)
+    want = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(executable(compile_onnx(data)).run({"x": x})["y"], want, rtol=1e-4, atol=1e-5)

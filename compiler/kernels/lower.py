@@ -335,8 +335,11 @@ class _Lowering:
         n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
         k_letters = [c for c in a_letters if c in b_letters and c not in out_letters]
         a, b = (found.operands[0], a_letters, found.squeezes[0]), (found.operands[1], b_letters, found.squeezes[1])
-        if "".join(batch + n_letters + m_letters) == out_letters and "".join(batch + m_letters + n_letters) != out_letters:
-            a, b, m_letters, n_letters = b, a, n_letters, m_letters  # C^T = B^T A^T: write C in place
+        in_place = _in_place_split(out_letters, batch, m_letters, n_letters)
+        if in_place is not None:
+            batch, m_letters, n_letters, swap = in_place
+            if swap:
+                a, b, m_letters, n_letters = b, a, n_letters, m_letters  # C^T = B^T A^T: write C in place
         canonical = batch + m_letters + n_letters
         target = out
         if "".join(canonical) != out_letters:
@@ -421,6 +424,28 @@ class _Lowering:
             node = self.nodes[j]
             memo[j] = eval_node(node, [memo[s] for s in node.srcs], self.graph, {})
         return np.asarray(memo[i])
+
+
+def _in_place_split(
+    out_letters: str, batch: list[str], m_letters: list[str], n_letters: list[str]
+) -> tuple[list[str], list[str], list[str], bool] | None:
+    """(batch, m, n, swap) such that the product's output is [batch..., m..., n...] (or
+    [batch..., n..., m...] with the operands swapped) in the output's own layout, so the call
+    writes it in place. Output letters ahead of the last shared batch letter become batch letters
+    too (the operand without one is read with stride 0 along it): a convolution's output
+    [image, group, channel, y, x] is then one product per image and group, [channel] x [y, x],
+    with no transpose after it. None when no split fits (the result is then transposed)."""
+    for cut in range(len(out_letters) + 1):
+        prefix, rest = out_letters[:cut], out_letters[cut:]
+        if not set(batch) <= set(prefix):
+            continue
+        m_rest = [c for c in rest if c in m_letters]
+        n_rest = [c for c in rest if c in n_letters]
+        if "".join(m_rest + n_rest) == rest:
+            return list(prefix), m_rest, n_rest, False
+        if "".join(n_rest + m_rest) == rest:
+            return list(prefix), m_rest, n_rest, True
+    return None
 
 
 # ---- index arithmetic ----------------------------------------------------------------------------

@@ -135,6 +135,8 @@ def render(program: Program, profile: bool = False) -> str:
 class _Renderer:
     def __init__(self, program: Program) -> None:
         self.program = program
+        # the conditions of the padding guards around the expression being rendered
+        self.guard = ""
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -297,6 +299,10 @@ class _Renderer:
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
+            if self.guard:
+                # inside padding's guard: an index that is never out of range whatever the guard
+                # says, so the load may run before the check and the loop vectorizes
+                return f"b{e.buffer}[({self.guard}) ? ({self.ix(e.index)}) : 0]"
             return f"b{e.buffer}[{self.ix(e.index)}]"
         if isinstance(e, Const):
             return literal(e.value, e.dtype)
@@ -305,7 +311,11 @@ class _Renderer:
         if isinstance(e, Guarded):
             # `&`, not `&&`: no branch, so the loop stays vectorizable
             checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in e.guards)
-            return f"(({checks}) ? ({self.expr(e.value)}) : ({literal(e.fill, e.dtype)}))"
+            outer = self.guard
+            self.guard = f"{outer} & {checks}" if outer else checks
+            value = self.expr(e.value)
+            self.guard = outer
+            return f"(({checks}) ? ({value}) : ({literal(e.fill, e.dtype)}))"
         if isinstance(e, Apply):
             return self.apply(e)
         raise TypeError(f"cannot render {e!r}")
