@@ -335,6 +335,10 @@ class _Lowering:
         n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
         k_letters = [c for c in a_letters if c in b_letters and c not in out_letters]
         a, b = (found.operands[0], a_letters, found.squeezes[0]), (found.operands[1], b_letters, found.squeezes[1])
+        if all(sizes[c] == 1 for c in m_letters + n_letters):
+            # dot products (a variance's sum of squares): a library call each costs more than the sum
+            self.kernels.append(self.loop_kernel(i, out))
+            return
         in_place = _in_place_split(out_letters, batch, m_letters, n_letters)
         if in_place is not None:
             batch, m_letters, n_letters, swap = in_place
