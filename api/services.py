@@ -89,6 +89,7 @@ def build_services(settings: Settings) -> Services:
             settings.compile_timeout_s,
             settings.compile_memory_bytes,
             settings.compile_candidates,
+            settings.compile_search,
         ),
         codec=Codec(settings.codec_process_above_bytes, settings.codec_workers),
         lock=lock,

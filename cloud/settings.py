@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     # the programs each cpu compile builds, verifies and times, keeping the fastest: generated C
     # with BLAS calls, generated C with loop nests only, the NumPy lowering
     compile_candidates: tuple[str, ...] = CANDIDATES
+    # whether cpu compiles run the search (an e-graph that removes work) before generating code
+    compile_search: bool = True
     # device types a model may be provisioned for
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes

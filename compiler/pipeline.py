@@ -1,8 +1,20 @@
-"""The compile pipeline, top to bottom: parse, lower, generate for the target, verify."""
+"""The compile pipeline, top to bottom: parse, search, lower, generate for the target, verify,
+measure.
+
+A cpu compile runs the search (compiler/search: an e-graph that removes work) on the parsed
+graph, lowers the result to native candidates (generated C with BLAS calls, with loop nests
+only), builds them, and loads, verifies and times each in a helper process
+(compiler/search/measure.py), so one that crashes or hangs is rejected, not the compile. Every
+candidate is checked against the reference interpreter run on the graph as parsed, so a wrong
+rewrite is caught; when no candidate of the optimized graph is correct, the parsed graph's are
+built instead. The NumPy lowering of the parsed graph is the candidate that needs nothing but
+NumPy. The artifact keeps the parsed graph (its signature, its hash, the NumPy program's nodes)
+and the chosen program's own constants beside its weights.
+"""
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,28 +34,49 @@ from compiler.kernels.lower import NotNative, lower
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import render
+from compiler.search import SearchBudget, measure, optimize
+from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.3.0"
+COMPILER_VERSION = "0.4.0"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, generated C
 # with loop nests only, and the NumPy lowering
 CANDIDATES = ("native-blas", "native-loops", "numpy")
-# candidates are timed with every symbol at this size, a few runs each within the budget
+# whether cpu compiles run the search before lowering (compile_graph's `search` overrides), and
+# its budget: the benchmark models (MiniLM-shaped BERT, GPT-2-style decoder, ResNet-style CNN,
+# ResNet-50) take 0.1-0.6 s of it on a shared 2-core machine
+SEARCH = True
+SEARCH_BUDGET = SearchBudget(max_seconds=10.0)
+# candidates are timed with every symbol at the small size, then at the large one (a full batch)
+# when the model allows it, several candidates are close and a run there is quick
 MEASURE_SYMBOL_SIZE = 8
+MEASURE_LARGE_SYMBOL_SIZE = 32
+# per size: a warm-up run, then rounds (each candidate once) until each has the minimum and the
+# budget (per candidate) has passed, or the maximum
+MEASURE_MIN_REPEATS = 3
 MEASURE_REPEATS = 7
-MEASURE_BUDGET_S = 1.0
+MEASURE_BUDGET_S = 0.75
+# a candidate this many times slower than the best is timed no more (after two runs) and is out
+# of the race once the small size is timed
+FAR_BEHIND = 4.0
+# the large size is skipped when a run there would take longer than this (scaled from the small)
+MAX_LARGE_RUN_S = 0.25
+# the NumPy lowering is chosen over generated C only when it is this many times faster
+NUMPY_MARGIN = 1.25
 
 
 class VerificationFailed(CompilerError):
     """The generated program disagrees with the reference interpreter: a compiler bug."""
 
 
-def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] | None = None) -> Artifact:
-    return compile_graph(load_graph(data), target, candidates)
+def compile_onnx(
+    data: bytes, target: str = "cpu", candidates: Sequence[str] | None = None, search: bool | None = None
+) -> Artifact:
+    return compile_graph(load_graph(data), target, candidates, search)
 
 
 # a loop-nest candidate doing more multiply-adds than this at the measuring size is not timed:
@@ -51,43 +84,87 @@ def compile_onnx(data: bytes, target: str = "cpu", candidates: Sequence[str] | N
 MAX_LOOP_FLOPS = 5e7
 
 
-def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] | None = None) -> Artifact:
+@dataclass
+class _Candidate:
+    name: str
+    kernels: list[dict[str, Any]]
+    binaries: dict[str, bytes]
+    weights: dict[str, np.ndarray]
+    max_error: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    # median ms per measured size (by its label), and the score they give (None: not timed)
+    ms_by_size: dict[str, float] = field(default_factory=dict)
+    ms: float | None = None
+    runs: int = 0
+    # slower than the best by FAR_BEHIND at the small size: not timed further, never chosen
+    behind: bool = False
+    # seconds one run takes on the inputs of a size (label, inputs): in the helper process for
+    # generated C (which holds the inputs by label), here for the NumPy program
+    timer: Callable[[str, dict[str, np.ndarray]], float] | None = None
+
+
+@dataclass
+class _Built:
+    """A native candidate built for this CPU, before it is loaded and verified."""
+
+    name: str
+    layout: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    library: bytes
+    source: str
+    stats: dict[str, Any]
+
+
+def compile_graph(
+    graph: Graph, target: str = "cpu", candidates: Sequence[str] | None = None, search: bool | None = None
+) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
-    correct one is kept. A candidate that cannot be built or disagrees is rejected, not the
-    compile; the NumPy lowering needs nothing but NumPy and is always a candidate."""
+    correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
+    rejected, not the compile; the NumPy lowering needs nothing but NumPy and is always a
+    candidate. `search` turns the search on or off (None: SEARCH)."""
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(sorted(CODEGENS))})"])
     started = time.perf_counter()
+    wanted = CANDIDATES if candidates is None else tuple(candidates)
+    native = target == "cpu" and any(name.startswith("native") for name in wanted)
     numpy_kernels = CODEGENS[target].generate(graph)
     verify_inputs, expected = verification_case(graph)
-    # integer inputs all 0: always a valid index, whatever the indexed axis (timing does not care)
-    measure_inputs = sample_inputs(graph, seed=1, int_high=1, symbol_size=MEASURE_SYMBOL_SIZE)
-    try:
-        run_graph(graph, measure_inputs) if graph.size_limits else None
-    except (ShapeError, IndexError):
-        measure_inputs = verify_inputs  # sizes the model does not allow together: time the small case
-    wanted = CANDIDATES if candidates is None else tuple(candidates)
-    candidates: list[_Candidate] = []
+    cases = _measure_cases(graph, verify_inputs) if len(wanted) > 1 else []
+    found: list[_Candidate] = []
     rejected: dict[str, str] = {}
-    if target == "cpu" and any(name.startswith("native") for name in wanted):
-        candidates, rejected = _native_candidates(graph, wanted, verify_inputs, expected, measure_inputs)
-    if "numpy" in wanted or not candidates:
-        numpy_program = CODEGENS[target].Executable(graph, numpy_kernels)
-        max_error = verify(graph, numpy_kernels, target, (verify_inputs, expected))
-        numpy_ms = _median_ms(numpy_program.run, measure_inputs) if candidates else 0.0
-        stats = {"kernels": len(numpy_kernels)}
-        candidates.append(_Candidate("numpy", numpy_kernels, {}, {}, max_error, numpy_ms, stats))
-    best = min(candidates, key=lambda c: c.ms)
+    measuring: dict[str, Any] = {}
+    search_report: dict[str, Any] = {"skipped": "no native candidate"}
+    if "numpy" in wanted or not native:
+        found.append(_numpy_candidate(graph, numpy_kernels, target, verify_inputs, expected))
+    if native:
+        program_graph, search_report = _search(graph, SEARCH if search is None else search)
+        loop_inputs = cases[0][1] if cases else verify_inputs
+        built, rejected = _build_native(program_graph, wanted, loop_inputs)
+        with measure.session() as runner:  # (one compile at a time uses the helper process)
+            runner.put_inputs("verify", verify_inputs)
+            natives = _verify_native(runner, built, expected, rejected)
+            if not natives and program_graph is not graph:
+                search_report["used"] = "parsed graph"
+                search_report["why"] = "no candidate of the optimized graph passed: " + "; ".join(
+                    f"{name}: {why}" for name, why in rejected.items()
+                )
+                built, rejected = _build_native(graph, wanted, loop_inputs)
+                natives = _verify_native(runner, built, expected, rejected)
+            found = natives + found
+            if len(found) > 1 and cases:
+                measuring = _measure(runner, found, cases, rejected)
+    if not found:  # every native candidate failed and NumPy was not asked for: it is the fallback
+        found.append(_numpy_candidate(graph, numpy_kernels, target, verify_inputs, expected))
+    best = _choose(found)
     program_weights = {k: v for k, v in best.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,
         "strategy": "measured candidates",
         "chosen": best.name,
-        "candidates": [
-            {"name": c.name, "median_ms": round(c.ms, 4), "max_abs_error": c.max_error, **c.stats} for c in candidates
-        ],
+        "candidates": [_candidate_report(c) for c in found],
         "rejected": rejected,
-        "measured_at_symbol_size": MEASURE_SYMBOL_SIZE,
+        "measuring": measuring,
+        "search": search_report,
         "ir_nodes": len(graph.nodes),
         "kernels": best.stats.get("kernels", len(numpy_kernels)),
         "fused_contractions": sum(k["kind"] == "einsum" for k in numpy_kernels),
@@ -101,27 +178,95 @@ def compile_graph(graph: Graph, target: str = "cpu", candidates: Sequence[str] |
     )
 
 
-@dataclass
-class _Candidate:
-    name: str
-    kernels: list[dict[str, Any]]
-    binaries: dict[str, bytes]
-    weights: dict[str, np.ndarray]
-    max_error: float
-    ms: float
-    stats: dict[str, Any] = field(default_factory=dict)
+def _candidate_report(c: _Candidate) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": c.name,
+        "median_ms": None if c.ms is None else round(c.ms, 4),
+        "max_abs_error": c.max_error,
+        **c.stats,
+    }
+    if c.ms_by_size:
+        entry["ms_by_size"] = {size: round(ms, 4) for size, ms in c.ms_by_size.items()}
+        entry["runs"] = c.runs
+    if c.behind:
+        entry["behind"] = True
+    return entry
 
 
-def _native_candidates(
-    graph: Graph,
-    wanted: Sequence[str],
-    inputs: dict[str, np.ndarray],
-    expected: dict[str, np.ndarray],
-    measure_inputs: dict[str, np.ndarray],
-) -> tuple[list[_Candidate], dict[str, str]]:
+# ---- search -----------------------------------------------------------------------------------
+
+
+def _search(graph: Graph, enabled: bool) -> tuple[Graph, dict[str, Any]]:
+    """The graph the native candidates are built from, and what the search did (compact)."""
+    if not enabled:
+        return graph, {"skipped": "turned off"}
+    try:
+        optimized, full = optimize(graph, SEARCH_BUDGET, keep_weights=True)
+    except Exception as exc:  # noqa: BLE001 - optimize promises not to raise; the compile goes on if it does
+        return graph, {"skipped": f"the search failed: {type(exc).__name__}: {exc}"}
+    report = {
+        "nodes_before": full["nodes_before"],
+        "nodes_after": full["nodes_after"],
+        "cost_before": full["cost_before"],
+        "cost_after": full["cost_after"],
+        "layout_rules": full["layout_rules"],
+        "folding": full["folding"],
+        "rules": {name: counts for name, counts in full["rules"].items() if counts},
+        "rounds": [
+            {
+                "enodes": r.get("enodes", {}),
+                "chunks": r.get("chunks", 0),
+                "copied_chunks": r.get("copied_chunks", 0),
+                "stopped": {
+                    stage: reasons for stage, reasons in r.get("stopped", {}).items() if set(reasons) != {"saturated"}
+                },
+            }
+            for r in full["rounds"]
+        ],
+        "seconds": {phase: round(s, 3) for phase, s in full["seconds"].items()},
+        "fallback": full["fallback"],
+        "used": "optimized graph",
+    }
+    if _same_graph(optimized, graph):
+        report["used"] = "parsed graph"
+        report["why"] = "the search changed nothing"
+        return graph, report
+    return optimized, report
+
+
+def _same_graph(a: Graph, b: Graph) -> bool:
+    return a is b or (a.nodes == b.nodes and a.inputs == b.inputs and a.outputs == b.outputs)
+
+
+# ---- candidates -------------------------------------------------------------------------------
+
+
+def _numpy_candidate(
+    graph: Graph, kernels: list[dict[str, Any]], target: str, inputs: dict[str, np.ndarray], expected: dict
+) -> _Candidate:
+    program = CODEGENS[target].Executable(graph, kernels)
+    max_error = verify(graph, kernels, target, (inputs, expected))
+    candidate = _Candidate("numpy", kernels, {}, {}, max_error, {"kernels": len(kernels)})
+    candidate.timer = lambda label, inputs: _timed(program.run, inputs)
+    return candidate
+
+
+def _timed(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.ndarray]) -> float:
+    began = time.perf_counter()
+    try:
+        run(inputs)
+    except Exception as exc:  # noqa: BLE001 - reported like a native candidate's failure
+        raise CandidateFailed(f"raised {type(exc).__name__}: {exc}") from None
+    return time.perf_counter() - began
+
+
+def _build_native(
+    graph: Graph, wanted: Sequence[str], measure_inputs: dict[str, np.ndarray]
+) -> tuple[list[_Built], dict[str, str]]:
     """Generated C with contractions as BLAS calls, and (where there are contractions) with
     every kernel a generated loop nest: the two whole-program choices measured today."""
-    found, rejected = [], {}
+    built: list[_Built] = []
+    rejected: dict[str, str] = {}
     for name, use_gemm in (("native-blas", True), ("native-loops", False)):
         if name not in wanted:
             continue
@@ -132,39 +277,50 @@ def _native_candidates(
             rejected["native"] = f"not expressible natively: {exc}"
             break
         gemms = sum(isinstance(k, GemmCall) for k in program.kernels)
-        if not use_gemm and "native-blas" in wanted and not any(c.stats["gemm_calls"] for c in found):
+        if not use_gemm and "native-blas" in wanted and not any(b.stats["gemm_calls"] for b in built):
             break  # no contraction: the loop-only program is the one already built
         if not use_gemm and len(wanted) > 1 and _loop_flops(program, measure_inputs, graph) > MAX_LOOP_FLOPS:
             rejected[name] = "not measured: its loop nests do far more work than the library calls"
             continue
         source = render(program)
+        measure.prestart()  # the helper process imports while the C compiler runs
         try:
             library = native_cpu.build(source)
         except CompilerError as exc:
             rejected[name] = str(exc)
             continue
-        built = time.perf_counter()
-        layout = native_cpu.describe(program, graph.size_limits)
-        runner = native_cpu.NativeProgram(layout, program.weights, library)
-        try:
-            max_error = max((_max_error(expected[k], v) for k, v in runner.run(inputs).items()), default=0.0)
-        except VerificationFailed as exc:
-            rejected[name] = f"disagrees with the reference: {exc}"
-            continue
-        kernel = {
-            "kind": "native",
-            "layout": layout,
-            "source": source,
-            "fingerprint": native_cpu.cpu_fingerprint(),
-        }
         stats = {
             "kernels": len(program.kernels),
             "gemm_calls": gemms,
-            "build_seconds": round(built - began, 4),
+            "build_seconds": round(time.perf_counter() - began, 4),
         }
-        ms = _median_ms(runner.run, measure_inputs)
-        found.append(_Candidate(name, [kernel], {"program.so": library}, program.weights, max_error, ms, stats))
-    return found, rejected
+        layout = native_cpu.describe(program, graph.size_limits)
+        built.append(_Built(name, layout, program.weights, library, source, stats))
+    return built, rejected
+
+
+def _verify_native(
+    runner: measure.Runner, built: list[_Built], expected: dict[str, np.ndarray], rejected: dict[str, str]
+) -> list[_Candidate]:
+    """The built candidates that load and match the reference (run on the inputs stored as
+    "verify"), each in the helper process; the others go to `rejected` with the reason."""
+    found = []
+    for b in built:
+        try:
+            runner.load(b.name, b.layout, b.weights, b.library)
+            outputs = runner.run(b.name, "verify")
+            max_error = max((_max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
+        except CandidateFailed as exc:
+            rejected[b.name] = exc.reason
+            continue
+        except VerificationFailed as exc:
+            rejected[b.name] = f"disagrees with the reference: {exc}"
+            continue
+        kernel = {"kind": "native", "layout": b.layout, "source": b.source, "fingerprint": native_cpu.cpu_fingerprint()}
+        candidate = _Candidate(b.name, [kernel], {"program.so": b.library}, b.weights, max_error, b.stats)
+        candidate.timer = lambda label, inputs, name=b.name: runner.time(name, label)
+        found.append(candidate)
+    return found
 
 
 def _loop_flops(program: Any, inputs: dict[str, np.ndarray], graph: Graph) -> float:
@@ -180,16 +336,112 @@ def _loop_flops(program: Any, inputs: dict[str, np.ndarray], graph: Graph) -> fl
     return total
 
 
-def _median_ms(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.ndarray]) -> float:
-    """Median of a few timed runs after one warm-up, within MEASURE_BUDGET_S."""
-    run(inputs)
-    times: list[float] = []
-    deadline = time.perf_counter() + MEASURE_BUDGET_S
-    while len(times) < MEASURE_REPEATS and (len(times) < 3 or time.perf_counter() < deadline):
-        began = time.perf_counter()
-        run(inputs)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1000
+# ---- measuring --------------------------------------------------------------------------------
+
+
+def _measure_cases(
+    graph: Graph, verify_inputs: dict[str, np.ndarray]
+) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """The inputs candidates are timed on, by size label: the small size (the verification case
+    when the model does not allow it), then the large one when the model's limits let it differ.
+    Integer inputs are all 0: always a valid index, whatever the indexed axis."""
+    small = sample_inputs(graph, seed=1, int_high=1, symbol_size=MEASURE_SYMBOL_SIZE)
+    label = str(MEASURE_SYMBOL_SIZE)
+    try:
+        run_graph(graph, small) if graph.size_limits else None
+    except (ShapeError, IndexError):
+        return [(str(VERIFY_SYMBOL_SIZE), verify_inputs)]  # sizes the model does not allow together
+    large = sample_inputs(graph, seed=1, int_high=1, symbol_size=MEASURE_LARGE_SYMBOL_SIZE)
+    if all(large[k].shape == small[k].shape for k in small):
+        return [(label, small)]
+    return [(label, small), (str(MEASURE_LARGE_SYMBOL_SIZE), large)]
+
+
+def _measure(
+    runner: measure.Runner,
+    found: list[_Candidate],
+    cases: list[tuple[str, dict[str, np.ndarray]]],
+    rejected: dict[str, str],
+) -> dict[str, Any]:
+    """Times the candidates in turns at each size (see compiler/search/measure.round_robin) and
+    gives each its score: the geometric mean of its medians. A candidate that crashes or hangs is
+    moved from `found` to `rejected`, and so is one that raises at the small size (the reference
+    ran there); an error at the large size only drops that size. Returns the report's
+    "measuring" section."""
+    began = time.perf_counter()
+    notes: list[str] = []
+    sizes: list[str] = []
+    by_name = {c.name: c for c in found}
+
+    def failed(name: str, exc: CandidateFailed) -> None:
+        if exc.crashed or not sizes:  # (sizes is empty while the small size is being timed)
+            rejected[name] = exc.reason if exc.crashed else f"{exc.reason} (at the measuring size)"
+            found.remove(by_name[name])
+        else:
+            errors[name] = exc.reason
+
+    for number, (label, inputs) in enumerate(cases):
+        racing = [c for c in found if not c.behind]
+        if len(racing) < 2:
+            break
+        if number > 0:
+            ratio = _elements(inputs) / max(1, _elements(cases[0][1]))
+            slowest = max(c.ms_by_size[sizes[0]] for c in racing) / 1000 * ratio
+            if slowest > MAX_LARGE_RUN_S:
+                notes.append(f"size {label} skipped: a run would take about {slowest:.2g} s")
+                break
+        runner.put_inputs(label, inputs)
+        errors: dict[str, str] = {}
+        times = measure.round_robin(
+            {c.name: (lambda c=c, label=label, inputs=inputs: c.timer(label, inputs)) for c in racing},
+            MEASURE_BUDGET_S * len(racing),
+            MEASURE_MIN_REPEATS,
+            MEASURE_REPEATS,
+            failed,
+            FAR_BEHIND,
+        )
+        if errors:
+            notes.append(f"size {label} dropped: " + "; ".join(f"{n} {why}" for n, why in errors.items()))
+            for c in found:
+                c.ms_by_size.pop(label, None)
+            break
+        sizes.append(label)
+        for name, seconds in times.items():
+            by_name[name].ms_by_size[label] = measure.median_ms(seconds)
+            by_name[name].runs += len(seconds)
+        if number == 0:
+            timed = [c for c in found if label in c.ms_by_size]
+            fastest = min((c.ms_by_size[label] for c in timed), default=0.0)
+            for c in timed:
+                c.behind = c.ms_by_size[label] > FAR_BEHIND * fastest
+    for c in found:
+        measured = [c.ms_by_size[s] for s in sizes if s in c.ms_by_size]
+        if measured:
+            c.ms = math.exp(sum(math.log(max(ms, 1e-6)) for ms in measured) / len(measured))
+    return {
+        "symbol_sizes": [int(s) for s in sizes],
+        "notes": notes,
+        "seconds": round(time.perf_counter() - began, 4),
+    }
+
+
+def _elements(inputs: dict[str, np.ndarray]) -> int:
+    return sum(int(a.size) for a in inputs.values())
+
+
+def _choose(found: list[_Candidate]) -> _Candidate:
+    """The fastest by score among the candidates in the race; the NumPy lowering only when it is
+    NUMPY_MARGIN times faster than the best generated C (timing on a shared machine is noisy,
+    and generated C's lead grows with the batch)."""
+    if len(found) == 1:
+        return found[0]
+    racing = [c for c in found if not c.behind and c.ms is not None] or found
+    native = [c for c in racing if c.name != "numpy"]
+    best = min(native or racing, key=lambda c: math.inf if c.ms is None else c.ms)
+    numpy = next((c for c in racing if c.name == "numpy"), None)
+    if numpy is not None and native and None not in (numpy.ms, best.ms) and numpy.ms * NUMPY_MARGIN < best.ms:
+        return numpy
+    return best
 
 
 def verification_case(graph: Graph) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

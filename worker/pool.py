@@ -58,10 +58,16 @@ class FairQueue:
 
 class EmbeddedCompilePool:
     def __init__(
-        self, registry: Registry, workers: int, timeout_s: float, memory_bytes: int, candidates: tuple[str, ...]
+        self,
+        registry: Registry,
+        workers: int,
+        timeout_s: float,
+        memory_bytes: int,
+        candidates: tuple[str, ...],
+        search: bool = True,
     ) -> None:
         self.registry = registry
-        self.sandbox = Sandbox(timeout_s, memory_bytes, candidates)
+        self.sandbox = Sandbox(timeout_s, memory_bytes, candidates, search)
         self._queue = FairQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)

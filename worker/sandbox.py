@@ -35,13 +35,18 @@ class CompileCancelled(CompilerError):
 
 
 def _compile_child(
-    conn: Connection, data: bytes, target: str, memory_bytes: int, candidates: tuple[str, ...] | None
+    conn: Connection,
+    data: bytes,
+    target: str,
+    memory_bytes: int,
+    candidates: tuple[str, ...] | None,
+    search: bool | None = None,
 ) -> None:
     os.setpgid(0, 0)  # its own process group: stopping it stops the C compiler it may be running
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        conn.send(("ok", compile_onnx(data, target, candidates).to_files()))
+        conn.send(("ok", compile_onnx(data, target, candidates, search).to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
     except CompilerError as exc:
@@ -65,10 +70,18 @@ def _kill_group(child: multiprocessing.Process) -> None:
 class Sandbox:
     """Runs compile_onnx in child processes; `cancel` stops a running one."""
 
-    def __init__(self, timeout_s: float, memory_bytes: int, candidates: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        memory_bytes: int,
+        candidates: tuple[str, ...] | None = None,
+        search: bool | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
         self.candidates = candidates
+        # whether the compile runs the search (None: the compiler's default)
+        self.search = search
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["compiler", "worker.sandbox"])
         self._running: dict[int, multiprocessing.Process] = {}
@@ -78,7 +91,9 @@ class Sandbox:
     def compile(self, version_id: int, data: bytes, target: str) -> Artifact:
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
-            target=_compile_child, args=(sender, data, target, self.memory_bytes, self.candidates), daemon=True,
+            target=_compile_child,
+            args=(sender, data, target, self.memory_bytes, self.candidates, self.search),
+            daemon=True,
             name=f"compile-{version_id}",
         )
         with self._lock:

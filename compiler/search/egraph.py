@@ -100,10 +100,16 @@ _TERM_OPS = (
 )
 
 
-def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph, dict[str, Any]]:
+def optimize(
+    graph: Graph, budget: SearchBudget = SearchBudget(), keep_weights: bool = False
+) -> tuple[Graph, dict[str, Any]]:
     """An equivalent graph with less work (same inputs, outputs, shapes and dtypes) and a report
-    of what ran; see the module docstring."""
+    of what ran; see the module docstring. With keep_weights the caller stores the input graph's
+    weights whatever the search does (the compile pipeline keeps the parsed graph in the
+    artifact): folding then frees none of them, so it never adds a copy of one (a reshaped
+    weight would be stored twice)."""
     started = time.perf_counter()
+    kept = frozenset(graph.weights) if keep_weights else frozenset()
     deadline = started + budget.max_seconds
     report: dict[str, Any] = {
         "nodes_before": len(graph.nodes),
@@ -117,7 +123,7 @@ def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph
     }
     best = graph
     try:
-        best = _python_passes(graph, report)
+        best = _python_passes(graph, report, kept)
         check_graph(best, graph)
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -132,7 +138,7 @@ def optimize(graph: Graph, budget: SearchBudget = SearchBudget()) -> tuple[Graph
         try:
             candidate = _egraph_round(best, budget, deadline, report, round_report)
             python_rewrites = _total(report["layout_rules"]) + _total(report["folding"])
-            candidate = _python_passes(candidate, report)
+            candidate = _python_passes(candidate, report, kept)
             check_graph(candidate, graph)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -156,11 +162,11 @@ def _total(counts: Counter[str]) -> int:
     return sum(counts.values())
 
 
-def _python_passes(graph: Graph, report: dict[str, Any]) -> Graph:
+def _python_passes(graph: Graph, report: dict[str, Any], kept: frozenset[str] = frozenset()) -> Graph:
     t0 = time.perf_counter()
     graph = canonicalize_layout(graph, report["layout_rules"])
     t1 = time.perf_counter()
-    graph = fold_constants(graph, report["folding"])
+    graph = fold_constants(graph, report["folding"], kept)
     # folding can leave a view of a view (the view of a folded view's source)
     graph = canonicalize_layout(graph, report["layout_rules"])
     report["seconds"]["layout"] += t1 - t0

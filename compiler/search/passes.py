@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -91,18 +91,19 @@ def _first_layout_match(
     return None
 
 
-def fold_constants(graph: Graph, counts: Counter[str]) -> Graph:
+def fold_constants(graph: Graph, counts: Counter[str], kept: Collection[str] = ()) -> Graph:
     """Evaluates nodes computed from weights only into new weights, once, with the reference
     interpreter's node evaluator, unless the result is larger than the weights it frees plus
     FOLD_SLACK_BYTES (a weight still read elsewhere is not freed: a transposed copy of a tied
-    embedding would double it). An iota of static length reads no weights: it folds when small."""
+    embedding would double it; nor is one named in `kept`, which the caller stores anyway). An
+    iota of static length reads no weights: it folds when small."""
     readers = Counter(s for node in graph.nodes for s in set(node.srcs))
     readers.update(i for _, i in graph.outputs)
     writer = GraphWriter(graph.weights)
     remap: list[int] = []
     for i, node in enumerate(graph.nodes):
         node = Node(node.op, tuple(remap[s] for s in node.srcs), node.shape, node.dtype, node.arg)
-        folded = _fold(node, graph.nodes[i].srcs, writer, readers)
+        folded = _fold(node, graph.nodes[i].srcs, writer, readers, kept)
         if folded is not None:
             counts["fold_weights_only"] += 1
             for s in set(graph.nodes[i].srcs):
@@ -113,7 +114,9 @@ def fold_constants(graph: Graph, counts: Counter[str]) -> Graph:
     return writer.finish(inputs, [(name, remap[i]) for name, i in graph.outputs], graph.size_limits)
 
 
-def _fold(node: Node, old_srcs: tuple[int, ...], writer: GraphWriter, readers: Counter[int]) -> Node | None:
+def _fold(
+    node: Node, old_srcs: tuple[int, ...], writer: GraphWriter, readers: Counter[int], kept: Collection[str]
+) -> Node | None:
     if node.op in (Op.INPUT, Op.CONSTANT) or not is_static(node.shape):
         return None
     srcs = [writer.nodes[s] for s in node.srcs]
@@ -123,7 +126,7 @@ def _fold(node: Node, old_srcs: tuple[int, ...], writer: GraphWriter, readers: C
     freed = sum(
         writer.weights[writer.nodes[new].arg].nbytes
         for new, old in dict(zip(node.srcs, old_srcs)).items()
-        if readers[old] == 1
+        if readers[old] == 1 and writer.nodes[new].arg not in kept
     )
     if size is None or size > freed + FOLD_SLACK_BYTES:
         return None
