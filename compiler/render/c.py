@@ -135,8 +135,9 @@ def render(program: Program, profile: bool = False) -> str:
 class _Renderer:
     def __init__(self, program: Program) -> None:
         self.program = program
-        # the conditions of the padding guards around the expression being rendered
-        self.guard = ""
+        # the conditions of the padding guards around the expression being rendered ("" outside
+        # any; None below a guard that is not affine, where loads are not wrapped)
+        self.guard: str | None = ""
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -299,7 +300,7 @@ class _Renderer:
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
-            if self.guard:
+            if self.guard:  # None under a non-affine guard: no wrapping below it
                 # inside padding's guard: an index that is never out of range whatever the guard
                 # says, so the load may run before the check and the loop vectorizes
                 return f"b{e.buffer}[({self.guard}) ? ({self.ix(e.index)}) : 0]"
@@ -312,7 +313,11 @@ class _Renderer:
             # `&`, not `&&`: no branch, so the loop stays vectorizable
             checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in e.guards)
             outer = self.guard
-            self.guard = f"{outer} & {checks}" if outer else checks
+            # only affine guards are repeated in the loads: a gathered index in a guard would be
+            # copied into every load under it, nested guards multiplying the source (the ternary
+            # alone is still correct, as C evaluates only the branch taken)
+            affine = all(isinstance(v, str) for g, _ in e.guards for v, _ in g.terms)
+            self.guard = (f"{outer} & {checks}" if outer else checks) if affine and outer is not None else None
             value = self.expr(e.value)
             self.guard = outer
             return f"(({checks}) ? ({value}) : ({literal(e.fill, e.dtype)}))"
