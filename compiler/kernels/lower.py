@@ -12,7 +12,7 @@ with a sum, which is the alternative the search measures against the library cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -599,14 +599,14 @@ def kernel_reads(kernel: Kernel) -> set[int]:
     return expr_reads(kernel.value)
 
 
-def expr_reads(expr: Expr) -> set[int]:
-    """The buffers an expression loads from, indices (gathered ones) included."""
-    found: set[int] = set()
+def walk(expr: Expr | Ix | Atom) -> Iterator[object]:
+    """Every value expression, index expression and index atom under `expr` (itself included),
+    gathered indices and padding guards too."""
     stack: list[object] = [expr]
     while stack:
         e = stack.pop()
+        yield e
         if isinstance(e, Load):
-            found.add(e.buffer)
             stack.append(e.index)
         elif isinstance(e, Guarded):
             stack.append(e.value)
@@ -619,10 +619,14 @@ def expr_reads(expr: Expr) -> set[int]:
             stack.extend(v for v, _ in e.terms if isinstance(v, Atom))
         elif isinstance(e, Atom):
             stack.extend(a for a in e.args if isinstance(a, (Ix, Load, Guarded, Apply, IndexValue, Const)))
-    return found
+
+
+def expr_reads(expr: Expr) -> set[int]:
+    """The buffers an expression loads from, indices (gathered ones) included."""
+    return {e.buffer for e in walk(expr) if isinstance(e, Load)}
 
 
 __all__ = [
     "GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "expr_reads", "kernel_reads", "linear", "lower", "plan_slots",
-    "strides_of", "view_index",
+    "strides_of", "view_index", "walk",
 ]

@@ -25,7 +25,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import expr_reads, linear
+from compiler.kernels.lower import expr_reads, linear, walk
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -257,25 +257,7 @@ class _Renderer:
     def gathers(expr: Expr) -> bool:
         """Whether an expression reads through a gathered index (which reports out-of-range
         indices through a global flag: not a loop to vectorize)."""
-        stack: list[object] = [expr]
-        while stack:
-            e = stack.pop()
-            if isinstance(e, Atom):
-                if e.op == "value":
-                    return True
-                stack.extend(e.args)
-            elif isinstance(e, Load):
-                stack.append(e.index)
-            elif isinstance(e, Ix):
-                stack.extend(v for v, _ in e.terms if isinstance(v, Atom))
-            elif isinstance(e, Guarded):
-                stack.append(e.value)
-                stack.extend(g for g, _ in e.guards)
-            elif isinstance(e, Apply):
-                stack.extend(e.args)
-            elif isinstance(e, IndexValue):
-                stack.append(e.index)
-        return False
+        return any(isinstance(e, Atom) and e.op == "value" for e in walk(expr))
 
     def ix(self, e: Ix) -> str:
         parts = []
