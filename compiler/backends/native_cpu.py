@@ -141,6 +141,10 @@ def describe(program: Program, size_limits: Mapping[str, int]) -> dict[str, Any]
     }
 
 
+# input shapes whose buffer layout a loaded program remembers (batch sizes times sequence lengths)
+_LAYOUT_CACHE_SIZE = 256
+
+
 class NativeProgram:
     """A built program bound to its weights; `run` is thread-safe (one call at a time)."""
 
@@ -168,39 +172,54 @@ class NativeProgram:
         self._temps = [b for b in self.buffers if b.role == "temp"]
         self._arena = np.empty(0, np.uint8)
         self._lock = threading.Lock()
+        self._layouts: dict[tuple, tuple] = {}
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        bindings = self._bind(inputs)
         arrays = [np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs]
-        outputs = {
-            b.name: np.empty(tuple(evaluate(d, bindings) for d in b.shape), numpy_dtype(b.dtype))
-            for b in self._outputs
-        }
+        shapes = tuple(a.shape for a in arrays)
+        layout = self._layouts.get(shapes)
+        if layout is None:
+            layout = self._layout(inputs)
+        dims, output_shapes, offsets, total = layout
+        outputs = {b.name: np.empty(shape, numpy_dtype(b.dtype)) for b, shape in zip(self._outputs, output_shapes)}
+        with self._lock:
+            if shapes not in self._layouts:
+                if len(self._layouts) >= _LAYOUT_CACHE_SIZE:
+                    self._layouts.pop(next(iter(self._layouts)))
+                self._layouts[shapes] = layout
+            if self._arena.nbytes < total + ALIGNMENT:
+                self._arena = np.empty(total + ALIGNMENT, np.uint8)  # grows to the largest request
+            base = self._arena.ctypes.data
+            base += -base % ALIGNMENT
+            pointers = self._pointers
+            for b, offset in zip(self._temps, offsets):
+                pointers[b.id] = base + offset
+            for b, array in zip(self._inputs, arrays):
+                pointers[b.id] = array.ctypes.data
+            for b in self._outputs:
+                pointers[b.id] = outputs[b.name].ctypes.data
+            bad_index = self._entry(dims, pointers)
+        if bad_index:
+            raise IndexError("an index is out of bounds for the axis it selects from")
+        return outputs
+
+    def _layout(self, inputs: Mapping[str, np.ndarray]) -> tuple:
+        """What a call at these input shapes needs besides the data: the symbols' values, the
+        outputs' shapes, each temp's offset in the arena and the arena's size (cached per shapes:
+        evaluating every buffer's symbolic size costs more than a small model's run)."""
+        bindings = self._bind(inputs)
+        output_shapes = [tuple(evaluate(d, bindings) for d in b.shape) for b in self._outputs]
         slot_bytes: dict[int, int] = {}
         for b in self._temps:
             size = int(np.prod([evaluate(d, bindings) for d in b.shape], dtype=np.int64)) * numpy_dtype(b.dtype).itemsize
             slot = self.slots[b.id]
             slot_bytes[slot] = max(slot_bytes.get(slot, 0), size)
-        offsets, total = {}, 0
+        slot_offsets, total = {}, 0
         for slot in sorted(slot_bytes):
-            offsets[slot] = total
+            slot_offsets[slot] = total
             total += -(-slot_bytes[slot] // ALIGNMENT) * ALIGNMENT
         dims = (ctypes.c_int64 * max(1, len(self.symbols)))(*(bindings[s] for s in self.symbols))
-        with self._lock:
-            if self._arena.nbytes < total + ALIGNMENT:
-                self._arena = np.empty(total + ALIGNMENT, np.uint8)  # grows to the largest request
-            base = self._arena.ctypes.data
-            base += -base % ALIGNMENT
-            for b in self._temps:
-                self._pointers[b.id] = base + offsets[self.slots[b.id]]
-            for b, array in zip(self._inputs, arrays):
-                self._pointers[b.id] = array.ctypes.data
-            for b in self._outputs:
-                self._pointers[b.id] = outputs[b.name].ctypes.data
-            bad_index = self._entry(dims, self._pointers)
-        if bad_index:
-            raise IndexError("an index is out of bounds for the axis it selects from")
-        return outputs
+        return dims, output_shapes, [slot_offsets[self.slots[b.id]] for b in self._temps], total
 
     def _bind(self, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
         bindings: dict[str, int] = {}

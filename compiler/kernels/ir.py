@@ -22,7 +22,8 @@ from compiler.shape import Dim, Shape, ShapeError, dim_add, dim_div, dim_mul, pr
 class Atom:
     """A non-affine integer term: ("floordiv", Ix, Dim), ("mod", Ix, Dim), ("min", Ix, Ix),
     ("value", Expr, Dim) — a loaded value used as an index into an axis of that size (gather),
-    wrapped when negative and clamped into the axis."""
+    wrapped when negative and clamped into the axis; ("flag", Expr) — a bool value as 0 or 1 (the
+    choice of a select, which a gathered index 2*i + cond spells)."""
 
     op: str
     args: tuple
@@ -68,9 +69,14 @@ def ix_max(ix: Ix, extents: dict[str, Dim]) -> Dim | None:
     """An upper bound of ix over the loops' ranges, or None when unknown (atoms, negative terms)."""
     total: Dim = ix.const
     for var, coef in ix.terms:
-        if not isinstance(var, str) or (isinstance(coef, int) and coef < 0):
+        if isinstance(coef, int) and coef < 0:
             return None
-        total = dim_add(total, dim_mul(coef, dim_add(extents[var], -1)))
+        if isinstance(var, Atom) and var.op == "flag":
+            total = dim_add(total, coef)
+        elif isinstance(var, str):
+            total = dim_add(total, dim_mul(coef, dim_add(extents[var], -1)))
+        else:
+            return None
     return total
 
 
@@ -80,6 +86,10 @@ def ix_floordiv(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> Ix:
     whole, _ = _split(ix, divisor, extents)
     if whole is not None:
         return whole
+    factored = _common_factor(ix, divisor, extents)
+    if factored is not None:
+        factor, quotient, _ = factored
+        return ix_floordiv(quotient, dim_div(divisor, factor), extents)
     return Ix.var(Atom("floordiv", (ix, divisor)))
 
 
@@ -89,6 +99,10 @@ def ix_mod(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> Ix:
     whole, rest = _split(ix, divisor, extents)
     if whole is not None:
         return rest
+    factored = _common_factor(ix, divisor, extents)
+    if factored is not None:
+        factor, quotient, remainder = factored
+        return ix_mod(quotient, dim_div(divisor, factor), extents).scale(factor) + remainder
     top = ix_max(ix, extents)
     if top is not None and provably_le(dim_add(top, 1), divisor):
         return ix
@@ -115,6 +129,21 @@ def _split(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> tuple[Ix | None, Ix
     if top is None or (isinstance(const_r, int) and const_r < 0) or not provably_le(dim_add(top, 1), divisor):
         return None, ix
     return Ix(_canonical(quotient), const_q), remainder
+
+
+def _common_factor(ix: Ix, divisor: Dim, extents: dict[str, Dim]) -> tuple[int, Ix, Ix] | None:
+    """(g, q, r) with ix = g*q + r, 0 <= r < g provably and g dividing the divisor: then
+    ix // divisor = q // (divisor / g) and ix % divisor = g * (q % (divisor / g)) + r (an
+    interleaving's 2*i + flag read through a reshape by symbolic sizes)."""
+    for factor in sorted({c for _, c in ix.terms if isinstance(c, int) and c > 1}, reverse=True):
+        try:
+            dim_div(divisor, factor)
+        except (ShapeError, ZeroDivisionError):
+            continue
+        quotient, remainder = _split(ix, factor, extents)
+        if quotient is not None and quotient.terms:
+            return factor, quotient, remainder
+    return None
 
 
 # ---- value expressions -------------------------------------------------------------------------

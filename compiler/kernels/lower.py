@@ -34,10 +34,22 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
     ix_floordiv,
+    ix_max,
     ix_mod,
 )
 from compiler.reference import eval_node
-from compiler.shape import Dim, Shape, dim_min, dim_mul, dim_sub, evaluate, is_static, numel
+from compiler.shape import (
+    Dim,
+    Shape,
+    dim_add,
+    dim_min,
+    dim_mul,
+    dim_sub,
+    evaluate,
+    is_static,
+    numel,
+    provably_le,
+)
 
 # element types the native renderers handle; a graph with others stays on the NumPy backend
 NATIVE_DTYPES = frozenset(
@@ -142,7 +154,8 @@ class _Lowering:
             for position, src in enumerate(sources):
                 # a gather's computed indices get a buffer: inlined, the index expression would be
                 # copied into every index expression derived from it (exponential through reshapes)
-                repeated = self.nodes[consumer].op is Op.GATHER and position == 1
+                # (an affine index, like a select's 2*i + cond, simplifies away instead)
+                repeated = self.nodes[consumer].op is Op.GATHER and position == 1 and not self.affine_index(src)
                 while self.nodes[src].op is Op.VIEW:
                     repeated |= self.nodes[src].arg[0] in _REPEATING_VIEWS
                     src = self.nodes[src].srcs[0]
@@ -173,6 +186,25 @@ class _Lowering:
                 roots.add(i)
                 cost[i] = 1
         return needed, roots
+
+    def affine_index(self, i: int) -> bool:
+        """Whether integer value i is an affine form of loop indices, integer constants and
+        bool-to-integer casts (see as_index), so that a gather through it needs no index buffer."""
+        node = self.nodes[i]
+        if i in self.scalars:
+            return node.dtype.startswith(("int", "uint"))
+        if node.op is Op.IOTA:
+            return True
+        if node.op is Op.CAST:
+            return self.nodes[node.srcs[0]].dtype == "bool" and node.dtype.startswith(("int", "uint"))
+        if node.op is Op.ADD:
+            return all(self.affine_index(s) for s in node.srcs)
+        if node.op is Op.MUL:
+            a, b = node.srcs
+            return (a in self.scalars and self.affine_index(b)) or (b in self.scalars and self.affine_index(a))
+        if node.op is Op.VIEW and node.arg[0] != "pad":
+            return self.affine_index(node.srcs[0])
+        return False
 
     def source(self, i: int) -> int:
         """The value a chain of views reads."""
@@ -231,7 +263,13 @@ class _Lowering:
             rank = len(self.nodes[indices].shape)
             chosen = self.expr(indices, idx[axis : axis + rank], extents)
             size = self.nodes[data].shape[axis]
-            data_idx = idx[:axis] + [Ix.var(Atom("value", (chosen, size)))] + idx[axis + rank :]
+            affine = as_index(chosen, self.buffers)
+            top = ix_max(affine, extents) if affine is not None else None
+            if top is not None and isinstance(affine.const, int) and affine.const >= 0 and provably_le(dim_add(top, 1), size):
+                picked = affine  # provably inside the axis: no wrapping or clamping to render
+            else:
+                picked = Ix.var(Atom("value", (chosen, size)))
+            data_idx = idx[:axis] + [picked] + idx[axis + rank :]
             return self.expr(data, data_idx, extents)
         if op in UNARY_OPS or op in BINARY_OPS:
             return Apply(op.value, tuple(self.expr(s, idx, extents) for s in node.srcs), node.dtype)
@@ -455,6 +493,32 @@ def _in_place_split(
 # ---- index arithmetic ----------------------------------------------------------------------------
 
 
+def as_index(e: Expr, buffers: Sequence[Buffer]) -> Ix | None:
+    """An integer value expression as an index expression when it is affine in loop indices, with
+    bool-to-integer casts as 0/1 flags; None otherwise."""
+    if isinstance(e, IndexValue):
+        return e.index
+    if isinstance(e, Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return Ix.of(e.value)
+    if not isinstance(e, Apply) or not e.dtype.startswith(("int", "uint")):
+        return None
+    if e.op == "cast":
+        inner = e.args[0]
+        dtype = buffers[inner.buffer].dtype if isinstance(inner, Load) else inner.dtype
+        return Ix.var(Atom("flag", (inner,))) if dtype == "bool" else None
+    if e.op == "add":
+        parts = [as_index(a, buffers) for a in e.args]
+        return None if None in parts else parts[0] + parts[1]
+    if e.op == "mul":
+        a, b = e.args
+        if isinstance(b, Const):
+            a, b = b, a
+        rest = as_index(b, buffers)
+        if isinstance(a, Const) and isinstance(a.value, int) and rest is not None:
+            return rest.scale(a.value)
+    return None
+
+
 def strides_of(shape: Shape) -> list[Dim]:
     strides: list[Dim] = [1] * len(shape)
     for j in range(len(shape) - 2, -1, -1):
@@ -463,11 +527,64 @@ def strides_of(shape: Shape) -> list[Dim]:
 
 
 def linear(idx: Sequence[Ix], shape: Shape) -> Ix:
+    """The offset of idx in a row-major buffer of this shape. Axes that are the digits of one flat
+    index x (x // P % d ... x % d', as a reshape from a flat value spells them) are recombined
+    into x, so a flat-to-shaped-to-flat round trip costs no division."""
+    strides = strides_of(shape)
+    axes = [j for j, d in enumerate(shape) if d != 1]
     total = Ix()
-    for ix, d, stride in zip(idx, shape, strides_of(shape), strict=True):
-        if d != 1:
-            total = total + ix.scale(stride)
+    end = len(axes)
+    while end > 0:
+        start, whole = _digit_run(idx, shape, axes[:end])
+        if start is None:
+            j = axes[end - 1]
+            total = total + idx[j].scale(strides[j])
+            end -= 1
+            continue
+        total = total + whole.scale(strides[axes[end - 1]])
+        end = start
     return total
+
+
+def _digit_run(idx: Sequence[Ix], shape: Shape, axes: list[int]) -> tuple[int | None, Ix]:
+    """The longest run of axes ending at axes[-1] that reads the digits of one index x, innermost
+    first: (position in axes where it starts, the run's combined offset in units of the last
+    axis), or (None, _) when there is no run of two or more."""
+    last = _as_digit(idx[axes[-1]])
+    if last is None or last[1] != 1 or last[2] is None or dim_sub(last[2], shape[axes[-1]]) != 0:
+        return None, Ix()
+    x = last[0]
+    inner: Dim = shape[axes[-1]]  # the product of the run's sizes so far
+    position = len(axes) - 1
+    while position > 0:
+        above = _as_digit(idx[axes[position - 1]])
+        if above is None or above[0] != x or dim_sub(above[1], inner) != 0:
+            break
+        if above[2] is None:  # x // P with nothing cut off the top: the run is x itself
+            return position - 1, x
+        if dim_sub(above[2], shape[axes[position - 1]]) != 0:
+            break
+        position -= 1
+        inner = dim_mul(inner, shape[axes[position]])
+    if position == len(axes) - 1:
+        return None, Ix()
+    return position, Ix.var(Atom("mod", (x, inner)))
+
+
+def _as_digit(ix: Ix) -> tuple[Ix, Dim, Dim | None] | None:
+    """(x, P, d) when ix is x // P % d, (x, P, None) when it is x // P, (x, 1, d) for x % d."""
+    if ix.const != 0 or len(ix.terms) != 1 or ix.terms[0][1] != 1 or not isinstance(ix.terms[0][0], Atom):
+        return None
+    atom = ix.terms[0][0]
+    if atom.op == "floordiv":
+        return atom.args[0], atom.args[1], None
+    if atom.op != "mod":
+        return None
+    inner, size = atom.args
+    below = _as_digit(inner)
+    if below is not None and below[2] is None:
+        return below[0], below[1], size
+    return inner, 1, size
 
 
 def _probe(d: Dim) -> int:

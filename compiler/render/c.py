@@ -53,7 +53,7 @@ _MAX_INIT = {
 # the loop (and on a busy machine a descheduled thread stalls the whole region)
 PARALLEL_MIN_ELEMENTS = 1 << 18
 # likewise for a matrix product, in multiply-adds
-GEMM_PARALLEL_MIN_FLOPS = 1 << 21
+GEMM_PARALLEL_MIN_FLOPS = 1 << 16
 
 _PRELUDE = """\
 #include <math.h>
@@ -273,6 +273,8 @@ class _Renderer:
             return f"(({self.ix(atom.args[0])}) / {dim(atom.args[1])})"
         if atom.op == "mod":
             return f"(({self.ix(atom.args[0])}) % {dim(atom.args[1])})"
+        if atom.op == "flag":
+            return f"((int64_t)({self.expr(atom.args[0])}))"
         if atom.op == "value":
             return f"lc_index((int64_t)({self.expr(atom.args[0])}), {dim(atom.args[1])})"
         raise TypeError(f"cannot render index atom {atom.op}")
