@@ -9,7 +9,7 @@ once with our compiler for "cpu", checks our outputs against onnxruntime's (WRON
 error exceeds 1e-3 of the output's largest magnitude), and times the program alone: ours,
 onnxruntime (CPUExecutionProvider, default session options) and PyTorch eager through onnx2torch
 where torch is importable. Times are medians of --repeats runs after 3 warm-ups (cpu_latency's
-median_ms).
+median_ms), each runtime's after SETTLE_S of idle time.
 
 The same run measures the machine's float32 peak as the median time of a 2048x2048x2048 NumPy
 matmul (the better of a measurement at its start and one at its end: the machine is shared), and
@@ -53,6 +53,9 @@ RELATIVE_TOLERANCE = 1e-3
 # below this many FLOPs per weight byte a row streams its weights and is memory-bound (batch 1 MLP)
 MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE = 8.0
 PEAK_SIZE = 2048
+# idle time before each runtime's timing: the threads of the one timed before it spin-wait for
+# work a while after its last run, and on 2 cores they would take a core from the next one
+SETTLE_S = 1.0
 SECTION_BEGIN, SECTION_END = "<!-- compiler-benchmark:begin -->", "<!-- compiler-benchmark:end -->"
 
 
@@ -190,6 +193,7 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
     flops, weight_bytes = contraction_cost(data, row.sizes)
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    time.sleep(SETTLE_S)
     result = Result(
         row, flops, flops >= MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE * weight_bytes,
         ort_ms=median_ms(lambda: session.run(None, feeds), repeats),
@@ -201,6 +205,7 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
                 programs[row.model] = (executable(compile_onnx(data, "cpu")), time.perf_counter() - started)
             program, result.compile_s = programs[row.model]
             result.max_error, result.wrong = output_error(program.run(feeds), want)
+            time.sleep(SETTLE_S)
             result.ours_ms = median_ms(lambda: program.run(feeds), repeats)
     except RowTimeout:
         result.timed_out = True
@@ -307,7 +312,8 @@ def section_body(
         "",
         "The models of `benchmarks/models.py` (random weights from a fixed seed; BERT with",
         "all-MiniLM-L6-v2's shape and a 1000-word vocabulary), each compiled once and run at every size of",
-        f"its rows. Times are medians of {repeats} runs after 3 warm-ups, the program alone; onnxruntime",
+        f"its rows. Times are medians of {repeats} runs after 3 warm-ups and {SETTLE_S:g} s idle (the",
+        "threads of the runtime timed before spin a while), the program alone; onnxruntime",
         "runs with its default session options (a thread a core). The PyTorch column (eager, through",
         "onnx2torch) reads n/a where torch is not importable, as in the project's environment. The % of",
         "peak columns divide the MatMul, Gemm and Conv FLOPs counted from the graph, per second, by the",

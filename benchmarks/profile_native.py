@@ -29,7 +29,7 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import render
+from compiler.render.c import GEMM_KINDS, render
 from compiler.shape import evaluate
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="threads for both runtimes (0: their defaults)")
+    parser.add_argument("--gemm", choices=GEMM_KINDS, default="blas", help="how float32 GEMMs run")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the program loads OpenMP
@@ -65,7 +66,7 @@ def main() -> None:
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
     program = lower(graph)
-    library = native_cpu.build(render(program, profile=True))
+    library = native_cpu.build(render(program, profile=True, gemm=args.gemm))
     runner = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
     runner.run(inputs)
     seconds = (ctypes.c_double * max(1, len(program.kernels))).in_dll(runner._library, "lc_kernel_seconds")

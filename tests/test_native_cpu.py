@@ -26,7 +26,7 @@ def _inputs(graph, size: int, seed: int) -> dict[str, np.ndarray]:
     return sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
 
 
-@pytest.mark.parametrize("candidate", ["native-blas", "native-loops"])
+@pytest.mark.parametrize("candidate", ["native-blas", "native-tiled", "native-loops"])
 @pytest.mark.parametrize("model", MODELS)
 def test_generated_c_matches_the_reference_at_several_sizes(model: str, candidate: str) -> None:
     data = (FIXTURES / f"{model}.onnx").read_bytes()
@@ -247,3 +247,30 @@ def test_a_flat_index_read_back_through_its_digits_is_not_divided() -> None:
     assert ix_floordiv(pair, parse_dim("2*seq"), extents) == ix_floordiv(flat, seq, extents)
     assert ix_mod(pair, parse_dim("2*seq"), extents) == ix_mod(flat, seq, extents).scale(2) + flag
     assert ix_mod(pair, 2, extents) == flag
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int, trans_b: int) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    # k = 300 crosses a 256-deep block; m and n leave partial register tiles and partial blocks
+    rng = np.random.default_rng(0)
+    k, n = 300, 1100
+    weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], transA=trans_a, transB=trans_b)], "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, "m"] if trans_a else ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    artifact = compile_onnx(data, candidates=("native-tiled",))
+    assert artifact.report["chosen"] == "native-tiled", artifact.report["rejected"]
+    assert "lc_sgemm(" in artifact.kernels[0]["source"] and "scipy_cblas_sgemm(101" not in artifact.kernels[0]["source"]
+    program = executable(artifact)
+    for m in (1, 13, 97, 200):
+        x = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+        a = x.T if trans_a else x
+        b = weight.T if trans_b else weight
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"m={m}")

@@ -198,8 +198,10 @@ class NativeProgram:
                 pointers[b.id] = array.ctypes.data
             for b in self._outputs:
                 pointers[b.id] = outputs[b.name].ctypes.data
-            bad_index = self._entry(dims, pointers)
-        if bad_index:
+            status = self._entry(dims, pointers)
+        if status == 2:
+            raise MemoryError("the program could not allocate its scratch memory")
+        if status:
             raise IndexError("an index is out of bounds for the axis it selects from")
         return outputs
 

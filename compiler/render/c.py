@@ -26,6 +26,7 @@ from compiler.kernels.ir import (
     Program,
 )
 from compiler.kernels.lower import expr_reads, linear, walk
+from compiler.render.c_gemm import TILED_SGEMM
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -53,12 +54,15 @@ _MAX_INIT = {
 # the loop (and on a busy machine a descheduled thread stalls the whole region)
 PARALLEL_MIN_ELEMENTS = 1 << 18
 # likewise for a matrix product, in multiply-adds
-GEMM_PARALLEL_MIN_FLOPS = 1 << 16
+GEMM_PARALLEL_MIN_FLOPS = 1 << 21
+# how float32 matrix products run: the library call or the generated tiled product
+GEMM_KINDS = ("blas", "tiled")
 
 _PRELUDE = """\
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
@@ -77,6 +81,8 @@ static inline int64_t lc_fmod(int64_t a, int64_t b) {
 }
 /* set when a gathered index was out of range; lc_run returns it (calls are serialized by the caller) */
 static int lc_bad_index;
+/* set when a kernel could not allocate its scratch memory; lc_run returns 2 */
+static int lc_no_memory;
 /* a gathered index: negative counts from the end; out of range reads element 0 and is reported */
 static inline int64_t lc_index(int64_t v, int64_t n) {
     if (v < 0) v += n;
@@ -84,6 +90,7 @@ static inline int64_t lc_index(int64_t v, int64_t n) {
     return v;
 }
 static inline int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
+
 /* 2^x for float32 in plain arithmetic, so loops that call it vectorize (libm's exp2f does not):
    x = n + f with |f| <= 1/2, 2^f by its degree-7 Taylor polynomial (truncation error under
    6e-9), 2^n built from exponent bits in two halves so that n in [-150, 128] stays exact;
@@ -112,11 +119,16 @@ static inline float lc_exp2f(float x) {
 """
 
 
-def render(program: Program, profile: bool = False) -> str:
+def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
-    `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact)."""
-    renderer = _Renderer(program)
+    `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
+    how float32 GEMM calls run: "blas" (OpenBLAS) or "tiled" (the generated product of c_gemm)."""
+    if gemm not in GEMM_KINDS:
+        raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
+    renderer = _Renderer(program, tiled=gemm == "tiled")
     parts = [_PRELUDE]
+    if renderer.tiled and any(isinstance(k, GemmCall) and k.dtype == "float32" for k in program.kernels):
+        parts.append(TILED_SGEMM)
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
     if profile:
@@ -128,13 +140,17 @@ def render(program: Program, profile: bool = False) -> str:
     else:
         calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
     # nonzero when an index was out of range: the outputs are then garbage and the caller raises
-    parts.append(f"int lc_run(const int64_t *S, void **B) {{\n    lc_bad_index = 0;\n{calls}    return lc_bad_index;\n}}\n")
+    parts.append(
+        f"int lc_run(const int64_t *S, void **B) {{\n    lc_bad_index = 0;\n    lc_no_memory = 0;\n{calls}"
+        "    return lc_no_memory ? 2 : lc_bad_index;\n}\n"
+    )
     return "\n".join(parts)
 
 
 class _Renderer:
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, tiled: bool = False) -> None:
         self.program = program
+        self.tiled = tiled
         # the conditions of the padding guards around the expression being rendered ("" outside
         # any; None below a guard that is not affine, where loads are not wrapped)
         self.guard: str | None = ""
@@ -221,7 +237,10 @@ class _Renderer:
         lines.append("    const int threads = omp_get_max_threads();\n")
         lines.append(f"    const int64_t blocks = (batch >= threads || m * n * k < {GEMM_PARALLEL_MIN_FLOPS}) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= n;\n")
-        lines.append("    const int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
+        lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
+        tiled = self.tiled and call.dtype == "float32"
+        if tiled:  # blocks of whole register tiles
+            lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
         lines.append(f"    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n")
         lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
         lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
@@ -246,10 +265,17 @@ class _Renderer:
         lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         trans_a = 112 if call.trans_a else 111
         trans_b = 112 if call.trans_b else 111
-        lines.append(
-            f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
-            f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
-        )
+        if tiled:
+            a_strides = "1, m" if call.trans_a else "k, 1"  # A's (row, column) strides
+            b_strides = "1, k" if call.trans_b else "n, 1"
+            lines.append(
+                f"{body}lc_sgemm(split_m ? hi - lo : m, split_m ? n : hi - lo, k, a, {a_strides}, bm, {b_strides}, c, n);\n"
+            )
+        else:
+            lines.append(
+                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
+                f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
+            )
         lines.append("        }\n")
         return "".join(lines)
 
