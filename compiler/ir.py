@@ -253,13 +253,31 @@ def _fmt(shape: Shape) -> str:
 # ---- building ----------------------------------------------------------------------------
 
 
-class GraphBuilder:
+class GraphWriter:
+    """Builds a graph node by node; identical nodes are created once."""
+
+    def __init__(self, weights: dict[str, np.ndarray] | None = None) -> None:
+        self.nodes: list[Node] = []
+        self.weights: dict[str, np.ndarray] = dict(weights or {})
+        self._index: dict[Node, int] = {}
+
+    def add(self, node: Node) -> int:
+        existing = self._index.get(node)
+        if existing is not None:
+            return existing
+        self.nodes.append(node)
+        self._index[node] = len(self.nodes) - 1
+        return len(self.nodes) - 1
+
+    def finish(self, inputs: list[int], outputs: list[tuple[str, int]], size_limits: dict[str, int]) -> Graph:
+        return prune(Graph(self.nodes, inputs, outputs, self.weights, dict(size_limits)))
+
+
+class GraphBuilder(GraphWriter):
     """Appends nodes with shape and dtype inference; identical nodes are created once."""
 
     def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.weights: dict[str, np.ndarray] = {}
-        self._index: dict[Node, int] = {}
+        super().__init__()
         self._inputs: list[int] = []
         self.size_limits: dict[str, int] = {}
 
@@ -272,16 +290,8 @@ class GraphBuilder:
     def dtype(self, i: int) -> str:
         return self.nodes[i].dtype
 
-    def _add(self, node: Node) -> int:
-        existing = self._index.get(node)
-        if existing is not None:
-            return existing
-        self.nodes.append(node)
-        self._index[node] = len(self.nodes) - 1
-        return len(self.nodes) - 1
-
     def input(self, name: str, shape: Shape, dtype: str) -> int:
-        i = self._add(Node(Op.INPUT, (), tuple(shape), dtype, name))
+        i = self.add(Node(Op.INPUT, (), tuple(shape), dtype, name))
         self._inputs.append(i)
         return i
 
@@ -293,10 +303,10 @@ class GraphBuilder:
             f"{array.dtype}:{array.shape}".encode() + np.ascontiguousarray(array).tobytes()
         ).hexdigest()[:24]
         self.weights.setdefault(key, array)
-        return self._add(Node(Op.CONSTANT, (), tuple(array.shape), array.dtype.name, key))
+        return self.add(Node(Op.CONSTANT, (), tuple(array.shape), array.dtype.name, key))
 
     def iota(self, length: Dim) -> int:
-        return self._add(Node(Op.IOTA, (), (length,), "int64"))
+        return self.add(Node(Op.IOTA, (), (length,), "int64"))
 
     def scalar_like(self, value: float, like: int) -> int:
         """A scalar constant broadcast to the shape and dtype of node `like`."""
@@ -305,7 +315,7 @@ class GraphBuilder:
 
     def unary(self, op: Op, x: int) -> int:
         assert op in UNARY_OPS
-        return self._add(Node(op, (x,), self.shape(x), self.dtype(x)))
+        return self.add(Node(op, (x,), self.shape(x), self.dtype(x)))
 
     def binary(self, op: Op, a: int, b: int) -> int:
         assert op in BINARY_OPS
@@ -317,7 +327,7 @@ class GraphBuilder:
         dtype = "bool" if op is Op.LESS_THAN else self.dtype(a)
         if op in (Op.ADD, Op.MUL) and a > b:
             a, b = b, a  # canonical order for commutative ops, so hash-consing finds more
-        return self._add(Node(op, (a, b), sa, dtype))
+        return self.add(Node(op, (a, b), sa, dtype))
 
     def reduce(self, op: Op, x: int, axes: Sequence[int]) -> int:
         assert op in REDUCE_OPS
@@ -327,20 +337,20 @@ class GraphBuilder:
         if not norm:
             return x
         out = tuple(d for i, d in enumerate(shape) if i not in norm)
-        return self._add(Node(op, (x,), out, self.dtype(x), norm))
+        return self.add(Node(op, (x,), out, self.dtype(x), norm))
 
     def cast(self, x: int, dtype: str) -> int:
         if dtype not in DTYPES:
             raise ShapeError(f"cast to unsupported dtype {dtype}")
         if self.dtype(x) == dtype:
             return x
-        return self._add(Node(Op.CAST, (x,), self.shape(x), dtype))
+        return self.add(Node(Op.CAST, (x,), self.shape(x), dtype))
 
     def gather(self, data: int, indices: int, axis: int) -> int:
         shape = self.shape(data)
         axis %= len(shape)
         out = shape[:axis] + self.shape(indices) + shape[axis + 1 :]
-        return self._add(Node(Op.GATHER, (data, indices), out, self.dtype(data), axis))
+        return self.add(Node(Op.GATHER, (data, indices), out, self.dtype(data), axis))
 
     def view(self, x: int, transform: tuple) -> int:
         shape = self.shape(x)
@@ -349,7 +359,7 @@ class GraphBuilder:
             return x
         if transform[0] == "permute" and tuple(transform[1]) == tuple(range(len(shape))):
             return x
-        return self._add(Node(Op.VIEW, (x,), out, self.dtype(x), transform))
+        return self.add(Node(Op.VIEW, (x,), out, self.dtype(x), transform))
 
     # -- layout helpers used by every frontend --
     def reshape(self, x: int, shape: Sequence[Dim]) -> int:

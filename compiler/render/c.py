@@ -62,7 +62,6 @@ _PRELUDE = """\
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,

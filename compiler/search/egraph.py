@@ -47,9 +47,8 @@ import numpy as np
 from egglog import bindings
 
 from compiler.dtypes import is_float
-from compiler.ir import Graph, Node, Op, view_shape
+from compiler.ir import Graph, GraphWriter, Node, Op, view_shape
 from compiler.search.passes import (
-    GraphWriter,
     canonicalize_layout,
     check_graph,
     constant_valued,

@@ -1,6 +1,6 @@
 """Python passes around the e-graph: layout canonicalization, constant folding, pruning.
 
-Each pass reads a graph in topological order and writes a new one through ``GraphWriter``, which
+Each pass reads a graph in topological order and writes a new one through ``compiler.ir.GraphWriter``, which
 hash-conses nodes, so a rewrite that makes two nodes identical leaves one. None recurses: graphs
 of thousands of nodes are walked with loops.
 """
@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable
 import numpy as np
 
 from compiler.dtypes import numpy_dtype
-from compiler.ir import Graph, Node, Op, prune, view_shape
+from compiler.ir import Graph, GraphWriter, Node, Op, view_shape
 from compiler.reference import eval_node
 from compiler.search.rules import FOLD_SLACK_BYTES, LAYOUT_RULES, static_bytes
 from compiler.shape import ShapeError, is_static
@@ -24,26 +24,6 @@ from compiler.shape import ShapeError, is_static
 COMMUTATIVE = frozenset({Op.ADD, Op.MUL})
 # a layout rewrite is retried on its own result at most this many times (a chain collapses in 2)
 _MAX_LAYOUT_STEPS = 16
-
-
-class GraphWriter:
-    """Builds a graph node by node; identical nodes are created once."""
-
-    def __init__(self, weights: dict[str, np.ndarray]) -> None:
-        self.nodes: list[Node] = []
-        self.weights = dict(weights)
-        self._index: dict[Node, int] = {}
-
-    def add(self, node: Node) -> int:
-        existing = self._index.get(node)
-        if existing is not None:
-            return existing
-        self.nodes.append(node)
-        self._index[node] = len(self.nodes) - 1
-        return len(self.nodes) - 1
-
-    def finish(self, inputs: list[int], outputs: list[tuple[str, int]], size_limits: dict[str, int]) -> Graph:
-        return prune(Graph(self.nodes, inputs, outputs, self.weights, dict(size_limits)))
 
 
 def canonicalize_layout(graph: Graph, counts: Counter[str]) -> Graph:
@@ -182,7 +162,6 @@ def check_graph(graph: Graph, like: Graph) -> None:
 
 __all__ = [
     "COMMUTATIVE",
-    "GraphWriter",
     "canonicalize_layout",
     "check_graph",
     "constant_valued",
