@@ -274,3 +274,52 @@ def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int,
         b = weight.T if trans_b else weight
         want = a.astype(np.float64) @ b.astype(np.float64)
         np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("n", [1, 700])
+def test_matrix_vector_products_stream_the_matrix_through_gemv(n: int, trans_a: int, trans_b: int) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    k = 300
+    weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], transA=trans_a, transB=trans_b)], "gemv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, "m"] if trans_a else ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    artifact = compile_onnx(data, candidates=("native-blas",))
+    assert "scipy_cblas_sgemv(101" in artifact.kernels[0]["source"]
+    program = executable(artifact)
+    # m = 1 is a product with the matrix w (split across threads from 1 MiB), n = 1 with x's rows
+    for m in (1, 2, 1000):
+        x = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+        a = x.T if trans_a else x
+        b = weight.T if trans_b else weight
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"m={m}")
+
+
+def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> None:
+    from onnx import TensorProto
+
+    rng = np.random.default_rng(2)
+    for h, w in ((1, 1), (2, 5), (9, 8), (33, 64)):
+        pool = _single_node_model(
+            "MaxPool", [("x", TensorProto.FLOAT, ["n", 3, h, w])], TensorProto.FLOAT, ["n", 3, (h + 1) // 2, (w + 1) // 2],
+            kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+        )
+        artifact = compile_onnx(pool, candidates=("native-blas",))
+        source = artifact.kernels[0]["source"]
+        # the window's loops run outside the loop over a row, which splits at the padding
+        assert "for (int64_t r1 = 0; r1 < 3LL; ++r1)" in source and "lc_lo" in source, source
+        program = executable(artifact)
+        session = onnxruntime.InferenceSession(pool, providers=["CPUExecutionProvider"])
+        x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
+        np.testing.assert_array_equal(program.run({"x": x})["y"], session.run(None, {"x": x})[0], err_msg=f"{h}x{w}")
+        x[1, 2, h - 1, w - 1] = np.nan  # in the last window of the row and column
+        got = program.run({"x": x})["y"]
+        assert np.isnan(got[1, 2, -1, -1]) and np.isnan(got).sum() == 1, f"{h}x{w}"

@@ -50,11 +50,15 @@ _MAX_INIT = {
     "int32": "INT32_MIN",
     "int64": "INT64_MIN",
 }
+# a float sum or max over at most this many elements (constant extents) runs as a pooling window
+WINDOW_MAX = 64
 # below this many output elements a loop nest runs on one thread: waking a team costs more than
 # the loop (and on a busy machine a descheduled thread stalls the whole region)
 PARALLEL_MIN_ELEMENTS = 1 << 18
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
+# a matrix-vector product is bound by reading the matrix, which two cores do faster from 1 MiB up
+GEMV_PARALLEL_MIN_FLOPS = 1 << 18
 # how float32 matrix products run: the library call or the generated tiled product
 GEMM_KINDS = ("blas", "tiled")
 
@@ -68,6 +72,10 @@ void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, 
                        float, float *, int);
 void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *,
                        int, double, double *, int);
+void scipy_cblas_sgemv(int, int, int, int, float, const float *, int, const float *, int, float,
+                       float *, int);
+void scipy_cblas_dgemv(int, int, int, int, double, const double *, int, const double *, int, double,
+                       double *, int);
 
 
 static inline int64_t lc_fdiv(int64_t a, int64_t b) {
@@ -153,6 +161,8 @@ class _Renderer:
         # the conditions of the padding guards around the expression being rendered ("" outside
         # any; None below a guard that is not affine, where loads are not wrapped)
         self.guard: str | None = ""
+        # padding guards known to hold where the expression is being rendered (a split loop's middle)
+        self.known: frozenset = frozenset()
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -171,24 +181,143 @@ class _Renderer:
         return head + body + self.loops(kernel) + "}\n"
 
     def loops(self, kernel: LoopKernel) -> str:
-        """The output loops, the outer ones shared among threads; an elementwise kernel keeps its
-        innermost loop out of the parallel collapse so that it stays a plain counted loop over
-        contiguous elements, which the C compiler vectorizes."""
-        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        """The output loops, the outer ones shared among threads. The innermost output loop stays
+        out of the parallel collapse so that it is a plain counted loop the C compiler vectorizes:
+        for elementwise kernels, and for reductions over a small window (pooling), which run the
+        window's loops outside it and accumulate into the output row. Padding guards that depend
+        on that loop split it in three: the middle part, where every guard holds, reads without
+        checks (a row that lies in the padding runs whole in the checked part)."""
         rank = len(kernel.shape)
-        total = " * ".join(f"(int64_t)({dim(d)})" for d in kernel.shape) or "1"
+        window = rank >= 2 and self.window_reduction(kernel)
+        # a window's reads count as work: a 3x3 pool reads 9 elements per output
+        sizes = (*kernel.shape, *kernel.reduce[1]) if window else kernel.shape
+        total = " * ".join(f"(int64_t)({dim(d)})" for d in sizes) or "1"
         lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
-        parallel = rank if kernel.reduce is not None or rank == 1 else rank - 1
+        across = rank >= 2 and (kernel.reduce is None or window)
+        parallel = rank - 1 if across else rank
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
             lines.append(f"    #pragma omp parallel for{collapse} if(work >= {PARALLEL_MIN_ELEMENTS})\n")
         indent = "    "
-        for j, d in enumerate(kernel.shape):
+        for j, d in enumerate(kernel.shape[:-1] if rank else ()):
             lines.append(f"{indent}for (int64_t o{j} = 0; o{j} < {dim(d)}; ++o{j})\n")
             indent += "    "
+        if not rank:
+            return "".join(lines) + self.body(kernel, indent)
+        if not across:
+            lines.append(f"{indent}for (int64_t o{rank - 1} = 0; o{rank - 1} < {dim(kernel.shape[-1])}; ++o{rank - 1})\n")
+            return "".join(lines) + self.body(kernel, indent + "    ")
+        if not window:
+            return "".join(lines) + self.row(kernel, indent, self.elementwise_store(kernel))
+        kind, extents = kernel.reduce
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        inner = f"o{rank - 1}"
         lines.append(f"{indent}{{\n")
+        lines.append(f"{indent}    for (int64_t {inner} = 0; {inner} < {dim(kernel.shape[-1])}; ++{inner})\n")
+        init = "0" if kind == "sum" else _MAX_INIT[self.program.buffers[kernel.out].dtype]
+        lines.append(f"{indent}        {self.target(kernel)} = ({out_type})({init});\n")
+        body = indent + "    "
+        for j, d in enumerate(extents):
+            lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
+            body += "    "
+
+        def accumulate(value: str) -> str:
+            target = self.target(kernel)
+            if kind == "sum":
+                return f"{target} += ({out_type})({value});"
+            return f"{target} = LC_MAX({target}, ({out_type})({value}));"
+
+        lines.append(self.row(kernel, body, accumulate))
+        lines.append(f"{indent}}}\n")
+        return "".join(lines)
+
+    def target(self, kernel: LoopKernel) -> str:
+        rank = len(kernel.shape)
+        return f"b{kernel.out}[{self.ix(linear([Ix.var(f'o{j}') for j in range(rank)], kernel.shape))}]"
+
+    def elementwise_store(self, kernel: LoopKernel):
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        return lambda value: f"{self.target(kernel)} = ({out_type})({value});"
+
+    def window_reduction(self, kernel: LoopKernel) -> bool:
+        """A float sum or max over a small window of constant extents (pooling): its loops run
+        outside the loop over the output row, which then vectorizes (strided reads included)."""
+        if kernel.reduce is None or _Renderer.gathers(kernel.value):
+            return False
+        if self.program.buffers[kernel.out].dtype not in ("float32", "float64"):
+            return False
+        extents = kernel.reduce[1]
+        return all(isinstance(d, int) for d in extents) and math.prod(extents) <= WINDOW_MAX
+
+    def row(self, kernel: LoopKernel, indent: str, statement) -> str:
+        """The innermost output loop around `statement(value)`, split by its padding guards."""
+        rank = len(kernel.shape)
+        inner, extent = f"o{rank - 1}", dim(kernel.shape[-1])
+        split = self.guard_split(kernel, inner)
+        if split is None:
+            return (
+                f"{indent}for (int64_t {inner} = 0; {inner} < {extent}; ++{inner})\n"
+                f"{indent}    {statement(self.expr(kernel.value))}\n"
+            )
+        bounds, known = split
+        lines = [f"{indent}{{\n"]
+        lines.extend(f"{indent}    {line}\n" for line in bounds(extent))
+        edge = statement(self.expr(kernel.value))
+        self.known = known
+        middle = statement(self.expr(kernel.value))
+        self.known = frozenset()
+        for lo, hi, text in (("0", "lc_lo", edge), ("lc_lo", "lc_hi", middle), ("lc_hi", extent, edge)):
+            lines.append(f"{indent}    for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner})\n")
+            lines.append(f"{indent}        {text}\n")
+        lines.append(f"{indent}}}\n")
+        return "".join(lines)
+
+    def guard_split(self, kernel: LoopKernel, inner: str):
+        """(bounds, guards) when padding guards `0 <= a*inner + rest < n` (a > 0) depend on the
+        innermost loop `inner`: `bounds(extent)` declares lc_lo and lc_hi, between which every
+        such guard holds; None when there is none. Guards on the loops outside alone are checked
+        once for the whole range."""
+        every = {(g, n) for e in walk(kernel.value) if isinstance(e, Guarded) for g, n in e.guards}
+        guards = {(g, n) for g, n in every if any(v == inner for v, _ in g.terms)}
+        steady = sorted(
+            ((g, n) for g, n in every if all(isinstance(v, str) and v != inner for v, _ in g.terms)),
+            key=repr,
+        )
+        lows, highs = [], []
+        for g, n in sorted(guards, key=repr):
+            coefs = dict(g.terms)
+            step = coefs.pop(inner)
+            if not isinstance(step, int) or step <= 0 or not all(isinstance(v, str) for v in coefs):
+                return None
+            # 0 <= step*inner + rest < n  <=>  ceil(-rest/step) <= inner < floor((n-1-rest)/step) + 1
+            rest = f"({self.ix(Ix(tuple(coefs.items()), g.const))})"
+            if step == 1:
+                lows.append(f"-{rest}")
+                highs.append(f"{dim(n)} - {rest}")
+            else:
+                lows.append(f"-lc_fdiv({rest}, {step}LL)")
+                highs.append(f"lc_fdiv({dim(n)} - 1 - {rest}, {step}LL) + 1")
+        if not lows:
+            return None
+
+        def bounds(extent: str) -> list[str]:
+            lines = ["int64_t lc_lo = 0, lc_hi = " + extent + ";"]
+            lines += [f"{{ const int64_t v = {low}; if (v > lc_lo) lc_lo = v; }}" for low in lows]
+            lines += [f"{{ const int64_t v = {high}; if (v < lc_hi) lc_hi = v; }}" for high in highs]
+            lines += [f"if (lc_lo > {extent}) lc_lo = {extent};", "if (lc_hi < lc_lo) lc_hi = lc_lo;"]
+            if steady:  # a row in the padding runs whole in the checked loop
+                checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in steady)
+                lines.append(f"if (!({checks})) lc_lo = lc_hi = {extent};")
+            return lines
+
+        return bounds, frozenset(guards) | frozenset(steady)
+
+    def body(self, kernel: LoopKernel, indent: str) -> str:
+        """One output element: its store, or its accumulator, reduced loops and store."""
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        lines = [f"{indent}{{\n"]
         inner = indent + "    "
-        target = f"b{kernel.out}[{self.ix(linear([Ix.var(f'o{j}') for j in range(rank)], kernel.shape))}]"
+        target = self.target(kernel)
         if kernel.reduce is None:
             lines.append(f"{inner}{target} = ({out_type})({self.expr(kernel.value)});\n")
         else:
@@ -234,13 +363,14 @@ class _Renderer:
         lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
         lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
         lines.append("    const int threads = omp_get_max_threads();\n")
-        lines.append(f"    const int64_t blocks = (batch >= threads || m * n * k < {GEMM_PARALLEL_MIN_FLOPS}) ? 1 : threads;\n")
+        lines.append(f"    const int64_t least = (m == 1 || n == 1) ? {GEMV_PARALLEL_MIN_FLOPS} : {GEMM_PARALLEL_MIN_FLOPS};\n")
+        lines.append("    const int64_t blocks = (batch >= threads || m * n * k < least) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= n;\n")
         lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
         tiled = self.tiled and call.dtype == "float32"
         if tiled:  # blocks of whole register tiles
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
-        lines.append(f"    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n")
+        lines.append("    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= least)\n")
         lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
         lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
         body = "            "
@@ -271,8 +401,20 @@ class _Renderer:
                 f"{body}lc_sgemm(split_m ? hi - lo : m, split_m ? n : hi - lo, k, a, {a_strides}, bm, {b_strides}, c, n);\n"
             )
         else:
+            # a matrix-vector product (batch 1 through a dense layer) is memory-bound: GEMV streams
+            # the matrix once, where GEMM would first pack it (4x slower at 1x784 @ 784x512)
+            rows, cols = ("hi - lo", "k") if not call.trans_a else ("k", "hi - lo")
             lines.append(
-                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
+                f"{body}if (m == 1) scipy_cblas_{prefix}gemv(101, {111 if call.trans_b else 112}, "
+                + ("(int)(hi - lo), (int)k" if call.trans_b else "(int)k, (int)(hi - lo)")
+                + f", 1, bm, (int){ldb}, a, 1, 0, c, 1);\n"
+            )
+            lines.append(
+                f"{body}else if (n == 1) scipy_cblas_{prefix}gemv(101, {112 if call.trans_a else 111}, "
+                f"(int)({rows}), (int)({cols}), 1, a, (int){lda}, bm, 1, 0, c, 1);\n"
+            )
+            lines.append(
+                f"{body}else scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
                 f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
             )
         lines.append("        }\n")
@@ -319,13 +461,16 @@ class _Renderer:
         if isinstance(e, IndexValue):
             return f"(({C_TYPES[e.dtype]})({self.ix(e.index)}))"
         if isinstance(e, Guarded):
+            guards = [(g, n) for g, n in e.guards if (g, n) not in self.known]
+            if not guards:
+                return self.expr(e.value)
             # `&`, not `&&`: no branch, so the loop stays vectorizable
-            checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in e.guards)
+            checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in guards)
             outer = self.guard
             # only affine guards are repeated in the loads: a gathered index in a guard would be
             # copied into every load under it, nested guards multiplying the source (the ternary
             # alone is still correct, as C evaluates only the branch taken)
-            affine = all(isinstance(v, str) for g, _ in e.guards for v, _ in g.terms)
+            affine = all(isinstance(v, str) for g, _ in guards for v, _ in g.terms)
             self.guard = (f"{outer} & {checks}" if outer else checks) if affine and outer is not None else None
             value = self.expr(e.value)
             self.guard = outer
