@@ -8,8 +8,9 @@ For each row (a model of benchmarks/models.py at a batch and sequence size) it c
 once with our compiler for "cpu", checks our outputs against onnxruntime's (WRONG when the largest
 error exceeds 1e-3 of the output's largest magnitude), and times the program alone: ours,
 onnxruntime (CPUExecutionProvider, default session options) and PyTorch eager through onnx2torch
-where torch is importable. Times are medians of --repeats runs after 3 warm-ups (cpu_latency's
-median_ms), each runtime's after SETTLE_S of idle time.
+where torch is importable. Times are medians of --repeats runs after 3 warm-ups, the runtimes
+taking turns in ROUNDS blocks (cpu_latency's interleaved_medians_ms): the machine is shared, and
+a slow spell of a few seconds then falls on every runtime, not on whichever ran in it.
 
 The same run measures the machine's float32 peak as the median time of a 2048x2048x2048 NumPy
 matmul (the better of a measurement at its start and one at its end: the machine is shared), and
@@ -46,16 +47,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import models
-from benchmarks.cpu_latency import median_ms
+from benchmarks.cpu_latency import interleaved_medians_ms, median_ms
 from compiler import compile_onnx, executable
 
 RELATIVE_TOLERANCE = 1e-3
 # below this many FLOPs per weight byte a row streams its weights and is memory-bound (batch 1 MLP)
 MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE = 8.0
 PEAK_SIZE = 2048
-# idle time before each runtime's timing: the threads of the one timed before it spin-wait for
-# work a while after its last run, and on 2 cores they would take a core from the next one
-SETTLE_S = 1.0
+# the runtimes take turns in ROUNDS blocks of runs, each after SETTLE_S idle: the threads of the
+# one timed before spin-wait for work a while after its last run (onnxruntime's about 60 ms), and
+# on 2 cores they would take a core from the next one
+ROUNDS = 5
+SETTLE_S = 0.25
 SECTION_BEGIN, SECTION_END = "<!-- compiler-benchmark:begin -->", "<!-- compiler-benchmark:end -->"
 
 
@@ -84,7 +87,7 @@ class Result:
     row: Row
     flops: float  # MatMul, Gemm and Conv FLOPs of one run at the row's sizes
     matmul_bound: bool
-    ort_ms: float
+    ort_ms: float = math.nan
     compile_s: float | None = None
     ours_ms: float | None = None
     max_error: float | None = None
@@ -193,11 +196,8 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
     flops, weight_bytes = contraction_cost(data, row.sizes)
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    time.sleep(SETTLE_S)
-    result = Result(
-        row, flops, flops >= MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE * weight_bytes,
-        ort_ms=median_ms(lambda: session.run(None, feeds), repeats),
-    )
+    runners: dict[str, Callable[[], object]] = {"ort": lambda: session.run(None, feeds)}
+    result = Result(row, flops, flops >= MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE * weight_bytes)
     try:
         with Timer(timeout):
             if row.model not in programs:  # one compile per model: the program serves every size
@@ -205,8 +205,7 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
                 programs[row.model] = (executable(compile_onnx(data, "cpu")), time.perf_counter() - started)
             program, result.compile_s = programs[row.model]
             result.max_error, result.wrong = output_error(program.run(feeds), want)
-            time.sleep(SETTLE_S)
-            result.ours_ms = median_ms(lambda: program.run(feeds), repeats)
+            runners["ours"] = lambda: program.run(feeds)
     except RowTimeout:
         result.timed_out = True
         result.notes.append(f"timeout ({timeout} s)")
@@ -217,9 +216,12 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
     try:
         run_torch = torch_runner(data)
         if run_torch is not None:
-            result.torch_ms = median_ms(lambda: run_torch(feeds), repeats)
+            run_torch(feeds)
+            runners["torch"] = lambda: run_torch(feeds)
     except Exception as error:  # noqa: BLE001 -- onnx2torch converts fewer ops than onnxruntime runs
         result.notes.append(f"torch: {type(error).__name__}: {str(error)[:120]}")
+    medians = interleaved_medians_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S)
+    result.ort_ms, result.ours_ms, result.torch_ms = medians["ort"], medians.get("ours"), medians.get("torch")
     return result
 
 
@@ -312,8 +314,9 @@ def section_body(
         "",
         "The models of `benchmarks/models.py` (random weights from a fixed seed; BERT with",
         "all-MiniLM-L6-v2's shape and a 1000-word vocabulary), each compiled once and run at every size of",
-        f"its rows. Times are medians of {repeats} runs after 3 warm-ups and {SETTLE_S:g} s idle (the",
-        "threads of the runtime timed before spin a while), the program alone; onnxruntime",
+        f"its rows. Times are medians of {repeats} runs after 3 warm-ups, the runtimes taking turns in",
+        f"{ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a slow spell of the shared machine falls on all of",
+        "them alike), the program alone; onnxruntime",
         "runs with its default session options (a thread a core). The PyTorch column (eager, through",
         "onnx2torch) reads n/a where torch is not importable, as in the project's environment. The % of",
         "peak columns divide the MatMul, Gemm and Conv FLOPs counted from the graph, per second, by the",

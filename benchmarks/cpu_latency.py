@@ -30,6 +30,28 @@ CORPUS_MODELS = ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo", "re
 CORPUS_SEQ = 32
 
 
+def interleaved_medians_ms(runners: dict, repeats: int, rounds: int = 5, settle_s: float = 0.25) -> dict[str, float]:
+    """Each runner's median time in ms, the runners taking turns in blocks of repeats/rounds runs
+    (the order rotating every round), so that a shared machine's slow spells fall on all of them
+    alike; before each block, settle_s of idle (the other runtime's threads spin-wait for work a
+    while after its last run) and one untimed run (its caches after the other's)."""
+    for fn in runners.values():
+        for _ in range(3):
+            fn()
+    names = list(runners)
+    per_round = max(1, -(-repeats // rounds))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_number in range(rounds):
+        for name in names[round_number % len(names):] + names[: round_number % len(names)]:
+            time.sleep(settle_s)
+            runners[name]()
+            for _ in range(per_round):
+                started = time.perf_counter()
+                runners[name]()
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) * 1000 for name, values in times.items()}
+
+
 def median_ms(fn, repeats: int) -> float:
     for _ in range(3):
         fn()

@@ -12,7 +12,7 @@ import pytest
 from compiler import Artifact, compile_onnx, executable
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import Atom, Ix, Load
-from compiler.kernels.lower import kernel_reads, linear, lower
+from compiler.kernels.lower import kernel_reads, kernel_writes, linear, lower
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.c import render
@@ -199,6 +199,9 @@ def test_a_convolution_is_one_product_per_image_written_in_place(batch: int) -> 
     # lands in the output's NCHW layout, with no transpose kernel after it
     assert len(gemms) == 1 and (gemms[0].m, gemms[0].n, gemms[0].k) == (8, 25, 36) and not gemms[0].trans_a
     assert program.buffers[gemms[0].a].role == "weight"
+    # the windows are never stored whole: the product fills a panel of them at a time
+    assert gemms[0].b_panels is not None and program.buffers[gemms[0].b].role == "panel"
+    assert not [k for k in program.kernels if kernel_writes(k) == gemms[0].b]
     (copy,) = [k for k in program.kernels if k is not gemms[0] and gemms[0].c in kernel_reads(k)]
     assert copy.value == Load(gemms[0].c, linear([Ix.var(f"o{j}") for j in range(4)], copy.shape))
     x = rng.standard_normal((batch, 4, 9, 9)).astype(np.float32)
@@ -323,3 +326,35 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
         x[1, 2, h - 1, w - 1] = np.nan  # in the last window of the row and column
         got = program.run({"x": x})["y"]
         assert np.isnan(got[1, 2, -1, -1]) and np.isnan(got).sum() == 1, f"{h}x{w}"
+
+
+@pytest.mark.parametrize("candidate", ["native-blas", "native-tiled"])
+def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    # 2-D: a panel holds 12 of the 40 output rows (the last block partial); 1-D: the only n axis
+    # is the one split, 18 blocks of the 20000 positions
+    cases = [
+        ((24, 16, 3, 3), [1, 1, 1, 1], [1, 1], ["n", 16, 40, 36], ["n", 24, 40, 36]),
+        ((5, 8, 7), [3, 3], [1], ["n", 8, 20000], ["n", 5, 20000]),
+        ((6, 3, 7, 7), [3, 3, 3, 3], [2, 2], ["n", 3, 45, 50], ["n", 6, 23, 25]),
+    ]
+    for weight_shape, pads, strides, x_shape, y_shape in cases:
+        weight = rng.standard_normal(weight_shape).astype(np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["y"], pads=pads, strides=strides)], "conv",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+            [numpy_helper.from_array(weight, "w")],
+        )
+        data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+        artifact = compile_onnx(data, candidates=(candidate,))
+        assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
+        assert "lc_scratch(" in artifact.kernels[0]["source"]
+        program = executable(artifact)
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+        for batch in (1, 3):
+            x = rng.standard_normal((batch, *x_shape[1:])).astype(np.float32)
+            want = session.run(None, {"x": x})[0]
+            np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"{x_shape} {batch}")

@@ -200,7 +200,7 @@ class Buffer:
     id: int
     dtype: str
     shape: Shape
-    # "input" | "output" | "weight" | "temp"
+    # "input" | "output" | "weight" | "temp" | "panel" (an operand computed in pieces: Panels)
     role: str
     # the input or output name, or the weight key
     name: str = ""
@@ -218,6 +218,20 @@ class LoopKernel:
     reduce: tuple[str, Shape] | None = None
     # which node of the primitive graph this computes (for reports)
     node: int = -1
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A product's B operand that is never stored whole (an implicit GEMM): `kernel` computes it,
+    shaped [the batch axes B has..., k axes..., n axes...], and a renderer materializes it a
+    block of columns (leading n axis) at a time into scratch that stays in cache, multiplying each
+    block as it goes. A convolution's windows (im2col, 9x its input for 3x3) are the case."""
+
+    kernel: LoopKernel
+    # the call's batch axes that B has, in order: its kernel's leading loops
+    batch_axes: tuple[int, ...]
+    # how many axes of the kernel's shape after those are k's (the rest are n's)
+    k_axes: int
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,8 @@ class GemmCall:
     b_batch_strides: tuple[Dim, ...]
     dtype: str
     node: int = -1
+    # B computed a block of columns at a time (buffer `b` is then a "panel": never allocated)
+    b_panels: Panels | None = None
 
 
 Kernel = LoopKernel | GemmCall

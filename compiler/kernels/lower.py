@@ -32,6 +32,7 @@ from compiler.kernels.ir import (
     Kernel,
     Load,
     LoopKernel,
+    Panels,
     Program,
     ix_floordiv,
     ix_max,
@@ -386,8 +387,8 @@ class _Lowering:
         target = out
         if "".join(canonical) != out_letters:
             target = self.new_buffer(node.dtype, tuple(sizes[c] for c in canonical), "temp")
-        a_buf, trans_a, a_strides = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
-        b_buf, trans_b, b_strides = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype)
+        a_buf, trans_a, a_strides, _ = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
+        b_buf, trans_b, b_strides, panels = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype, True)
 
         def size(letters: Sequence[str]) -> Dim:
             return numel(sizes[c] for c in letters)
@@ -395,7 +396,7 @@ class _Lowering:
         self.kernels.append(
             GemmCall(
                 a_buf, b_buf, target, tuple(sizes[c] for c in batch), size(m_letters), size(n_letters),
-                size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i,
+                size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels,
             )
         )
         if target != out:
@@ -405,10 +406,12 @@ class _Lowering:
 
     def gemm_operand(
         self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
-        sizes: dict[str, Dim], dtype: str,
-    ) -> tuple[int, bool, tuple[Dim, ...]]:
+        sizes: dict[str, Dim], dtype: str, right: bool = False,
+    ) -> tuple[int, bool, tuple[Dim, ...], Panels | None]:
         """A buffer holding the operand as [its batch letters, rows, cols] (or cols, rows when
-        transposed), whether it is transposed, and its stride per batch letter."""
+        transposed), whether it is transposed, its stride per batch letter, and, for the `right`
+        operand read through windows (a convolution's), the loop nest that computes it in panels
+        instead of a kernel that stores it whole."""
         base, letters, squeezed = operand
         own_batch = [c for c in batch if c in letters]
         shape = self.nodes[base].shape
@@ -419,7 +422,7 @@ class _Lowering:
             idx = [Ix() if c is None else Ix.var(c) for c in axis_letter]
             value = self.expr(base, idx, extents)
             if isinstance(value, Load) and value.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
-                return value.buffer, trans, self.batch_strides(batch, order, sizes)
+                return value.buffer, trans, self.batch_strides(batch, order, sizes), None
         order = own_batch + rows + cols
         packed_shape = tuple(sizes[c] for c in order)
         folded = self.constant_value(base)
@@ -430,12 +433,25 @@ class _Lowering:
             self.weights[key] = array
             buffer = self.new_buffer(array.dtype.name, array.shape, "weight", key)
         else:
-            buffer = self.new_buffer(dtype, packed_shape, "temp")
+            panels = right and bool(cols) and self.reads_windows(base)  # blocks split the leading n axis
+            buffer = self.new_buffer(dtype, packed_shape, "panel" if panels else "temp")
             extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
             idx = [Ix() if c is None else var_of[c] for c in axis_letter]
-            self.kernels.append(LoopKernel(buffer, packed_shape, self.expr(base, idx, extents), None, base))
-        return buffer, False, self.batch_strides(batch, order, sizes)
+            kernel = LoopKernel(buffer, packed_shape, self.expr(base, idx, extents), None, base)
+            if panels:
+                axes = tuple(batch.index(c) for c in own_batch)
+                return buffer, False, self.batch_strides(batch, order, sizes), Panels(kernel, axes, len(rows))
+            self.kernels.append(kernel)
+        return buffer, False, self.batch_strides(batch, order, sizes), None
+
+    def reads_windows(self, i: int) -> bool:
+        """Whether a value is read through a sliding window (each element several times)."""
+        while self.nodes[i].op is Op.VIEW:
+            if self.nodes[i].arg[0] == "window":
+                return True
+            i = self.nodes[i].srcs[0]
+        return False
 
     @staticmethod
     def batch_strides(batch: list[str], order: list[str], sizes: dict[str, Dim]) -> tuple[Dim, ...]:
@@ -712,6 +728,8 @@ def kernel_writes(kernel: Kernel) -> int:
 
 def kernel_reads(kernel: Kernel) -> set[int]:
     if isinstance(kernel, GemmCall):
+        if kernel.b_panels is not None:
+            return {kernel.a} | expr_reads(kernel.b_panels.kernel.value)
         return {kernel.a, kernel.b}
     return expr_reads(kernel.value)
 

@@ -59,6 +59,8 @@ PARALLEL_MIN_ELEMENTS = 1 << 18
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores do faster from 1 MiB up
 GEMV_PARALLEL_MIN_FLOPS = 1 << 18
+# a panel of a convolution's windows is filled and multiplied while it stays in a core's L2
+PANEL_BYTES = 256 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
 GEMM_KINDS = ("blas", "tiled")
 
@@ -66,6 +68,7 @@ _PRELUDE = """\
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
@@ -97,6 +100,19 @@ static inline int64_t lc_index(int64_t v, int64_t n) {
     return v;
 }
 static inline int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
+/* the calling thread's scratch of at least `bytes`, grown on demand and kept (a panel of an
+   operand computed in pieces); NULL, with lc_no_memory set, when it cannot grow */
+static void *lc_scratch(int64_t bytes) {
+    static __thread void *buffer;
+    static __thread int64_t size;
+    if (bytes > size) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        size = buffer ? bytes : 0;
+        if (!buffer) lc_no_memory = 1;
+    }
+    return buffer;
+}
 
 /* 2^x for float32 in plain arithmetic, so loops that call it vectorize (libm's exp2f does not):
    x = n + f with |f| <= 1/2, 2^f by its degree-7 Taylor polynomial (truncation error under
@@ -129,12 +145,12 @@ static inline float lc_exp2f(float x) {
 def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
-    how float32 GEMM calls run: "blas" (OpenBLAS) or "tiled" (the generated product of c_gemm)."""
+    how float32 GEMM calls run: "blas" (OpenBLAS) or "tiled" (the generated products of c_gemm)."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
-    renderer = _Renderer(program, tiled=gemm == "tiled")
+    renderer = _Renderer(program, gemm)
     parts = [_PRELUDE]
-    if renderer.tiled and any(isinstance(k, GemmCall) and k.dtype == "float32" for k in program.kernels):
+    if gemm == "tiled" and any(isinstance(k, GemmCall) and k.dtype == "float32" for k in program.kernels):
         parts.append(TILED_SGEMM)
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
@@ -155,9 +171,9 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
 
 
 class _Renderer:
-    def __init__(self, program: Program, tiled: bool = False) -> None:
+    def __init__(self, program: Program, gemm: str = "blas") -> None:
         self.program = program
-        self.tiled = tiled
+        self.gemm_kind = gemm
         # the conditions of the padding guards around the expression being rendered ("" outside
         # any; None below a guard that is not affine, where loads are not wrapped)
         self.guard: str | None = ""
@@ -175,7 +191,7 @@ class _Renderer:
     def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if isinstance(kernel, GemmCall):
-            return head + self.gemm(kernel) + "}\n"
+            return head + (self.gemm(kernel) if kernel.b_panels is None else self.panel_gemm(kernel)) + "}\n"
         reads = sorted(expr_reads(kernel.value) - {kernel.out})
         body = "".join(self.pointer(b) for b in reads) + self.pointer(kernel.out, writable=True)
         return head + body + self.loops(kernel) + "}\n"
@@ -249,24 +265,25 @@ class _Renderer:
         extents = kernel.reduce[1]
         return all(isinstance(d, int) for d in extents) and math.prod(extents) <= WINDOW_MAX
 
-    def row(self, kernel: LoopKernel, indent: str, statement) -> str:
-        """The innermost output loop around `statement(value)`, split by its padding guards."""
+    def row(self, kernel: LoopKernel, indent: str, statement, start: str = "0", stop: str | None = None) -> str:
+        """The innermost output loop (from start to stop, its whole extent by default) around
+        `statement(value)`, split by its padding guards."""
         rank = len(kernel.shape)
-        inner, extent = f"o{rank - 1}", dim(kernel.shape[-1])
+        inner, extent = f"o{rank - 1}", stop or dim(kernel.shape[-1])
         split = self.guard_split(kernel, inner)
         if split is None:
             return (
-                f"{indent}for (int64_t {inner} = 0; {inner} < {extent}; ++{inner})\n"
+                f"{indent}for (int64_t {inner} = {start}; {inner} < {extent}; ++{inner})\n"
                 f"{indent}    {statement(self.expr(kernel.value))}\n"
             )
         bounds, known = split
         lines = [f"{indent}{{\n"]
-        lines.extend(f"{indent}    {line}\n" for line in bounds(extent))
+        lines.extend(f"{indent}    {line}\n" for line in bounds(start, extent))
         edge = statement(self.expr(kernel.value))
         self.known = known
         middle = statement(self.expr(kernel.value))
         self.known = frozenset()
-        for lo, hi, text in (("0", "lc_lo", edge), ("lc_lo", "lc_hi", middle), ("lc_hi", extent, edge)):
+        for lo, hi, text in ((start, "lc_lo", edge), ("lc_lo", "lc_hi", middle), ("lc_hi", extent, edge)):
             lines.append(f"{indent}    for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner})\n")
             lines.append(f"{indent}        {text}\n")
         lines.append(f"{indent}}}\n")
@@ -274,8 +291,8 @@ class _Renderer:
 
     def guard_split(self, kernel: LoopKernel, inner: str):
         """(bounds, guards) when padding guards `0 <= a*inner + rest < n` (a > 0) depend on the
-        innermost loop `inner`: `bounds(extent)` declares lc_lo and lc_hi, between which every
-        such guard holds; None when there is none. Guards on the loops outside alone are checked
+        innermost loop `inner`: `bounds(start, stop)` declares lc_lo and lc_hi, between which
+        every such guard holds; None when there is none. Guards on the loops outside alone are checked
         once for the whole range."""
         every = {(g, n) for e in walk(kernel.value) if isinstance(e, Guarded) for g, n in e.guards}
         guards = {(g, n) for g, n in every if any(v == inner for v, _ in g.terms)}
@@ -300,8 +317,8 @@ class _Renderer:
         if not lows:
             return None
 
-        def bounds(extent: str) -> list[str]:
-            lines = ["int64_t lc_lo = 0, lc_hi = " + extent + ";"]
+        def bounds(start: str, extent: str) -> list[str]:
+            lines = [f"int64_t lc_lo = {start}, lc_hi = {extent};"]
             lines += [f"{{ const int64_t v = {low}; if (v > lc_lo) lc_lo = v; }}" for low in lows]
             lines += [f"{{ const int64_t v = {high}; if (v < lc_hi) lc_hi = v; }}" for high in highs]
             lines += [f"if (lc_lo > {extent}) lc_lo = {extent};", "if (lc_hi < lc_lo) lc_hi = lc_lo;"]
@@ -351,6 +368,75 @@ class _Renderer:
         lines.append(f"{indent}}}\n")
         return "".join(lines)
 
+    def panel_gemm(self, call: GemmCall) -> str:
+        """A product whose B is computed a block of its leading n axis at a time (Panels): each
+        thread fills its own scratch panel of about PANEL_BYTES, which stays in cache, and
+        multiplies it at once; blocks and batch indices are shared among threads."""
+        panels = call.b_panels
+        producer = panels.kernel
+        ctype = C_TYPES[call.dtype]
+        shape = producer.shape
+        first = len(panels.batch_axes) + panels.k_axes  # the leading n axis: the one split in blocks
+        reads = sorted((expr_reads(producer.value) | {call.a}) - {call.c})
+        lines = [self.pointer(b) for b in reads] + [self.pointer(call.c, writable=True)]
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        rest = " * ".join(f"(int64_t)({dim(d)})" for d in shape[first + 1:]) or "1"
+        lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
+        lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
+        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
+        lines.append(f"    const int64_t lc_lead = {dim(shape[first])}, lc_rest = {rest};\n")
+        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append(f"    int64_t rows = {PANEL_BYTES} / ((int64_t)sizeof({ctype}) * k * lc_rest);\n")
+        # enough blocks for every thread, when the product is worth sharing
+        lines.append("    const int64_t share = (batch * lc_lead + threads - 1) / threads;\n")
+        lines.append("    if (rows > share) rows = share;\n")
+        lines.append("    if (rows < 1) rows = 1;\n")
+        lines.append("    const int64_t blocks = (lc_lead + rows - 1) / rows;\n")
+        lines.append(
+            f"    #pragma omp parallel for collapse(2) schedule(dynamic) if(batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
+        )
+        lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
+        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        body = "            "
+        a_off = Ix()
+        rest_t = "t"
+        for j in range(len(call.batch) - 1, -1, -1):
+            lines.append(f"{body}const int64_t t{j} = {rest_t} % ({dim(call.batch[j])}); const int64_t q{j} = {rest_t} / ({dim(call.batch[j])});\n")
+            lines.append(f"{body}(void)t{j}; (void)q{j};\n")
+            rest_t = f"q{j}"
+            a_off = a_off + Ix.var(f"t{j}").scale(call.a_batch_strides[j])
+        lines.append(f"{body}const int64_t lo = block * rows, hi = lo + rows < lc_lead ? lo + rows : lc_lead, nc = (hi - lo) * lc_rest;\n")
+        lines.append(f"{body}{ctype} *restrict panel = ({ctype} *)lc_scratch((int64_t)sizeof({ctype}) * k * nc);\n")
+        lines.append(f"{body}if (!panel) continue;\n")
+        for j, axis in enumerate(panels.batch_axes):
+            lines.append(f"{body}const int64_t o{j} = t{axis};\n")
+        rank = len(shape)
+        k_index = self.ix(linear([Ix.var(f"o{j}") for j in range(len(panels.batch_axes), first)], shape[len(panels.batch_axes):first]))
+        n_index = self.ix(linear([Ix.var(f"o{j}") for j in range(first + 1, rank)], shape[first + 1:]))
+        target = f"panel[({k_index}) * nc + (o{first} - lo) * lc_rest + {n_index}]"
+        loops = body
+        for j in range(len(panels.batch_axes), rank - 1):
+            start, stop = ("lo", "hi") if j == first else ("0", dim(shape[j]))
+            lines.append(f"{loops}for (int64_t o{j} = {start}; o{j} < {stop}; ++o{j})\n")
+            loops += "    "
+        start, stop = ("lo", "hi") if first == rank - 1 else ("0", None)
+        lines.append(self.row(producer, loops, lambda value: f"{target} = ({ctype})({value});", start, stop))
+        a_rows, a_cols = ("1", "m") if call.trans_a else ("k", "1")  # A's (row, column) strides
+        lda = "m" if call.trans_a else "k"
+        lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)});\n")
+        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + lo * lc_rest;\n")
+        if self.gemm_kind == "tiled" and call.dtype == "float32":
+            lines.append(f"{body}lc_sgemm_direct(m, nc, k, a, {a_rows}, {a_cols}, panel, nc, c, n);\n")
+        else:
+            prefix = "s" if call.dtype == "float32" else "d"
+            trans_a = 112 if call.trans_a else 111
+            lines.append(
+                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, 111, (int)m, (int)nc, (int)k, 1, a, (int){lda}, "
+                "panel, (int)nc, 0, c, (int)n);\n"
+            )
+        lines.append("        }\n")
+        return "".join(lines)
+
     def gemm(self, call: GemmCall) -> str:
         """One library call per (batch index, block): the blocks split the larger of m and n
         across OpenMP's threads, so the loops and the library share one pool of threads (the
@@ -367,8 +453,8 @@ class _Renderer:
         lines.append("    const int64_t blocks = (batch >= threads || m * n * k < least) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= n;\n")
         lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
-        tiled = self.tiled and call.dtype == "float32"
-        if tiled:  # blocks of whole register tiles
+        generated = self.gemm_kind == "tiled" and call.dtype == "float32"
+        if generated:  # blocks of whole register tiles
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
         lines.append("    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= least)\n")
         lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
@@ -394,7 +480,7 @@ class _Renderer:
         lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         trans_a = 112 if call.trans_a else 111
         trans_b = 112 if call.trans_b else 111
-        if tiled:
+        if generated:
             a_strides = "1, m" if call.trans_a else "k, 1"  # A's (row, column) strides
             b_strides = "1, k" if call.trans_b else "n, 1"
             lines.append(

@@ -5,7 +5,7 @@ Goto/BLIS structure: B is packed a KC x NC block at a time into NR-wide column p
 MC x KC block at a time into MR-tall row panels (zero-padded at the edges), and a register-tiled
 micro-kernel multiplies one MR x KC panel by one KC x NR panel into MR x NR accumulators. The
 tile comes from the vector width the compiler targets: 8 x 48 with AVX-512 (24 of the 32
-registers accumulate), 6 x 16 otherwise. Operands are addressed by row and column strides, so
+registers accumulate), 6 x 16 with AVX2 (12 of 16). Operands are addressed by row and column strides, so
 transposed operands need no copy beyond the packing every product does anyway.
 """
 
@@ -14,43 +14,99 @@ TILED_SGEMM = r"""
 #if defined(__AVX512F__)
 #define LC_MR 8
 #define LC_NR 48
+#define LC_VW 16
 #else
 #define LC_MR 6
 #define LC_NR 16
+#define LC_VW 8
 #endif
 #define LC_KC 256
 #define LC_MC (LC_MR * 12)
 #define LC_NC (LC_NR * 22)
-typedef float lc_v16 __attribute__((vector_size(64)));
-typedef float lc_v16u __attribute__((vector_size(64), aligned(4)));
+/* one hardware vector: a wider generic vector would be split and kept in memory, not registers */
+typedef float lc_vec __attribute__((vector_size(LC_VW * 4)));
+typedef float lc_vecu __attribute__((vector_size(LC_VW * 4), aligned(4)));
 
-/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
-static inline void lc_micro(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
-                            int64_t ldc, int add, int64_t mr, int64_t nr) {
-    lc_v16 acc[LC_MR][LC_NR / 16];
-    for (int i = 0; i < LC_MR; ++i)
-        for (int j = 0; j < LC_NR / 16; ++j) acc[i][j] = (lc_v16){0};
-    for (int64_t p = 0; p < kc; ++p) {
-        lc_v16 bv[LC_NR / 16];
-        for (int j = 0; j < LC_NR / 16; ++j) bv[j] = *(const lc_v16 *)(b + p * LC_NR + 16 * j);
-        for (int i = 0; i < LC_MR; ++i) {
-            const float ai = a[p * LC_MR + i];
-            for (int j = 0; j < LC_NR / 16; ++j) acc[i][j] += ai * bv[j];
-        }
-    }
+/* c[mr x nr] (row stride ldc) = (or +=) the accumulators of a register tile */
+static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR][LC_NR / LC_VW], float *restrict c, int64_t ldc, int add,
+                                 int64_t mr, int64_t nr) {
     if (mr == LC_MR && nr == LC_NR) {
         for (int i = 0; i < LC_MR; ++i)
-            for (int j = 0; j < LC_NR / 16; ++j) {
-                lc_v16u *dst = (lc_v16u *)(c + i * ldc + 16 * j);
+            for (int j = 0; j < LC_NR / LC_VW; ++j) {
+                lc_vecu *dst = (lc_vecu *)(c + i * ldc + LC_VW * j);
                 *dst = add ? *dst + acc[i][j] : acc[i][j];
             }
         return;
     }
     float tile[LC_MR][LC_NR] __attribute__((aligned(64)));
     for (int i = 0; i < LC_MR; ++i)
-        for (int j = 0; j < LC_NR / 16; ++j) *(lc_v16 *)&tile[i][16 * j] = acc[i][j];
+        for (int j = 0; j < LC_NR / LC_VW; ++j) *(lc_vec *)&tile[i][LC_VW * j] = acc[i][j];
     for (int64_t i = 0; i < mr; ++i)
         for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + tile[i][j] : tile[i][j];
+}
+
+/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
+static inline void lc_micro(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                            int64_t ldc, int add, int64_t mr, int64_t nr) {
+    lc_vec acc[LC_MR][LC_NR / LC_VW];
+    for (int i = 0; i < LC_MR; ++i)
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
+    for (int64_t p = 0; p < kc; ++p) {
+        lc_vec bv[LC_NR / LC_VW];
+        for (int j = 0; j < LC_NR / LC_VW; ++j) bv[j] = *(const lc_vec *)(b + p * LC_NR + LC_VW * j);
+        for (int i = 0; i < LC_MR; ++i) {
+            const float ai = a[p * LC_MR + i];
+            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+        }
+    }
+    lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* c[mr x nr] (row stride ldc) = (or +=) A's rows (i, p) at a[i * ars + p * acs] times B's rows p at
+   b + p * ldb, LC_NR columns each, read in place: no packing */
+static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
+                                   int64_t ldb, float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+    lc_vec acc[LC_MR][LC_NR / LC_VW];
+    const float *row[LC_MR];
+    for (int i = 0; i < LC_MR; ++i) {
+        row[i] = a + (i < mr ? i : mr - 1) * ars;  /* rows past mr repeat the last: read, not stored */
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
+    }
+    for (int64_t p = 0; p < kc; ++p) {
+        lc_vec bv[LC_NR / LC_VW];
+        for (int j = 0; j < LC_NR / LC_VW; ++j) bv[j] = *(const lc_vecu *)(b + p * ldb + LC_VW * j);
+        for (int i = 0; i < LC_MR; ++i) {
+            const float ai = row[i][p * acs];
+            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+        }
+    }
+    lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* C[m, n] (row stride ldc) = A B with B's rows at b + p * ldb (columns contiguous), both read in
+   place (a panel that stays in cache, or a weight matrix whose column strips stay in L1 while
+   every row tile passes them), on the calling thread; the last strip of fewer than LC_NR columns
+   is copied, zero-padded, so that no read passes the end of a row */
+static void lc_sgemm_direct(int64_t m, int64_t n, int64_t k, const float *a, int64_t ars, int64_t acs,
+                            const float *b, int64_t ldb, float *c, int64_t ldc) {
+    float edge[LC_KC * LC_NR] __attribute__((aligned(64)));
+    for (int64_t pc = 0; pc < k; pc += LC_KC) {
+        const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
+        for (int64_t j0 = 0; j0 < n; j0 += LC_NR) {
+            const int64_t nr = n - j0 < LC_NR ? n - j0 : LC_NR;
+            const float *strip = b + pc * ldb + j0;
+            int64_t ld = ldb;
+            if (nr < LC_NR) {
+                for (int64_t p = 0; p < kc; ++p)
+                    for (int64_t j = 0; j < LC_NR; ++j) edge[p * LC_NR + j] = j < nr ? strip[p * ldb + j] : 0.0f;
+                strip = edge;
+                ld = LC_NR;
+            }
+            for (int64_t i0 = 0; i0 < m; i0 += LC_MR)
+                lc_micro_direct(kc, a + i0 * ars + pc * acs, ars, acs, strip, ld, c + i0 * ldc + j0, ldc, pc > 0,
+                                m - i0 < LC_MR ? m - i0 : LC_MR, nr);
+        }
+    }
 }
 
 /* A's (i, p) at a[i * ars + p * acs], for i < mc, p < kc, into MR-tall panels */
