@@ -5,9 +5,12 @@ One small interface; the embedded default is a local directory.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -70,9 +73,12 @@ def graph_digest(graph_key: str) -> str:
     return graph_key.removeprefix("graphs/").removesuffix(".onnx")
 
 
-def artifact_key(graph_key: str, target: str) -> str:
-    """Artifacts are cached by (uploaded graph, target, compiler version)."""
-    return f"{artifacts_prefix(graph_key)}/{target}/{COMPILER_VERSION}"
+def artifact_key(graph_key: str, target: str, options: Mapping[str, object] | None = None) -> str:
+    """Artifacts are cached by (uploaded graph, target, compiler version, compile options): the
+    options (candidates measured, search on or off, the CPU type a cpu program was built and
+    measured on) enter as a digest, so that changing any of them compiles again."""
+    digest = hashlib.sha256(json.dumps(dict(options or {}), sort_keys=True).encode()).hexdigest()[:16]
+    return f"{artifacts_prefix(graph_key)}/{target}/{COMPILER_VERSION}/{digest}"
 
 
 def artifacts_prefix(graph_key: str) -> str:

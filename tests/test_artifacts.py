@@ -10,11 +10,11 @@ import pytest
 
 from api.services import build_services
 from cloud.auth import authenticate, create_key
-from cloud.storage import artifact_key, load_artifact
+from cloud.storage import load_artifact
 from compiler import Artifact, CorruptArtifact, compile_onnx, executable
 from tests.conftest import make_settings
 from tests.onnx_models import mlp
-from worker.compile import compile_version
+from worker.compile import cache_key, compile_options, compile_version
 
 MLP = mlp().SerializeToString()
 
@@ -46,7 +46,7 @@ def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_pat
         registry, store = services.registry, services.store
         alice, bob = (authenticate(services.db, f"Bearer {create_key(services.db, name)}").id for name in ("alice", "bob"))
         first = registry.create_version(alice, "mlp", MLP, "cpu")
-        key = artifact_key(first.graph_key, "cpu")
+        key = cache_key(first.graph_key, "cpu", compile_options())
         # what a kill -9 between the writes of an older, manifest-first save left in the store
         files = compile_onnx(MLP).to_files()
         store.put(f"{key}/manifest.json", files["manifest.json"])
@@ -82,5 +82,37 @@ def test_a_compiler_crash_fails_the_version_without_revealing_paths(tmp_path: Pa
         error = registry.get_version(version.id).error
         assert error.startswith("internal compiler error (RuntimeError)")
         assert str(tmp_path) not in error and "artifacts/" not in error
+    finally:
+        services.close()
+
+
+def test_the_cache_reuses_an_artifact_only_for_the_same_options_and_cpu(tmp_path: Path, monkeypatch) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    compiled: list[tuple[int, str]] = []
+
+    def counting(version_id: int, data: bytes, target: str) -> Artifact:
+        compiled.append((version_id, target))
+        return compile_onnx(data, target, candidates=("native-blas",))
+
+    try:
+        registry, store = services.registry, services.store
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        blas_only = compile_options(("native-blas",), True)
+        first = registry.create_version(tenant, "mlp", MLP, "cpu")
+        assert compile_version(first.id, registry, counting, blas_only) == "ready"
+        again = registry.create_version(tenant, "mlp", MLP, "cpu")
+        assert compile_version(again.id, registry, counting, blas_only) == "ready"
+        assert compiled == [(first.id, "cpu")]  # the same bytes and options: no second compile
+        assert registry.get_version(again.id).artifact_key == registry.get_version(first.id).artifact_key
+
+        # other options (the search off) or another CPU type: compiled again, stored beside it
+        other = registry.create_version(tenant, "mlp", MLP, "cpu")
+        assert compile_version(other.id, registry, counting, compile_options(("native-blas",), False)) == "ready"
+        monkeypatch.setattr("worker.compile.cpu_fingerprint", lambda: "another cpu type")
+        elsewhere = registry.create_version(tenant, "mlp", MLP, "cpu")
+        assert compile_version(elsewhere.id, registry, counting, blas_only) == "ready"
+        assert compiled == [(first.id, "cpu"), (other.id, "cpu"), (elsewhere.id, "cpu")]
+        keys = {registry.get_version(v.id).artifact_key for v in (first, other, elsewhere)}
+        assert len(keys) == 3 and all(store.exists(f"{key}/manifest.json") for key in keys)
     finally:
         services.close()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from cloud import metrics
 from cloud.registry import Registry
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
+from compiler.pipeline import CANDIDATES, SEARCH
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
@@ -24,9 +26,26 @@ def compile_here(version_id: int, data: bytes, target: str) -> Artifact:
     return compile_onnx(data, target)
 
 
-def compile_version(version_id: int, registry: Registry, compile_fn: CompileFn = compile_here) -> str | None:
-    """Compile a queued version; idempotent. Returns the final status (None if deleted or
-    stopped midway, which leaves it to be resumed)."""
+def compile_options(candidates: Sequence[str] = CANDIDATES, search: bool = SEARCH) -> dict[str, object]:
+    """What besides the graph and the target decides which program a compile ships."""
+    return {"candidates": list(candidates), "search": search}
+
+
+def cache_key(graph_key: str, target: str, options: Mapping[str, object]) -> str:
+    """Where a compile with these options stores its artifact: a cpu program is built for, and
+    measured on, the CPU type of the worker that compiles it, which is part of the key."""
+    if target == "cpu":
+        options = {**options, "cpu": cpu_fingerprint()}
+    return artifact_key(graph_key, target, options)
+
+
+def compile_version(
+    version_id: int, registry: Registry, compile_fn: CompileFn = compile_here, options: Mapping[str, object] | None = None
+) -> str | None:
+    """Compile a queued version with `compile_fn`, which compiles with `options` (the defaults'
+    when None); idempotent, and an artifact compiled before from the same bytes with the same
+    options is reused. Returns the final status (None if deleted or stopped midway, which leaves
+    it to be resumed)."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -35,7 +54,7 @@ def compile_version(version_id: int, registry: Registry, compile_fn: CompileFn =
     registry.set_status(version_id, "compiling")
     started = time.perf_counter()
     store = registry.store
-    key = artifact_key(version.graph_key, version.target)
+    key = cache_key(version.graph_key, version.target, compile_options() if options is None else options)
     try:
         artifact = _cached_artifact(store, key)
         cached = artifact is not None

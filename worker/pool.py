@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict, deque
 
 from cloud.registry import Registry
-from worker.compile import compile_version
+from worker.compile import compile_options, compile_version
 from worker.sandbox import Sandbox
 
 
@@ -68,6 +68,7 @@ class EmbeddedCompilePool:
     ) -> None:
         self.registry = registry
         self.sandbox = Sandbox(timeout_s, memory_bytes, candidates, search)
+        self.options = compile_options(candidates, search)
         self._queue = FairQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)
@@ -77,7 +78,7 @@ class EmbeddedCompilePool:
 
     def _work(self) -> None:
         while (version_id := self._queue.get()) is not None:
-            compile_version(version_id, self.registry, self.sandbox.compile)
+            compile_version(version_id, self.registry, self.sandbox.compile, self.options)
 
     def submit(self, version_id: int, tenant_id: int) -> None:
         self._queue.put(tenant_id, version_id)
