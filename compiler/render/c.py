@@ -52,15 +52,19 @@ _MAX_INIT = {
 }
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
-# below this many output elements a loop nest runs on one thread: waking a team costs more than
-# the loop (and on a busy machine a descheduled thread stalls the whole region)
-PARALLEL_MIN_ELEMENTS = 1 << 18
+# below this much work (output elements times the operations each costs, a transcendental
+# function 8) a loop nest runs on one thread: waking a team costs more than the loop (and on a
+# busy machine a descheduled thread stalls the whole region)
+PARALLEL_MIN_WORK = 1 << 18
+_FUNCTION_COST = 8
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores do faster from 1 MiB up
 GEMV_PARALLEL_MIN_FLOPS = 1 << 18
 # a panel of a convolution's windows is filled and multiplied while it stays in a core's L2
 PANEL_BYTES = 256 * 1024
+# and is at least this many columns wide
+PANEL_MIN_COLUMNS = 128
 # how float32 matrix products run: the library call or the generated tiled product
 GEMM_KINDS = ("blas", "tiled")
 
@@ -205,15 +209,16 @@ class _Renderer:
         checks (a row that lies in the padding runs whole in the checked part)."""
         rank = len(kernel.shape)
         window = rank >= 2 and self.window_reduction(kernel)
-        # a window's reads count as work: a 3x3 pool reads 9 elements per output
-        sizes = (*kernel.shape, *kernel.reduce[1]) if window else kernel.shape
+        # a reduction's reads count as work: a 3x3 pool reads 9 elements per output
+        sizes = (*kernel.shape, *kernel.reduce[1]) if kernel.reduce is not None else kernel.shape
         total = " * ".join(f"(int64_t)({dim(d)})" for d in sizes) or "1"
         lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
         across = rank >= 2 and (kernel.reduce is None or window)
         parallel = rank - 1 if across else rank
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
-            lines.append(f"    #pragma omp parallel for{collapse} if(work >= {PARALLEL_MIN_ELEMENTS})\n")
+            cost = max(1, _operations(kernel.value))
+            lines.append(f"    #pragma omp parallel for{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
         indent = "    "
         for j, d in enumerate(kernel.shape[:-1] if rank else ()):
             lines.append(f"{indent}for (int64_t o{j} = 0; o{j} < {dim(d)}; ++o{j})\n")
@@ -387,16 +392,26 @@ class _Renderer:
         lines.append(f"    const int64_t lc_lead = {dim(shape[first])}, lc_rest = {rest};\n")
         lines.append("    const int threads = omp_get_max_threads();\n")
         lines.append(f"    int64_t rows = {PANEL_BYTES} / ((int64_t)sizeof({ctype}) * k * lc_rest);\n")
-        # enough blocks for every thread, when the product is worth sharing
+        # a product of a few columns runs far below the library's speed and packs A again per call
+        lines.append(f"    const int64_t least = ({PANEL_MIN_COLUMNS} + lc_rest - 1) / lc_rest;\n")
+        lines.append("    if (rows < least) rows = least;\n")
+        # enough blocks for every thread, where they stay wide enough
         lines.append("    const int64_t share = (batch * lc_lead + threads - 1) / threads;\n")
-        lines.append("    if (rows > share) rows = share;\n")
+        lines.append("    if (rows > share) rows = share > least ? share : least;\n")
+        lines.append("    if (rows > lc_lead) rows = lc_lead;\n")
         lines.append("    if (rows < 1) rows = 1;\n")
         lines.append("    const int64_t blocks = (lc_lead + rows - 1) / rows;\n")
+        lines.append("    rows = (lc_lead + blocks - 1) / blocks;  /* blocks of equal width */\n")
+        # too few blocks for the threads (the last layers' small images): they split m as well,
+        # each filling the panel it multiplies
+        lines.append("    const int64_t parts = batch * blocks < threads && m >= 32 ? threads : 1;\n")
+        lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n")
         lines.append(
-            f"    #pragma omp parallel for collapse(2) schedule(dynamic) if(batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
+            f"    #pragma omp parallel for collapse(3) schedule(dynamic) if(batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
         )
         lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
-        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        lines.append("        for (int64_t block = 0; block < blocks; ++block)\n")
+        lines.append("        for (int64_t part = 0; part < parts; ++part) {\n")
         body = "            "
         a_off = Ix()
         rest_t = "t"
@@ -423,15 +438,17 @@ class _Renderer:
         lines.append(self.row(producer, loops, lambda value: f"{target} = ({ctype})({value});", start, stop))
         a_rows, a_cols = ("1", "m") if call.trans_a else ("k", "1")  # A's (row, column) strides
         lda = "m" if call.trans_a else "k"
-        lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)});\n")
-        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + lo * lc_rest;\n")
+        lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
+        lines.append(f"{body}if (rows_m <= 0) continue;\n")
+        lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows};\n")
+        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + m_lo * n + lo * lc_rest;\n")
         if self.gemm_kind == "tiled" and call.dtype == "float32":
-            lines.append(f"{body}lc_sgemm_direct(m, nc, k, a, {a_rows}, {a_cols}, panel, nc, c, n);\n")
+            lines.append(f"{body}lc_sgemm_direct(rows_m, nc, k, a, {a_rows}, {a_cols}, panel, nc, c, n);\n")
         else:
             prefix = "s" if call.dtype == "float32" else "d"
             trans_a = 112 if call.trans_a else 111
             lines.append(
-                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, 111, (int)m, (int)nc, (int)k, 1, a, (int){lda}, "
+                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, 111, (int)rows_m, (int)nc, (int)k, 1, a, (int){lda}, "
                 "panel, (int)nc, 0, c, (int)n);\n"
             )
         lines.append("        }\n")
@@ -602,6 +619,17 @@ class _Renderer:
                 return f"lc_exp2f({args[0]})"
             return f"(({ctype}){e.op}((double)({args[0]})))"
         raise TypeError(f"cannot render op {e.op}")
+
+
+def _operations(expr: Expr) -> int:
+    """About how many operations one evaluation of the expression costs (index arithmetic aside)."""
+    count = 0
+    for e in walk(expr):
+        if isinstance(e, Apply):
+            count += _FUNCTION_COST if e.op in ("exp2", "log2", "sin", "sqrt", "recip") else 1
+        elif isinstance(e, Load):
+            count += 1
+    return count
 
 
 def _uses(expr: Expr, op: str) -> bool:
