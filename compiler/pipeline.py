@@ -41,7 +41,7 @@ from compiler.shape import ShapeError, SymDim, evaluate
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.4.0"
+COMPILER_VERSION = "0.5.0"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, generated C
 # with loop nests only, and the NumPy lowering
