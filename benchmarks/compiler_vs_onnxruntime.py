@@ -8,9 +8,10 @@ For each row (a model of benchmarks/models.py at a batch and sequence size) it c
 once with our compiler for "cpu", checks our outputs against onnxruntime's (WRONG when the largest
 error exceeds 1e-3 of the output's largest magnitude), and times the program alone: ours,
 onnxruntime (CPUExecutionProvider, default session options) and PyTorch eager through onnx2torch
-where torch is importable. Times are medians of --repeats runs after 3 warm-ups, the runtimes
-taking turns in ROUNDS blocks (cpu_latency's interleaved_medians_ms): the machine is shared, and
-a slow spell of a few seconds then falls on every runtime, not on whichever ran in it.
+where torch is importable. Times are medians of at least --repeats runs (quick rows repeat for
+about MIN_TIMED_S) after 3 warm-ups, the runtimes taking turns in ROUNDS blocks (cpu_latency's
+interleaved_medians_ms): the machine is shared, and a slow spell of a few seconds then falls on
+every runtime, not on whichever ran in it.
 
 The same run measures the machine's float32 peak as the median time of a 2048x2048x2048 NumPy
 matmul (the better of a measurement at its start and one at its end: the machine is shared), and
@@ -59,6 +60,9 @@ PEAK_SIZE = 2048
 # on 2 cores they would take a core from the next one
 ROUNDS = 5
 SETTLE_S = 0.25
+# a quick row repeats until each runtime's timed runs last about this long (the MLP at batch 1 runs
+# in 0.1 ms: 20 runs of it are a few milliseconds of a noisy machine)
+MIN_TIMED_S = 0.5
 SECTION_BEGIN, SECTION_END = "<!-- compiler-benchmark:begin -->", "<!-- compiler-benchmark:end -->"
 
 
@@ -220,7 +224,7 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
             runners["torch"] = lambda: run_torch(feeds)
     except Exception as error:  # noqa: BLE001 -- onnx2torch converts fewer ops than onnxruntime runs
         result.notes.append(f"torch: {type(error).__name__}: {str(error)[:120]}")
-    medians = interleaved_medians_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S)
+    medians = interleaved_medians_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S, min_seconds=MIN_TIMED_S)
     result.ort_ms, result.ours_ms, result.torch_ms = medians["ort"], medians.get("ours"), medians.get("torch")
     return result
 
@@ -314,9 +318,9 @@ def section_body(
         "",
         "The models of `benchmarks/models.py` (random weights from a fixed seed; BERT with",
         "all-MiniLM-L6-v2's shape and a 1000-word vocabulary), each compiled once and run at every size of",
-        f"its rows. Times are medians of {repeats} runs after 3 warm-ups, the runtimes taking turns in",
-        f"{ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a slow spell of the shared machine falls on all of",
-        "them alike), the program alone; onnxruntime",
+        f"its rows. Times are medians of at least {repeats} runs (more for quick rows: about {MIN_TIMED_S:g} s of runs",
+        f"each) after 3 warm-ups, the runtimes taking turns in {ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a",
+        "slow spell of the shared machine falls on all of them alike), the program alone; onnxruntime",
         "runs with its default session options (a thread a core). The PyTorch column (eager, through",
         "onnx2torch) reads n/a where torch is not importable, as in the project's environment. The % of",
         "peak columns divide the MatMul, Gemm and Conv FLOPs counted from the graph, per second, by the",

@@ -30,16 +30,22 @@ CORPUS_MODELS = ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo", "re
 CORPUS_SEQ = 32
 
 
-def interleaved_medians_ms(runners: dict, repeats: int, rounds: int = 5, settle_s: float = 0.25) -> dict[str, float]:
+def interleaved_medians_ms(
+    runners: dict, repeats: int, rounds: int = 5, settle_s: float = 0.25, min_seconds: float = 0.0
+) -> dict[str, float]:
     """Each runner's median time in ms, the runners taking turns in blocks of repeats/rounds runs
     (the order rotating every round), so that a shared machine's slow spells fall on all of them
     alike; before each block, settle_s of idle (the other runtime's threads spin-wait for work a
-    while after its last run) and one untimed run (its caches after the other's)."""
+    while after its last run) and one untimed run (its caches after the other's). Quick runners
+    repeat more, until each runner's timed runs last about min_seconds."""
+    slowest = 0.0
     for fn in runners.values():
         for _ in range(3):
+            started = time.perf_counter()
             fn()
+            slowest = max(slowest, time.perf_counter() - started)
     names = list(runners)
-    per_round = max(1, -(-repeats // rounds))
+    per_round = max(1, -(-repeats // rounds), int(min_seconds / rounds / max(slowest, 1e-6)))
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_number in range(rounds):
         for name in names[round_number % len(names):] + names[: round_number % len(names)]:
