@@ -43,13 +43,14 @@ CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
 COMPILER_VERSION = "0.5.0"
 VERIFY_SYMBOL_SIZE = 3
-# the programs a cpu compile builds, verifies and times: generated C with BLAS calls, generated C
-# with loop nests only, and the NumPy lowering
-CANDIDATES = ("native-blas", "native-loops", "numpy")
-# every candidate the pipeline can build; "native-tiled" (the generated GEMM) is opt-in through
-# the compile_candidates setting: it packs the weights again on every call, which loses to
+# the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
+# convolutions' panel products generated (built only where there are some), generated C with loop
+# nests only, and the NumPy lowering
+CANDIDATES = ("native-blas", "native-mixed", "native-loops", "numpy")
+# every candidate the pipeline can build; "native-tiled" (the generated GEMM everywhere) is opt-in
+# through the compile_candidates setting: it packs the weights again on every call, which loses to
 # OpenBLAS at batch 1 and doubled compile times for no measured gain on the benchmark models
-KNOWN_CANDIDATES = ("native-blas", "native-tiled", "native-loops", "numpy")
+KNOWN_CANDIDATES = ("native-blas", "native-mixed", "native-tiled", "native-loops", "numpy")
 # whether cpu compiles run the search before lowering (compile_graph's `search` overrides), and
 # its budget: the benchmark models (MiniLM-shaped BERT, GPT-2-style decoder, ResNet-style CNN,
 # ResNet-50) take 0.1-0.6 s of it on a shared 2-core machine
@@ -270,14 +271,18 @@ def _timed(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.nda
 def _build_native(
     graph: Graph, wanted: Sequence[str], measure_inputs: dict[str, np.ndarray]
 ) -> tuple[list[_Built], dict[str, str]]:
-    """Generated C with contractions as OpenBLAS calls ("native-blas") or as the generated tiled
-    product ("native-tiled"), and (where there are contractions) with every kernel a generated
-    loop nest ("native-loops"): the whole-program choices measured today."""
+    """Generated C with contractions as OpenBLAS calls ("native-blas"), with convolutions' panel
+    products generated ("native-mixed"), with every product the generated tiled one
+    ("native-tiled"), and (where there are contractions) with every kernel a generated loop nest
+    ("native-loops"): the whole-program choices measured today."""
     built: list[_Built] = []
     rejected: dict[str, str] = {}
     lowered: dict[bool, Any] = {}
     for name, use_gemm, gemm in (
-        ("native-blas", True, "blas"), ("native-tiled", True, "tiled"), ("native-loops", False, "blas")
+        ("native-blas", True, "blas"),
+        ("native-mixed", True, "mixed"),
+        ("native-tiled", True, "tiled"),
+        ("native-loops", False, "blas"),
     ):
         if name not in wanted:
             continue
@@ -291,6 +296,9 @@ def _build_native(
         gemms = sum(isinstance(k, GemmCall) for k in program.kernels)
         if not gemms and any(b.stats["gemm_calls"] == 0 for b in built):
             continue  # no contraction: the program without library calls is already built
+        panels = any(isinstance(k, GemmCall) and k.b_panels is not None for k in program.kernels)
+        if gemm == "mixed" and not panels and any(b.name == "native-blas" for b in built):
+            continue  # no convolution's panels: the same program as native-blas, already built
         if not use_gemm and len(wanted) > 1 and _loop_flops(program, measure_inputs, graph) > MAX_LOOP_FLOPS:
             rejected[name] = "not measured: its loop nests do far more work than the library calls"
             continue

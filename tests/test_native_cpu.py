@@ -26,7 +26,7 @@ def _inputs(graph, size: int, seed: int) -> dict[str, np.ndarray]:
     return sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
 
 
-@pytest.mark.parametrize("candidate", ["native-blas", "native-tiled", "native-loops"])
+@pytest.mark.parametrize("candidate", ["native-blas", "native-mixed", "native-tiled", "native-loops"])
 @pytest.mark.parametrize("model", MODELS)
 def test_generated_c_matches_the_reference_at_several_sizes(model: str, candidate: str) -> None:
     data = (FIXTURES / f"{model}.onnx").read_bytes()
@@ -328,7 +328,7 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
         assert np.isnan(got[1, 2, -1, -1]) and np.isnan(got).sum() == 1, f"{h}x{w}"
 
 
-@pytest.mark.parametrize("candidate", ["native-blas", "native-tiled"])
+@pytest.mark.parametrize("candidate", ["native-blas", "native-mixed", "native-tiled"])
 def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -> None:
     from onnx import TensorProto, helper, numpy_helper
 
@@ -351,10 +351,31 @@ def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -
         data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
         artifact = compile_onnx(data, candidates=(candidate,))
         assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
-        assert "lc_scratch(" in artifact.kernels[0]["source"]
+        source = artifact.kernels[0]["source"]
+        assert "lc_scratch(" in source
+        # the generated product reads the panel in place, unless the library does it all
+        assert ("lc_sgemm_direct(rows_m" in source) == (candidate != "native-blas")
         program = executable(artifact)
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
         for batch in (1, 3):
             x = rng.standard_normal((batch, *x_shape[1:])).astype(np.float32)
             want = session.run(None, {"x": x})[0]
             np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"{x_shape} {batch}")
+
+
+def test_the_mixed_candidate_is_built_only_where_convolutions_make_panels() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(4).standard_normal((8, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 16, 16])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    conv = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    wanted = ("native-blas", "native-mixed")
+    measured = {c["name"] for c in compile_onnx(conv, candidates=wanted).report["candidates"]}
+    assert measured == set(wanted)
+    dense = compile_onnx(mlp().SerializeToString(), candidates=wanted).report
+    assert {c["name"] for c in dense["candidates"]} == {"native-blas"} and "native-mixed" not in dense["rejected"]

@@ -65,8 +65,11 @@ GEMV_PARALLEL_MIN_FLOPS = 1 << 18
 PANEL_BYTES = 256 * 1024
 # and is at least this many columns wide
 PANEL_MIN_COLUMNS = 128
+# with gemm="mixed", a panel's product runs the generated kernel (reading A in place) up to this
+# many elements of A (256 KiB: L2-resident), and the library above
+DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled")
+GEMM_KINDS = ("blas", "tiled", "mixed")
 
 _PRELUDE = """\
 #include <math.h>
@@ -149,12 +152,16 @@ static inline float lc_exp2f(float x) {
 def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
-    how float32 GEMM calls run: "blas" (OpenBLAS) or "tiled" (the generated products of c_gemm)."""
+    how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm) or
+    "mixed" (a convolution's panel products generated where A fits in cache, the rest OpenBLAS)."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
     renderer = _Renderer(program, gemm)
     parts = [_PRELUDE]
-    if gemm == "tiled" and any(isinstance(k, GemmCall) and k.dtype == "float32" for k in program.kernels):
+    if any(
+        isinstance(k, GemmCall) and k.dtype == "float32" and (gemm == "tiled" or gemm == "mixed" and k.b_panels is not None)
+        for k in program.kernels
+    ):
         parts.append(TILED_SGEMM)
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
@@ -442,15 +449,21 @@ class _Renderer:
         lines.append(f"{body}if (rows_m <= 0) continue;\n")
         lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows};\n")
         lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + m_lo * n + lo * lc_rest;\n")
+        direct = f"lc_sgemm_direct(rows_m, nc, k, a, {a_rows}, {a_cols}, panel, nc, c, n);"
+        prefix = "s" if call.dtype == "float32" else "d"
+        library = (
+            f"scipy_cblas_{prefix}gemm(101, {112 if call.trans_a else 111}, 111, (int)rows_m, (int)nc, (int)k, 1, a, "
+            f"(int){lda}, panel, (int)nc, 0, c, (int)n);"
+        )
         if self.gemm_kind == "tiled" and call.dtype == "float32":
-            lines.append(f"{body}lc_sgemm_direct(rows_m, nc, k, a, {a_rows}, {a_cols}, panel, nc, c, n);\n")
+            lines.append(f"{body}{direct}\n")
+        elif self.gemm_kind == "mixed" and call.dtype == "float32":
+            # the generated product reads A in place: a narrow panel's library call packs A again
+            # each time; a large A, read once per 16 columns, stays with the library
+            lines.append(f"{body}if (rows_m * k <= {DIRECT_A_MAX_ELEMENTS}) {direct}\n")
+            lines.append(f"{body}else {library}\n")
         else:
-            prefix = "s" if call.dtype == "float32" else "d"
-            trans_a = 112 if call.trans_a else 111
-            lines.append(
-                f"{body}scipy_cblas_{prefix}gemm(101, {trans_a}, 111, (int)rows_m, (int)nc, (int)k, 1, a, (int){lda}, "
-                "panel, (int)nc, 0, c, (int)n);\n"
-            )
+            lines.append(f"{body}{library}\n")
         lines.append("        }\n")
         return "".join(lines)
 
