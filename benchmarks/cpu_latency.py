@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/cpu_latency.py [--repeats 50]
 
-Prints one row per (model, batch): medians in ms and the ratio luminal / onnxruntime.
-Times are of the program alone (no HTTP), all measured in this run on this machine. Besides the
+Prints one row per (model, batch): medians in ms and the ratio luminal / onnxruntime (its default
+session options), the runtimes taking turns (interleaved_medians_ms). Times are of the program
+alone (no HTTP), all measured in this run on this machine. Besides the
 small MLPs and CNN, it runs transformers models of the export corpus (tests/fixtures/hf) at
 sequence length 32, the models the search compiler measures itself on.
 """
@@ -111,17 +112,16 @@ def main() -> None:
     print(f"{'model':<16}{'batch':>6}{'luminal ms':>12}{'ort ms':>10}{'ratio':>8}{'torch ms':>10}")
     for name, (data, feeds_for, batches) in models.items():
         program = executable(compile_onnx(data))
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = 1
-        session = onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
         torch_run = torch_runner(data)
         for batch in batches:
             feeds = feeds_for(batch)
-            ours = median_ms(lambda p=program, f=feeds: p.run(f), args.repeats)
-            theirs = median_ms(lambda s=session, f=feeds: s.run(None, f), args.repeats)
-            torch_ms = (
-                f"{median_ms(lambda t=torch_run, f=feeds: t(*f.values()), args.repeats):.3f}" if torch_run else "n/a"
-            )
+            runners = {"ours": lambda p=program, f=feeds: p.run(f), "ort": lambda s=session, f=feeds: s.run(None, f)}
+            if torch_run:
+                runners["torch"] = lambda t=torch_run, f=feeds: t(*f.values())
+            medians = interleaved_medians_ms(runners, args.repeats, settle_s=0.1, min_seconds=0.3)
+            ours, theirs = medians["ours"], medians["ort"]
+            torch_ms = f"{medians['torch']:.3f}" if "torch" in medians else "n/a"
             print(f"{name:<16}{batch:>6}{ours:>12.3f}{theirs:>10.3f}{ours / theirs:>8.2f}{torch_ms:>10}", flush=True)
 
 
