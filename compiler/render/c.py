@@ -396,12 +396,8 @@ class _Renderer:
         shape = producer.shape
         first = len(panels.batch_axes) + panels.k_axes  # the leading n axis: the one split in blocks
         reads = sorted((expr_reads(producer.value) | {call.a}) - {call.c})
-        lines = [self.pointer(b) for b in reads] + [self.pointer(call.c, writable=True)]
-        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        lines = self.gemm_head(call, reads)
         rest = " * ".join(f"(int64_t)({dim(d)})" for d in shape[first + 1:]) or "1"
-        lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
-        lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
-        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
         lines.append(f"    const int64_t lc_lead = {dim(shape[first])}, lc_rest = {rest};\n")
         lines.append("    const int threads = omp_get_max_threads();\n")
         lines.append(f"    int64_t rows = {PANEL_BYTES} / ((int64_t)sizeof({ctype}) * k * lc_rest);\n")
@@ -426,13 +422,8 @@ class _Renderer:
         lines.append("        for (int64_t block = 0; block < blocks; ++block)\n")
         lines.append("        for (int64_t part = 0; part < parts; ++part) {\n")
         body = "            "
-        a_off = Ix()
-        rest_t = "t"
-        for j in range(len(call.batch) - 1, -1, -1):
-            lines.append(f"{body}const int64_t t{j} = {rest_t} % ({dim(call.batch[j])}); const int64_t q{j} = {rest_t} / ({dim(call.batch[j])});\n")
-            lines.append(f"{body}(void)t{j}; (void)q{j};\n")
-            rest_t = f"q{j}"
-            a_off = a_off + Ix.var(f"t{j}").scale(call.a_batch_strides[j])
+        lines.extend(self.batch_indices(call, body))
+        a_off = self.batch_offset(call.batch, call.a_batch_strides)
         lines.append(f"{body}const int64_t lo = block * rows, hi = lo + rows < lc_lead ? lo + rows : lc_lead, nc = (hi - lo) * lc_rest;\n")
         lines.append(f"{body}{ctype} *restrict panel = ({ctype} *)lc_scratch((int64_t)sizeof({ctype}) * k * nc);\n")
         lines.append(f"{body}if (!panel) continue;\n")
@@ -479,11 +470,7 @@ class _Renderer:
         library itself runs single-threaded; see native_cpu)."""
         prefix = "s" if call.dtype == "float32" else "d"
         ctype = C_TYPES[call.dtype]
-        lines = [self.pointer(b) for b in sorted({call.a, call.b})] + [self.pointer(call.c, writable=True)]
-        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
-        lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
-        lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
-        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
+        lines = self.gemm_head(call, [call.a, call.b])
         lines.append("    const int threads = omp_get_max_threads();\n")
         lines.append(f"    const int64_t least = (m == 1 || n == 1) ? {GEMV_PARALLEL_MIN_FLOPS} : {GEMM_PARALLEL_MIN_FLOPS};\n")
         lines.append("    const int64_t blocks = (batch >= threads || m * n * k < least) ? 1 : threads;\n")
@@ -496,15 +483,9 @@ class _Renderer:
         lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
         lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
         body = "            "
-        # the batch index t unflattened over the batch axes gives each operand's offset
-        a_off, b_off = Ix(), Ix()
-        rest = "t"
-        for j in range(len(call.batch) - 1, -1, -1):
-            lines.append(f"{body}const int64_t t{j} = {rest} % ({dim(call.batch[j])}); const int64_t q{j} = {rest} / ({dim(call.batch[j])});\n")
-            lines.append(f"{body}(void)q{j};\n")
-            rest = f"q{j}"
-            a_off = a_off + Ix.var(f"t{j}").scale(call.a_batch_strides[j])
-            b_off = b_off + Ix.var(f"t{j}").scale(call.b_batch_strides[j])
+        lines.extend(self.batch_indices(call, body))
+        a_off = self.batch_offset(call.batch, call.a_batch_strides)
+        b_off = self.batch_offset(call.batch, call.b_batch_strides)
         lines.append(f"{body}const int64_t lo = block * span, hi = (lo + span < (split_m ? m : n)) ? lo + span : (split_m ? m : n);\n")
         lines.append(f"{body}if (lo >= hi) continue;\n")
         lda = "m" if call.trans_a else "k"
@@ -541,6 +522,35 @@ class _Renderer:
             )
         lines.append("        }\n")
         return "".join(lines)
+
+    def gemm_head(self, call: GemmCall, reads) -> list[str]:
+        """A product's pointers, sizes, and its early exits (no output; an empty sum is zeros)."""
+        ctype = C_TYPES[call.dtype]
+        lines = [self.pointer(b) for b in sorted(set(reads) - {call.c})] + [self.pointer(call.c, writable=True)]
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
+        lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
+        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
+        return lines
+
+    @staticmethod
+    def batch_indices(call: GemmCall, indent: str) -> list[str]:
+        """The flat batch index t unflattened into t0.. over the call's batch axes."""
+        lines, rest = [], "t"
+        for j in range(len(call.batch) - 1, -1, -1):
+            extent = dim(call.batch[j])
+            lines.append(f"{indent}const int64_t t{j} = {rest} % ({extent}); const int64_t q{j} = {rest} / ({extent});\n")
+            lines.append(f"{indent}(void)t{j}; (void)q{j};\n")
+            rest = f"q{j}"
+        return lines
+
+    @staticmethod
+    def batch_offset(batch: tuple, strides: tuple) -> Ix:
+        """An operand's offset at batch indices t0.., from its stride per batch axis."""
+        offset = Ix()
+        for j in range(len(batch)):
+            offset = offset + Ix.var(f"t{j}").scale(strides[j])
+        return offset
 
     @staticmethod
     def gathers(expr: Expr) -> bool:
