@@ -225,7 +225,9 @@ class _Renderer:
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
             cost = max(1, _operations(kernel.value))
-            lines.append(f"    #pragma omp parallel for{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
+            # a flat elementwise loop is both the threads' loop and the vector loop
+            simd = " simd" if rank == 1 and kernel.reduce is None and not self.gathers(kernel.value) else ""
+            lines.append(f"    #pragma omp parallel for{simd}{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
         indent = "    "
         for j, d in enumerate(kernel.shape[:-1] if rank else ()):
             lines.append(f"{indent}for (int64_t o{j} = 0; o{j} < {dim(d)}; ++o{j})\n")
