@@ -294,15 +294,12 @@ def _build_native(
             break
         lowered[use_gemm] = program
         gemms = sum(isinstance(k, GemmCall) for k in program.kernels)
-        if not gemms and any(b.stats["gemm_calls"] == 0 for b in built):
-            continue  # no contraction: the program without library calls is already built
-        panels = any(isinstance(k, GemmCall) and k.b_panels is not None for k in program.kernels)
-        if gemm == "mixed" and not panels and any(b.name == "native-blas" for b in built):
-            continue  # no convolution's panels: the same program as native-blas, already built
         if not use_gemm and len(wanted) > 1 and _loop_flops(program, measure_inputs, graph) > MAX_LOOP_FLOPS:
             rejected[name] = "not measured: its loop nests do far more work than the library calls"
             continue
         source = render(program, gemm=gemm)
+        if any(b.source == source for b in built):
+            continue  # the same program as one already built (no contraction, or no convolution's panels)
         measure.prestart()  # the helper process imports while the C compiler runs
         try:
             library = native_cpu.build(source)

@@ -252,26 +252,21 @@ def test_a_flat_index_read_back_through_its_digits_is_not_divided() -> None:
     assert ix_mod(pair, 2, extents) == flag
 
 
-@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
-def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int, trans_b: int) -> None:
+def _gemm_model(weight: np.ndarray, k: int, n: int, trans_a: int, trans_b: int) -> bytes:
+    """y = x @ w through one ONNX Gemm, x [m, k] (or [k, m] with trans_a) for a symbolic m."""
     from onnx import TensorProto, helper, numpy_helper
 
-    # k = 300 crosses a 256-deep block; m and n leave partial register tiles and partial blocks
-    rng = np.random.default_rng(0)
-    k, n = 300, 1100
-    weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["x", "w"], ["y"], transA=trans_a, transB=trans_b)], "gemm",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, "m"] if trans_a else ["m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
         [numpy_helper.from_array(weight, "w")],
     )
-    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    artifact = compile_onnx(data, candidates=("native-tiled",))
-    assert artifact.report["chosen"] == "native-tiled", artifact.report["rejected"]
-    assert "lc_sgemm(" in artifact.kernels[0]["source"] and "scipy_cblas_sgemm(101" not in artifact.kernels[0]["source"]
-    program = executable(artifact)
-    for m in (1, 13, 97, 200):
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _check_gemm(program, weight: np.ndarray, k: int, trans_a: int, trans_b: int, sizes, rng) -> None:
+    for m in sizes:
         x = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
         a = x.T if trans_a else x
         b = weight.T if trans_b else weight
@@ -280,30 +275,27 @@ def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int,
 
 
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int, trans_b: int) -> None:
+    # k = 300 crosses a 256-deep block; m and n leave partial register tiles and partial blocks
+    rng = np.random.default_rng(0)
+    k, n = 300, 1100
+    weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    artifact = compile_onnx(_gemm_model(weight, k, n, trans_a, trans_b), candidates=("native-tiled",))
+    assert artifact.report["chosen"] == "native-tiled", artifact.report["rejected"]
+    assert "lc_sgemm(" in artifact.kernels[0]["source"] and "scipy_cblas_sgemm(101" not in artifact.kernels[0]["source"]
+    _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 13, 97, 200), rng)
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("n", [1, 700])
 def test_matrix_vector_products_stream_the_matrix_through_gemv(n: int, trans_a: int, trans_b: int) -> None:
-    from onnx import TensorProto, helper, numpy_helper
-
     rng = np.random.default_rng(1)
     k = 300
     weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "w"], ["y"], transA=trans_a, transB=trans_b)], "gemv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, "m"] if trans_a else ["m", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
-        [numpy_helper.from_array(weight, "w")],
-    )
-    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    artifact = compile_onnx(data, candidates=("native-blas",))
+    artifact = compile_onnx(_gemm_model(weight, k, n, trans_a, trans_b), candidates=("native-blas",))
     assert "scipy_cblas_sgemv(101" in artifact.kernels[0]["source"]
-    program = executable(artifact)
     # m = 1 is a product with the matrix w (split across threads from 1 MiB), n = 1 with x's rows
-    for m in (1, 2, 1000):
-        x = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
-        a = x.T if trans_a else x
-        b = weight.T if trans_b else weight
-        want = a.astype(np.float64) @ b.astype(np.float64)
-        np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"m={m}")
+    _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 2, 1000), rng)
 
 
 def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> None:

@@ -68,7 +68,7 @@ UNROLL_REDUCE_MAX = 4
 # most this (loads and arithmetic 1, transcendental functions 8); the C compiler shares what one
 # kernel recomputes, and a buffer round trip costs more than a few multiply-adds
 INLINE_COST_LIMIT = 8
-_OP_COST = {Op.EXP2: 8, Op.LOG2: 8, Op.SIN: 8, Op.SQRT: 4, Op.RECIP: 2, Op.MOD: 4, Op.GATHER: 2}
+OP_COST = {Op.EXP2: 8, Op.LOG2: 8, Op.SIN: 8, Op.SQRT: 4, Op.RECIP: 2, Op.MOD: 4, Op.GATHER: 2}
 # probe size for symbols when grouping reshape axes (a prime, so products rarely coincide)
 _PROBE = 1009
 
@@ -179,7 +179,7 @@ class _Lowering:
             if i in roots:
                 cost[i] = 1
                 continue
-            cost[i] = _OP_COST.get(node.op, 1) + sum(cost.get(self.source(s), 1) for s in self.reads(i))
+            cost[i] = OP_COST.get(node.op, 1) + sum(cost.get(self.source(s), 1) for s in self.reads(i))
             if node.op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
                 cost[i] *= max(1, int(np.prod([self.nodes[node.srcs[0]].shape[a] for a in node.arg])))
             use = uses.get(i)

@@ -25,7 +25,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import expr_reads, linear, walk
+from compiler.kernels.lower import OP_COST, expr_reads, linear, walk
 from compiler.render.c_gemm import TILED_SGEMM
 from compiler.shape import Dim
 
@@ -52,11 +52,10 @@ _MAX_INIT = {
 }
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
-# below this much work (output elements times the operations each costs, a transcendental
-# function 8) a loop nest runs on one thread: waking a team costs more than the loop (and on a
-# busy machine a descheduled thread stalls the whole region)
+# below this much work (output elements times the operations each costs, by the lowering's
+# OP_COST) a loop nest runs on one thread: waking a team costs more than the loop (and on a busy
+# machine a descheduled thread stalls the whole region)
 PARALLEL_MIN_WORK = 1 << 18
-_FUNCTION_COST = 8
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores do faster from 1 MiB up
@@ -272,7 +271,7 @@ class _Renderer:
     def window_reduction(self, kernel: LoopKernel) -> bool:
         """A float sum or max over a small window of constant extents (pooling): its loops run
         outside the loop over the output row, which then vectorizes (strided reads included)."""
-        if kernel.reduce is None or _Renderer.gathers(kernel.value):
+        if kernel.reduce is None or self.gathers(kernel.value):
             return False
         if self.program.buffers[kernel.out].dtype not in ("float32", "float64"):
             return False
@@ -343,8 +342,7 @@ class _Renderer:
             lines += [f"{{ const int64_t v = {high}; if (v < lc_hi) lc_hi = v; }}" for high in highs]
             lines += [f"if (lc_lo > {extent}) lc_lo = {extent};", "if (lc_hi < lc_lo) lc_hi = lc_lo;"]
             if steady:  # a row in the padding runs whole in the checked loop
-                checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in steady)
-                lines.append(f"if (!({checks})) lc_lo = lc_hi = {extent};")
+                lines.append(f"if (!({self.checks(steady)})) lc_lo = lc_hi = {extent};")
             return lines
 
         return bounds, frozenset(guards) | frozenset(steady)
@@ -397,8 +395,7 @@ class _Renderer:
         ctype = C_TYPES[call.dtype]
         shape = producer.shape
         first = len(panels.batch_axes) + panels.k_axes  # the leading n axis: the one split in blocks
-        reads = sorted((expr_reads(producer.value) | {call.a}) - {call.c})
-        lines = self.gemm_head(call, reads)
+        lines = self.gemm_head(call, expr_reads(producer.value) | {call.a})
         rest = " * ".join(f"(int64_t)({dim(d)})" for d in shape[first + 1:]) or "1"
         lines.append(f"    const int64_t lc_lead = {dim(shape[first])}, lc_rest = {rest};\n")
         lines.append("    const int threads = omp_get_max_threads();\n")
@@ -554,6 +551,11 @@ class _Renderer:
             offset = offset + Ix.var(f"t{j}").scale(strides[j])
         return offset
 
+    def checks(self, guards) -> str:
+        """Padding guards as one condition: `&`, not `&&`, so there is no branch and the loop
+        stays vectorizable (one unsigned comparison tests 0 <= index < size)."""
+        return " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in guards)
+
     @staticmethod
     def gathers(expr: Expr) -> bool:
         """Whether an expression reads through a gathered index (which reports out-of-range
@@ -598,8 +600,7 @@ class _Renderer:
             guards = [(g, n) for g, n in e.guards if (g, n) not in self.known]
             if not guards:
                 return self.expr(e.value)
-            # `&`, not `&&`: no branch, so the loop stays vectorizable
-            checks = " & ".join(f"((uint64_t)({self.ix(g)}) < (uint64_t)({dim(n)}))" for g, n in guards)
+            checks = self.checks(guards)
             outer = self.guard
             # only affine guards are repeated in the loads: a gathered index in a guard would be
             # copied into every load under it, nested guards multiplying the source (the ternary
@@ -657,7 +658,7 @@ def _operations(expr: Expr) -> int:
     count = 0
     for e in walk(expr):
         if isinstance(e, Apply):
-            count += _FUNCTION_COST if e.op in ("exp2", "log2", "sin", "sqrt", "recip") else 1
+            count += OP_COST.get(e.op, 1)
         elif isinstance(e, Load):
             count += 1
     return count

@@ -1,12 +1,14 @@
 """The generated float32 matrix product, the alternative to the library call that the search
-measures: C source appended to a program that renders its GEMMs as `lc_sgemm`.
+measures: C source appended to a program that renders its GEMMs as `lc_sgemm` (or its
+convolutions' panel products as `lc_sgemm_direct`).
 
 Goto/BLIS structure: B is packed a KC x NC block at a time into NR-wide column panels, A an
 MC x KC block at a time into MR-tall row panels (zero-padded at the edges), and a register-tiled
 micro-kernel multiplies one MR x KC panel by one KC x NR panel into MR x NR accumulators. The
 tile comes from the vector width the compiler targets: 8 x 48 with AVX-512 (24 of the 32
-registers accumulate), 6 x 16 with AVX2 (12 of 16). Operands are addressed by row and column strides, so
-transposed operands need no copy beyond the packing every product does anyway.
+registers accumulate), 6 x 16 with AVX2 (12 of 16). Operands are addressed by row and column
+strides, so transposed operands need no copy beyond the packing every product does anyway.
+`lc_sgemm_direct` skips the packing for a convolution's panel: it reads A and B in place.
 """
 
 TILED_SGEMM = r"""
@@ -28,8 +30,8 @@ typedef float lc_vec __attribute__((vector_size(LC_VW * 4)));
 typedef float lc_vecu __attribute__((vector_size(LC_VW * 4), aligned(4)));
 
 /* c[mr x nr] (row stride ldc) = (or +=) the accumulators of a register tile */
-static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR][LC_NR / LC_VW], float *restrict c, int64_t ldc, int add,
-                                 int64_t mr, int64_t nr) {
+static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR][LC_NR / LC_VW], float *restrict c,
+                                                                int64_t ldc, int add, int64_t mr, int64_t nr) {
     if (mr == LC_MR && nr == LC_NR) {
         for (int i = 0; i < LC_MR; ++i)
             for (int j = 0; j < LC_NR / LC_VW; ++j) {
@@ -83,32 +85,6 @@ static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int6
     lc_store_tile(acc, c, ldc, add, mr, nr);
 }
 
-/* C[m, n] (row stride ldc) = A B with B's rows at b + p * ldb (columns contiguous), both read in
-   place (a panel that stays in cache, or a weight matrix whose column strips stay in L1 while
-   every row tile passes them), on the calling thread; the last strip of fewer than LC_NR columns
-   is copied, zero-padded, so that no read passes the end of a row */
-static void lc_sgemm_direct(int64_t m, int64_t n, int64_t k, const float *a, int64_t ars, int64_t acs,
-                            const float *b, int64_t ldb, float *c, int64_t ldc) {
-    float edge[LC_KC * LC_NR] __attribute__((aligned(64)));
-    for (int64_t pc = 0; pc < k; pc += LC_KC) {
-        const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
-        for (int64_t j0 = 0; j0 < n; j0 += LC_NR) {
-            const int64_t nr = n - j0 < LC_NR ? n - j0 : LC_NR;
-            const float *strip = b + pc * ldb + j0;
-            int64_t ld = ldb;
-            if (nr < LC_NR) {
-                for (int64_t p = 0; p < kc; ++p)
-                    for (int64_t j = 0; j < LC_NR; ++j) edge[p * LC_NR + j] = j < nr ? strip[p * ldb + j] : 0.0f;
-                strip = edge;
-                ld = LC_NR;
-            }
-            for (int64_t i0 = 0; i0 < m; i0 += LC_MR)
-                lc_micro_direct(kc, a + i0 * ars + pc * acs, ars, acs, strip, ld, c + i0 * ldc + j0, ldc, pc > 0,
-                                m - i0 < LC_MR ? m - i0 : LC_MR, nr);
-        }
-    }
-}
-
 /* A's (i, p) at a[i * ars + p * acs], for i < mc, p < kc, into MR-tall panels */
 static void lc_pack_a(int64_t mc, int64_t kc, const float *a, int64_t ars, int64_t acs, float *restrict out) {
     for (int64_t i0 = 0; i0 < mc; i0 += LC_MR, out += kc * LC_MR) {
@@ -131,6 +107,31 @@ static void lc_pack_b(int64_t kc, int64_t nc, const float *b, int64_t brs, int64
         for (int64_t p = 0; p < kc; ++p) {
             for (int64_t j = 0; j < nr; ++j) out[p * LC_NR + j] = b[p * brs + (j0 + j) * bcs];
             for (int64_t j = nr; j < LC_NR; ++j) out[p * LC_NR + j] = 0.0f;
+        }
+    }
+}
+
+/* C[m, n] (row stride ldc) = A B with B's rows at b + p * ldb (columns contiguous), both read in
+   place (B a panel computed into cache, A a convolution's small weights), on the calling thread;
+   the last strip of fewer than LC_NR columns is packed, zero-padded, so that no read passes the
+   end of a row */
+static void lc_sgemm_direct(int64_t m, int64_t n, int64_t k, const float *a, int64_t ars, int64_t acs,
+                            const float *b, int64_t ldb, float *c, int64_t ldc) {
+    float edge[LC_KC * LC_NR] __attribute__((aligned(64)));
+    for (int64_t pc = 0; pc < k; pc += LC_KC) {
+        const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
+        for (int64_t j0 = 0; j0 < n; j0 += LC_NR) {
+            const int64_t nr = n - j0 < LC_NR ? n - j0 : LC_NR;
+            const float *strip = b + pc * ldb + j0;
+            int64_t ld = ldb;
+            if (nr < LC_NR) {
+                lc_pack_b(kc, nr, strip, ldb, 1, edge);
+                strip = edge;
+                ld = LC_NR;
+            }
+            for (int64_t i0 = 0; i0 < m; i0 += LC_MR)
+                lc_micro_direct(kc, a + i0 * ars + pc * acs, ars, acs, strip, ld, c + i0 * ldc + j0, ldc, pc > 0,
+                                m - i0 < LC_MR ? m - i0 : LC_MR, nr);
         }
     }
 }
