@@ -326,11 +326,12 @@ def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -
 
     rng = np.random.default_rng(3)
     # 2-D: a panel holds 12 of the 40 output rows (the last block partial); 1-D: the only n axis
-    # is the one split, 18 blocks of the 20000 positions
+    # is the one split, 18 blocks of the 20000 positions; rows narrower than CONV_MIN_WIDTH, so the
+    # generated kinds keep panels too
     cases = [
-        ((24, 16, 3, 3), [1, 1, 1, 1], [1, 1], ["n", 16, 40, 36], ["n", 24, 40, 36]),
+        ((24, 16, 3, 3), [1, 1, 1, 1], [1, 1], ["n", 16, 40, 16], ["n", 24, 40, 16]),
         ((5, 8, 7), [3, 3], [1], ["n", 8, 20000], ["n", 5, 20000]),
-        ((6, 3, 7, 7), [3, 3, 3, 3], [2, 2], ["n", 3, 45, 50], ["n", 6, 23, 25]),
+        ((6, 3, 7, 7), [3, 3, 3, 3], [2, 2], ["n", 3, 45, 30], ["n", 6, 23, 15]),
     ]
     for weight_shape, pads, strides, x_shape, y_shape in cases:
         weight = rng.standard_normal(weight_shape).astype(np.float32)
@@ -344,7 +345,7 @@ def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -
         artifact = compile_onnx(data, candidates=(candidate,))
         assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
         source = artifact.kernels[0]["source"]
-        assert "lc_scratch(" in source
+        assert "lc_scratch(" in source and "lc_conv_rows(g" not in source
         # the generated product reads the panel in place, unless the library does it all
         assert ("lc_sgemm_direct(rows_m" in source) == (candidate != "native-blas")
         program = executable(artifact)
@@ -353,6 +354,78 @@ def test_convolutions_multiply_their_windows_a_panel_at_a_time(candidate: str) -
             x = rng.standard_normal((batch, *x_shape[1:])).astype(np.float32)
             want = session.run(None, {"x": x})[0]
             np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"{x_shape} {batch}")
+
+
+def _conv_model(weight: np.ndarray, x_shape: list, attributes: dict) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    spatial = []
+    for d, size in enumerate(x_shape[2:]):
+        rank = len(x_shape) - 2
+        pads, step = attributes.get("pads", [0] * 2 * rank), attributes.get("strides", [1] * rank)[d]
+        reach = attributes.get("dilations", [1] * rank)[d] * (weight.shape[2 + d] - 1) + 1
+        spatial.append(size if isinstance(size, str) else (size + pads[d] + pads[d + rank] - reach) // step + 1)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attributes)], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [x_shape[0], weight.shape[0], *spatial])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+# (weight shape, input shape, Conv attributes): output rows of at least CONV_MIN_WIDTH columns
+WIDE_CONVOLUTIONS = [
+    ((10, 5, 3, 3), ["n", 5, 24, 30], {"pads": [1, 1, 1, 1]}),  # m not a multiple of the tile
+    ((8, 3, 7, 7), ["n", 3, 45, 50], {"pads": [3, 3, 3, 3], "strides": [2, 2]}),  # a stem: 4 phase planes
+    ((6, 4, 3, 3), ["n", 4, 26, 28], {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    ((7, 4, 3, 3), ["n", 4, 21, 23], {"pads": [0, 1, 2, 0]}),  # asymmetric: begin y, x, end y, x
+    ((6, 4, 5, 5), ["n", 8, 30, 27], {"group": 2}),  # no padding: no guards; groups are a batch axis
+    ((4, 3, 5, 5), ["n", 3, 12, 60], {"pads": [2, 2, 2, 2], "strides": [1, 2]}),  # phases along x only
+]
+
+
+@pytest.mark.parametrize("case", range(len(WIDE_CONVOLUTIONS)))
+def test_wide_convolutions_multiply_their_windows_in_place(case: int) -> None:
+    from compiler.kernels.ir import GemmCall
+    from compiler.kernels.windows import window_geometry
+
+    weight_shape, x_shape, attributes = WIDE_CONVOLUTIONS[case]
+    rng = np.random.default_rng(case)
+    data = _conv_model(rng.standard_normal(weight_shape).astype(np.float32), x_shape, attributes)
+    (call,) = [k for k in lower(load_graph(data)).kernels if isinstance(k, GemmCall)]
+    geometry = window_geometry(call.b_panels)
+    assert geometry is not None
+    strides = attributes.get("strides", [1, 1])
+    assert [a.step for a in geometry.axes] == strides and [a.kernel for a in geometry.axes] == list(weight_shape[2:])
+    assert [a.pad for a in geometry.axes] == attributes.get("pads", [0, 0])[:2]
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for candidate in ("native-mixed", "native-tiled"):
+        artifact = compile_onnx(data, candidates=(candidate,))
+        assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
+        assert "lc_conv_rows(g" in artifact.kernels[0]["source"]
+        program = executable(artifact)
+        for batch in (1, 3):
+            x = rng.standard_normal((batch, *x_shape[1:])).astype(np.float32)
+            x[0, 0, 0, 0] = np.nan  # reaches the outputs whose windows hold it, and only those
+            want = session.run(None, {"x": x})[0]
+            got = program.run({"x": x})["y"]
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{candidate} {batch}")
+
+
+def test_windows_that_are_not_a_2d_convolution_are_left_to_panels() -> None:
+    from compiler.kernels.ir import GemmCall
+    from compiler.kernels.windows import window_geometry
+
+    rng = np.random.default_rng(5)
+    conv_1d = _conv_model(rng.standard_normal((4, 3, 5)).astype(np.float32), ["n", 3, 100], {"pads": [2, 2]})
+    (call,) = [k for k in lower(load_graph(conv_1d)).kernels if isinstance(k, GemmCall)]
+    assert call.b_panels is not None and window_geometry(call.b_panels) is None
+    # symbolic image sizes: the copy of the input rows is sized when the program is rendered
+    symbolic = _conv_model(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), ["n", 3, "h", "w"], {"pads": [1, 1, 1, 1]})
+    (call,) = [k for k in lower(load_graph(symbolic)).kernels if isinstance(k, GemmCall)]
+    assert call.b_panels is not None and window_geometry(call.b_panels) is None
 
 
 def test_the_mixed_candidate_is_built_only_where_convolutions_make_panels() -> None:

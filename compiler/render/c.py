@@ -26,7 +26,8 @@ from compiler.kernels.ir import (
     Program,
 )
 from compiler.kernels.lower import OP_COST, expr_reads, linear, walk
-from compiler.render.c_gemm import TILED_SGEMM
+from compiler.kernels.windows import WindowGeometry, window_geometry
+from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -69,6 +70,14 @@ PANEL_MIN_COLUMNS = 128
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
 GEMM_KINDS = ("blas", "tiled", "mixed")
+# a convolution whose output rows are at least this wide multiplies its windows in place (lc_conv_rows)
+# in the generated kinds: narrower rows waste too many of the padded rows' columns
+CONV_MIN_WIDTH = 20
+# ... and whose windows read each input element at least this many times (kh*kw / strides): the copy
+# of its input costs too much otherwise (3x3 stride 2 reads each 2.25 times and measured slower)
+CONV_MIN_REUSE = 4
+# the input rows one thread copies for a block of output rows (its phase planes) stay in L2
+CONV_PLANE_BYTES = 192 * 1024
 
 _PRELUDE = """\
 #include <math.h>
@@ -162,6 +171,8 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
         for k in program.kernels
     ):
         parts.append(TILED_SGEMM)
+        if any(isinstance(k, GemmCall) and renderer.windows(k) is not None for k in program.kernels):
+            parts.append(CONV_SGEMM)
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
     if profile:
@@ -201,7 +212,10 @@ class _Renderer:
     def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if isinstance(kernel, GemmCall):
-            return head + (self.gemm(kernel) if kernel.b_panels is None else self.panel_gemm(kernel)) + "}\n"
+            if kernel.b_panels is None:
+                return head + self.gemm(kernel) + "}\n"
+            geometry = self.windows(kernel)
+            return head + (self.panel_gemm(kernel) if geometry is None else self.conv_gemm(kernel, geometry)) + "}\n"
         reads = sorted(expr_reads(kernel.value) - {kernel.out})
         body = "".join(self.pointer(b) for b in reads) + self.pointer(kernel.out, writable=True)
         return head + body + self.loops(kernel) + "}\n"
@@ -460,6 +474,63 @@ class _Renderer:
             lines.append(f"{body}else {library}\n")
         else:
             lines.append(f"{body}{library}\n")
+        lines.append("        }\n")
+        return "".join(lines)
+
+    def windows(self, call: GemmCall) -> WindowGeometry | None:
+        """A convolution's windows that the generated kinds multiply in place, else None."""
+        if self.gemm_kind == "blas" or call.dtype != "float32" or call.b_panels is None:
+            return None
+        geometry = window_geometry(call.b_panels)
+        if geometry is None or geometry.axes[1].out < CONV_MIN_WIDTH or max(a.step for a in geometry.axes) > 32:
+            return None
+        y, x = geometry.axes
+        if y.kernel * x.kernel < CONV_MIN_REUSE * y.step * x.step:
+            return None
+        return geometry
+
+    def conv_gemm(self, call: GemmCall, geometry: WindowGeometry) -> str:
+        """A convolution's product with its windows read in place (lc_conv_rows): each task is a
+        block of output rows of one batch index (and a share of m where there are too few),
+        copying the input rows it reads, split by phase, into its own scratch in L2."""
+        y, x = geometry.axes
+        phases = [sum(1 << r for r in axis.phases()) for axis in (y, x)]
+        numbers = [geometry.channels, geometry.channel_stride]
+        for axis, mask in zip((y, x), phases):
+            numbers += [axis.kernel, axis.dilation, axis.step, axis.pad, axis.size, axis.stride, axis.out, mask, axis.reach()]
+        planes = geometry.channels * len(y.phases()) * len(x.phases()) * (x.out + x.reach()) * 4
+        rows = max(1, min(y.out, CONV_PLANE_BYTES // planes - y.reach()))
+        lines = self.gemm_head(call, {geometry.source, call.a})
+        lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
+        lines.append("    const int64_t call = __atomic_add_fetch(&lc_conv_calls, 1, __ATOMIC_RELAXED);\n")
+        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append(f"    int64_t blocks = ({y.out} + {rows} - 1) / {rows};\n")
+        # a multiple of the threads, down to a row each; then shares of m
+        lines.append(f"    while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
+        lines.append(f"    const int64_t rows = ({y.out} + blocks - 1) / blocks;\n")
+        lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
+        lines.append("    const int64_t parts = batch * blocks < threads && m >= 2 * LC_CMR ? (threads + batch * blocks - 1) / (batch * blocks) : 1;\n")
+        lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_CMR - 1) / LC_CMR * LC_CMR;\n")
+        lines.append(
+            # equal tasks in contiguous runs per thread: a thread packs A once for its share of m
+            f"    #pragma omp parallel for collapse(3) schedule(static) if(batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
+        )
+        lines.append("    for (int64_t part = 0; part < parts; ++part)\n")
+        lines.append("        for (int64_t t = 0; t < batch; ++t)\n")
+        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        for j, axis in enumerate(call.b_panels.batch_axes):
+            lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        a_off = self.batch_offset(call.batch, call.a_batch_strides)
+        a_rows, a_cols = ("1", "m") if call.trans_a else ("k", "1")  # A's (row, column) strides
+        lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
+        lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
+        lines.append(f"{body}if (rows_m <= 0 || r0 >= r1) continue;\n")
+        lines.append(
+            f"{body}lc_conv_rows(g, b{geometry.source} + ({self.ix(geometry.base)}), rows_m, "
+            f"b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows}, {a_rows}, {a_cols}, b{call.c} + t * m * n + m_lo * n, n, r0, r1, call);\n"
+        )
         lines.append("        }\n")
         return "".join(lines)
 

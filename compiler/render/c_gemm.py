@@ -163,3 +163,135 @@ static void lc_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t ar
     }
 }
 """
+
+# A convolution's product with B read in place from the input (an implicit GEMM; needs TILED_SGEMM's
+# tile): the rows of the input that a block of output rows reads are copied once, split by phase
+# (position = step*(o + q) + r), so that every window reads its phase plane at stride 1. B's row
+# (c, i, j) is then the plane offset `off[row]` plus the column, a column being an output position
+# in the planes' row pitch (its last `reach` columns of each row are junk: computed, never stored).
+CONV_SGEMM = r"""
+/* the convolution's own register tile: m is mostly a multiple of 8, which 6 does not divide */
+#if defined(__AVX512F__)
+#define LC_CMR 8
+#define LC_CNR 48
+#else
+#define LC_CMR 4
+#define LC_CNR 24
+#endif
+#define LC_CONV_NC (LC_CNR * (128 / LC_CNR > 0 ? 128 / LC_CNR : 1))
+#define LC_CONV_L1 (48 * 1024)
+
+/* c[LC_CMR x LC_CNR] (row stride LC_CONV_NC) = (or +=) A's packed panel (kc x LC_CMR) times B's rows p
+   at b + off[p] */
+static void lc_micro_rows(int64_t kc, const float *restrict a, const float *b, const int64_t *restrict off,
+                          float *restrict c, int add) {
+    lc_vec acc[LC_CMR][LC_CNR / LC_VW];
+    for (int i = 0; i < LC_CMR; ++i)
+        for (int j = 0; j < LC_CNR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
+    for (int64_t p = 0; p < kc; ++p) {
+        const float *bp = b + off[p];
+        lc_vec bv[LC_CNR / LC_VW];
+        for (int j = 0; j < LC_CNR / LC_VW; ++j) bv[j] = *(const lc_vecu *)(bp + LC_VW * j);
+        for (int i = 0; i < LC_CMR; ++i) {
+            const float ai = a[p * LC_CMR + i];
+            for (int j = 0; j < LC_CNR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+        }
+    }
+    for (int i = 0; i < LC_CMR; ++i)
+        for (int j = 0; j < LC_CNR / LC_VW; ++j) {
+            lc_vec *dst = (lc_vec *)(c + i * LC_CONV_NC + LC_VW * j);
+            *dst = add ? *dst + acc[i][j] : acc[i][j];
+        }
+}
+
+/* Output rows [r0, r1) of C[m, oh*ow] (row stride ldc) = A B, B the windows of input x, on the
+   calling thread. g: channels, channel stride, then for y and for x: window extent, dilation, step,
+   pad, input size, element stride, output extent, phases read (a bit mask), reach. */
+static int64_t lc_conv_calls;
+
+static void lc_conv_rows(const int64_t *g, const float *x, int64_t m, const float *a, int64_t ars, int64_t acs,
+                         float *c, int64_t ldc, int64_t r0, int64_t r1, int64_t call) {
+    const int64_t channels = g[0], cs = g[1], *gy = g + 2, *gx = g + 11;
+    int64_t phase_y[64], phase_x[64], ny = 0, nx = 0;  /* a used phase's plane index, by phase */
+    for (int64_t r = 0; r < gy[2]; ++r) phase_y[r] = (gy[7] >> r) & 1 ? ny++ : -1;
+    for (int64_t r = 0; r < gx[2]; ++r) phase_x[r] = (gx[7] >> r) & 1 ? nx++ : -1;
+    const int64_t ow = gx[6], qw = ow + gx[8], qh = r1 - r0 + gy[8], plane = qh * qw;
+    const int64_t k = channels * gy[0] * gx[0], columns = (r1 - r0) * qw;
+    /* the scratch's parts start on 64-byte boundaries (16 floats) */
+    const int64_t planes = channels * ny * nx * plane, room = (planes + 2 * LC_CNR + qw + 15) / 16 * 16;
+    const int64_t tiles = (m + LC_CMR - 1) / LC_CMR, sums = tiles * LC_CMR * LC_CONV_NC;
+    float *xq = (float *)lc_scratch((int64_t)sizeof(float) * (room + sums) + (int64_t)sizeof(int64_t) * k);
+    if (!xq) return;
+    float *sum = xq + room;  /* a chunk of C's columns, padded rows included */
+    int64_t *off = (int64_t *)(sum + sums);
+    /* A in LC_CMR-tall panels, zero-padded: one contiguous read per row of B; packed once per call
+       (`call`, a number per kernel run) and operand on each thread, which keeps it across its tasks */
+    static __thread float *packed;
+    static __thread int64_t packed_size, packed_call = -1, packed_m;
+    static __thread const float *packed_a;
+    if (packed_call != call || packed_a != a || packed_m != m) {
+        if (tiles * LC_CMR * k > packed_size) {
+            free(packed);
+            packed = aligned_alloc(64, sizeof(float) * (size_t)((tiles * LC_CMR * k + 15) / 16 * 16));
+            packed_size = packed ? tiles * LC_CMR * k : 0;
+            if (!packed) { lc_no_memory = 1; packed_call = -1; return; }
+        }
+        for (int64_t t = 0; t < tiles; ++t)
+            for (int64_t p = 0; p < k; ++p)
+                for (int64_t i = 0; i < LC_CMR; ++i)
+                    packed[(t * k + p) * LC_CMR + i] = t * LC_CMR + i < m ? a[(t * LC_CMR + i) * ars + p * acs] : 0.0f;
+        packed_call = call, packed_a = a, packed_m = m;
+    }
+    for (int64_t ch = 0; ch < channels; ++ch)
+        for (int64_t ry = 0; ry < gy[2]; ++ry) {
+            if (phase_y[ry] < 0) continue;
+            for (int64_t rx = 0; rx < gx[2]; ++rx) {
+                if (phase_x[rx] < 0) continue;
+                float *dst = xq + ((ch * ny + phase_y[ry]) * nx + phase_x[rx]) * plane;
+                /* the plane's columns u read the input at step*u + rx - pad: inside it for u in [lo, hi) */
+                const int64_t first = rx - gx[3], lo = first >= 0 ? 0 : (-first + gx[2] - 1) / gx[2];
+                int64_t hi = gx[4] - first <= 0 ? 0 : (gx[4] - first + gx[2] - 1) / gx[2];
+                hi = hi < qw ? hi : qw;
+                for (int64_t v = 0; v < qh; ++v, dst += qw) {
+                    const int64_t py = gy[2] * (r0 + v) + ry - gy[3];
+                    if (py < 0 || py >= gy[4] || lo >= hi) { memset(dst, 0, sizeof(float) * qw); continue; }
+                    const float *src = x + ch * cs + py * gy[5] + first * gx[5];
+                    memset(dst, 0, sizeof(float) * lo);
+                    if (gx[2] * gx[5] == 1) memcpy(dst + lo, src + lo, sizeof(float) * (hi - lo));
+                    else for (int64_t u = lo, step = gx[2] * gx[5]; u < hi; ++u) dst[u] = src[u * step];
+                    memset(dst + hi, 0, sizeof(float) * (qw - hi));
+                }
+            }
+        }
+    memset(xq + planes, 0, sizeof(float) * (room - planes));
+    for (int64_t ch = 0, p = 0; ch < channels; ++ch)
+        for (int64_t i = 0; i < gy[0]; ++i)
+            for (int64_t j = 0; j < gx[0]; ++j, ++p) {
+                const int64_t dy = gy[1] * i, dx = gx[1] * j;
+                off[p] = ((ch * ny + phase_y[dy % gy[2]]) * nx + phase_x[dx % gx[2]]) * plane + dy / gy[2] * qw + dx / gx[2];
+            }
+    /* slices of k whose input rows (for a chunk of columns) fit in L1: whole channels' windows */
+    const int64_t window = gy[0] * gx[0], chunk_rows = LC_CONV_NC / qw + 2 + gy[8];
+    int64_t per_slice = LC_CONV_L1 / ((int64_t)sizeof(float) * ny * nx * chunk_rows * qw) * window;
+    per_slice = per_slice < window ? window : per_slice > LC_KC ? LC_KC : per_slice;
+    const int64_t slices = (k + per_slice - 1) / per_slice, kc_even = (k + slices - 1) / slices;
+    /* a few strips of columns at a time: the input rows they read stay in L1 across A's tiles */
+    for (int64_t jc = 0; jc < columns; jc += LC_CONV_NC) {
+        const int64_t jend = jc + LC_CONV_NC < columns ? jc + LC_CONV_NC : columns;
+        for (int64_t pc = 0; pc < k; pc += kc_even) {
+            const int64_t kc = k - pc < kc_even ? k - pc : kc_even;
+            for (int64_t i0 = 0; i0 < m; i0 += LC_CMR)
+                for (int64_t j0 = jc; j0 < jend; j0 += LC_CNR)
+                    lc_micro_rows(kc, packed + i0 * k + pc * LC_CMR, xq + j0, off + pc, sum + i0 * LC_CONV_NC + j0 - jc, pc > 0);
+        }
+        for (int64_t j = jc; j < jend;) {  /* the chunk's outputs: runs of columns within one output row */
+            const int64_t x = j % qw;
+            if (x >= ow) { j += qw - x; continue; }
+            const int64_t run = ow - x < jend - j ? ow - x : jend - j;
+            for (int64_t i = 0; i < m; ++i)
+                memcpy(c + i * ldc + (r0 + j / qw) * ow + x, sum + i * LC_CONV_NC + j - jc, sizeof(float) * run);
+            j += run;
+        }
+    }
+}
+"""

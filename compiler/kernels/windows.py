@@ -1,0 +1,138 @@
+"""A convolution's windows, recognized in a panel's loop nest, for renderers that multiply them in
+place (an implicit GEMM) instead of storing im2col panels.
+
+A `Panels` kernel of a 2-D convolution computes B[batch..., c, i, j, y, x] =
+X[base + c*cs + (step_y*y + dil_y*i - pad_y)*sy + (step_x*x + dil_x*j - pad_x)*sx], zero where a
+position falls outside the input (its padding guards). `window_geometry` reads those numbers off
+the loop nest, or says None when the nest is anything else (symbolic sizes, other guards, a
+non-zero fill), so a renderer can fall back to the panels it always supports.
+
+With the positions split by phase (position = step*(o + q) + r, where dil*k = step*q + r), every
+window reads its input at stride 1 in one phase plane: a renderer copies the planes (about the
+input's size, once) and B's row (c, i, j) is then a fixed offset into them plus the column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler.kernels.ir import Guarded, Ix, Load, Panels
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One spatial axis: window extent `kernel`, `dilation`, `step` (stride), `pad` (before),
+    the input's `size` along it, its element `stride` in the source, and the output's extent."""
+
+    kernel: int
+    dilation: int
+    step: int
+    pad: int
+    size: int
+    stride: int
+    out: int
+
+    def phases(self) -> tuple[int, ...]:
+        """The phases (dil*k mod step) the windows read, in order."""
+        return tuple(sorted({(self.dilation * k) % self.step for k in range(self.kernel)}))
+
+    def reach(self) -> int:
+        """How far past an output position, in its phase plane, the last window element lies."""
+        return self.dilation * (self.kernel - 1) // self.step
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """B read from `source` at `base` (an offset over the loop variables of the panel's batch axes,
+    o0.. as in its kernel) + c*channel_stride + the rows and columns of `axes` (y, then x)."""
+
+    source: int
+    base: Ix
+    channels: int
+    channel_stride: int
+    axes: tuple[Axis, Axis]
+
+
+def window_geometry(panels: Panels) -> WindowGeometry | None:
+    """The 2-D convolution windows `panels` computes, or None when it computes anything else."""
+    kernel = panels.kernel
+    lead = len(panels.batch_axes)
+    if panels.k_axes != 3 or len(kernel.shape) != lead + 5:
+        return None
+    extents = kernel.shape[lead:]
+    if not all(isinstance(d, int) and d > 0 for d in extents):
+        return None
+    channels, kh, kw, oh, ow = extents
+    value, guards = kernel.value, ()
+    if isinstance(value, Guarded):
+        if value.fill != 0:
+            return None
+        value, guards = value.value, value.guards
+    if not isinstance(value, Load):
+        return None
+    names = [f"o{j}" for j in range(lead + 5)]
+    batch_vars, (c, i, j, y, x) = set(names[:lead]), names[lead:]
+    coef: dict[str, int] = {}
+    base_terms = []
+    for var, factor in value.index.terms:
+        if var in batch_vars:
+            base_terms.append((var, factor))
+        elif isinstance(var, str) and var in (c, i, j, y, x) and isinstance(factor, int):
+            coef[var] = factor
+        else:
+            return None
+    if not isinstance(value.index.const, int):
+        return None
+    const = value.index.const
+    axes, claimed = [], 0
+    for k_var, o_var, k_ext, o_ext in ((i, y, kh, oh), (j, x, kw, ow)):
+        mine = [g for g in guards if {v for v, _ in g[0].terms} & {k_var, o_var}]
+        if len(mine) > 1:
+            return None
+        claimed += len(mine)
+        axis = _axis(mine[0] if mine else None, k_var, o_var, k_ext, o_ext, coef.get(k_var, 0), coef.get(o_var, 0))
+        if axis is None:
+            return None
+        axes.append(axis)
+        const += axis.pad * axis.stride
+    if claimed != len(guards) or const < 0 or (channels > 1 and coef.get(c, 0) <= 0):
+        return None
+    return WindowGeometry(value.buffer, Ix(tuple(base_terms), const), channels, coef.get(c, 0), (axes[0], axes[1]))
+
+
+def _axis(guard, k_var: str, o_var: str, k_ext: int, o_ext: int, k_coef: int, o_coef: int) -> Axis | None:
+    """An axis from its guard (0 <= dil*k + step*o - pad < size), or without one (no padding:
+    every position read lies inside the input)."""
+    if guard is not None:
+        ix, size = guard
+        terms = dict(ix.terms)
+        if set(terms) - {k_var, o_var} or not isinstance(size, int) or not isinstance(ix.const, int):
+            return None
+        dilation, step, pad = terms.get(k_var, 1 if k_ext == 1 else 0), terms.get(o_var, 1 if o_ext == 1 else 0), -ix.const
+        if not all(isinstance(v, int) for v in (dilation, step)) or dilation <= 0 or step <= 0 or pad < 0:
+            return None
+        stride = _stride(k_coef, dilation, k_ext) if k_ext > 1 else _stride(o_coef, step, o_ext)
+        if stride is None or (k_ext > 1 and k_coef != dilation * stride) or (o_ext > 1 and o_coef != step * stride):
+            return None
+        return Axis(k_ext, dilation, step, pad, size, stride, o_ext)
+    # no padding: take the element stride as the coefficient's, unit dilation or step
+    if k_ext > 1 and o_ext > 1:
+        stride = k_coef
+        if stride <= 0 or o_coef % stride:
+            return None
+        dilation, step = 1, o_coef // stride
+    elif k_ext > 1:
+        stride, dilation, step = k_coef, 1, 1
+    elif o_ext > 1:
+        stride, dilation, step = o_coef, 1, 1
+    else:
+        stride, dilation, step = 1, 1, 1
+    if stride <= 0 or step <= 0:
+        return None
+    return Axis(k_ext, dilation, step, 0, step * (o_ext - 1) + dilation * (k_ext - 1) + 1, stride, o_ext)
+
+
+def _stride(coef: int, factor: int, extent: int) -> int | None:
+    if extent <= 1 or factor <= 0 or coef % factor:
+        return None
+    return coef // factor
