@@ -41,7 +41,7 @@ from compiler.shape import ShapeError, SymDim, evaluate
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.5.0"
+COMPILER_VERSION = "0.6.0"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
 # convolutions' panel products generated (built only where there are some), generated C with loop
@@ -271,8 +271,8 @@ def _timed(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.nda
 def _build_native(
     graph: Graph, wanted: Sequence[str], measure_inputs: dict[str, np.ndarray]
 ) -> tuple[list[_Built], dict[str, str]]:
-    """Generated C with contractions as OpenBLAS calls ("native-blas"), with convolutions' panel
-    products generated ("native-mixed"), with every product the generated tiled one
+    """Generated C with contractions as OpenBLAS calls ("native-blas"), with convolutions' products
+    generated, wide ones reading their windows in place ("native-mixed"), with every product the generated tiled one
     ("native-tiled"), and (where there are contractions) with every kernel a generated loop nest
     ("native-loops"): the whole-program choices measured today."""
     built: list[_Built] = []

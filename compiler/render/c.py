@@ -161,7 +161,8 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
     how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm) or
-    "mixed" (a convolution's panel products generated where A fits in cache, the rest OpenBLAS)."""
+    "mixed" (a wide 2-D convolution's product reads its windows in place, lc_conv_rows; other
+    convolutions' panel products are generated where A fits in cache; the rest OpenBLAS)."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
     renderer = _Renderer(program, gemm)
@@ -428,12 +429,7 @@ class _Renderer:
         # each filling the panel it multiplies
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 32 ? threads : 1;\n")
         lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n")
-        lines.append(
-            f"    #pragma omp parallel for collapse(3) schedule(dynamic) if(batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
-        )
-        lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
-        lines.append("        for (int64_t block = 0; block < blocks; ++block)\n")
-        lines.append("        for (int64_t part = 0; part < parts; ++part) {\n")
+        lines.extend(self.tasks("dynamic", ("t", "block", "part")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
@@ -511,13 +507,8 @@ class _Renderer:
         lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 2 * LC_CMR ? (threads + batch * blocks - 1) / (batch * blocks) : 1;\n")
         lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_CMR - 1) / LC_CMR * LC_CMR;\n")
-        lines.append(
-            # equal tasks in contiguous runs per thread: a thread packs A once for its share of m
-            f"    #pragma omp parallel for collapse(3) schedule(static) if(batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS})\n"
-        )
-        lines.append("    for (int64_t part = 0; part < parts; ++part)\n")
-        lines.append("        for (int64_t t = 0; t < batch; ++t)\n")
-        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        # equal tasks in contiguous runs per thread: a thread packs A once for its share of m
+        lines.extend(self.tasks("static", ("part", "t", "block")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         for j, axis in enumerate(call.b_panels.batch_axes):
@@ -533,6 +524,17 @@ class _Renderer:
         )
         lines.append("        }\n")
         return "".join(lines)
+
+    @staticmethod
+    def tasks(schedule: str, order: tuple[str, str, str]) -> list[str]:
+        """The threads' loops over a product's tasks: batch indices t, blocks of columns, parts of m."""
+        extent = {"t": "batch", "block": "blocks", "part": "parts"}
+        condition = f"batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}"
+        lines = [f"    #pragma omp parallel for collapse(3) schedule({schedule}) if({condition})\n"]
+        for depth, var in enumerate(order):
+            indent = "    " if depth == 0 else "        "
+            lines.append(f"{indent}for (int64_t {var} = 0; {var} < {extent[var]}; ++{var}){' {' if depth == 2 else ''}\n")
+        return lines
 
     def gemm(self, call: GemmCall) -> str:
         """One library call per (batch index, block): the blocks split the larger of m and n
