@@ -494,8 +494,8 @@ class _Renderer:
         numbers = [geometry.channels, geometry.channel_stride]
         for axis, mask in zip((y, x), phases):
             numbers += [axis.kernel, axis.dilation, axis.step, axis.pad, axis.size, axis.stride, axis.out, mask, axis.reach()]
-        planes = geometry.channels * len(y.phases()) * len(x.phases()) * (x.out + x.reach()) * 4
-        rows = max(1, min(y.out, CONV_PLANE_BYTES // planes - y.reach()))
+        row_bytes = geometry.channels * len(y.phases()) * len(x.phases()) * (x.out + x.reach()) * 4  # a plane row, all planes
+        rows = max(1, min(y.out, CONV_PLANE_BYTES // row_bytes - y.reach()))
         lines = self.gemm_head(call, {geometry.source, call.a})
         lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
         lines.append("    const int64_t call = __atomic_add_fetch(&lc_conv_calls, 1, __ATOMIC_RELAXED);\n")

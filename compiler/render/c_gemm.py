@@ -85,13 +85,13 @@ static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int6
     lc_store_tile(acc, c, ldc, add, mr, nr);
 }
 
-/* A's (i, p) at a[i * ars + p * acs], for i < mc, p < kc, into MR-tall panels */
-static void lc_pack_a(int64_t mc, int64_t kc, const float *a, int64_t ars, int64_t acs, float *restrict out) {
-    for (int64_t i0 = 0; i0 < mc; i0 += LC_MR, out += kc * LC_MR) {
-        const int64_t mr = mc - i0 < LC_MR ? mc - i0 : LC_MR;
+/* A's (i, p) at a[i * ars + p * acs], for i < mc, p < kc, into mr-tall panels (zero-padded) */
+static void lc_pack_a(int64_t mc, int64_t kc, const float *a, int64_t ars, int64_t acs, int64_t mr_tile, float *restrict out) {
+    for (int64_t i0 = 0; i0 < mc; i0 += mr_tile, out += kc * mr_tile) {
+        const int64_t mr = mc - i0 < mr_tile ? mc - i0 : mr_tile;
         for (int64_t p = 0; p < kc; ++p) {
-            for (int64_t i = 0; i < mr; ++i) out[p * LC_MR + i] = a[(i0 + i) * ars + p * acs];
-            for (int64_t i = mr; i < LC_MR; ++i) out[p * LC_MR + i] = 0.0f;
+            for (int64_t i = 0; i < mr; ++i) out[p * mr_tile + i] = a[(i0 + i) * ars + p * acs];
+            for (int64_t i = mr; i < mr_tile; ++i) out[p * mr_tile + i] = 0.0f;
         }
     }
 }
@@ -153,7 +153,7 @@ static void lc_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t ar
             lc_pack_b(kc, nc, b + pc * brs + jc * bcs, brs, bcs, packed_b);
             for (int64_t ic = 0; ic < m; ic += LC_MC) {
                 const int64_t mc = m - ic < LC_MC ? m - ic : LC_MC;
-                lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, packed_a);
+                lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, LC_MR, packed_a);
                 for (int64_t jr = 0; jr < nc; jr += LC_NR)
                     for (int64_t ir = 0; ir < mc; ir += LC_MR)
                         lc_micro(kc, packed_a + ir * kc, packed_b + jr * kc, c + (ic + ir) * ldc + jc + jr, ldc, pc > 0,
@@ -204,11 +204,12 @@ static void lc_micro_rows(int64_t kc, const float *restrict a, const float *b, c
         }
 }
 
+/* a number per run of a convolution kernel: the key of each thread's packed A */
+static int64_t lc_conv_calls;
+
 /* Output rows [r0, r1) of C[m, oh*ow] (row stride ldc) = A B, B the windows of input x, on the
    calling thread. g: channels, channel stride, then for y and for x: window extent, dilation, step,
    pad, input size, element stride, output extent, phases read (a bit mask), reach. */
-static int64_t lc_conv_calls;
-
 static void lc_conv_rows(const int64_t *g, const float *x, int64_t m, const float *a, int64_t ars, int64_t acs,
                          float *c, int64_t ldc, int64_t r0, int64_t r1, int64_t call) {
     const int64_t channels = g[0], cs = g[1], *gy = g + 2, *gx = g + 11;
@@ -236,10 +237,7 @@ static void lc_conv_rows(const int64_t *g, const float *x, int64_t m, const floa
             packed_size = packed ? tiles * LC_CMR * k : 0;
             if (!packed) { lc_no_memory = 1; packed_call = -1; return; }
         }
-        for (int64_t t = 0; t < tiles; ++t)
-            for (int64_t p = 0; p < k; ++p)
-                for (int64_t i = 0; i < LC_CMR; ++i)
-                    packed[(t * k + p) * LC_CMR + i] = t * LC_CMR + i < m ? a[(t * LC_CMR + i) * ars + p * acs] : 0.0f;
+        lc_pack_a(m, k, a, ars, acs, LC_CMR, packed);
         packed_call = call, packed_a = a, packed_m = m;
     }
     for (int64_t ch = 0; ch < channels; ++ch)
