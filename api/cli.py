@@ -15,6 +15,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.set_defaults(run=_serve)
 
+    worker = commands.add_parser(
+        "worker", help="run a Celery compile worker (compile_backend=celery; broker at LUMINAL_REDIS_URL)"
+    )
+    worker.add_argument(
+        "--targets", default=None, help="comma-separated targets this worker compiles for (default: LUMINAL_TARGETS)"
+    )
+    worker.add_argument(
+        "--concurrency", type=int, default=None, help="compiles at a time (default: LUMINAL_COMPILE_WORKERS)"
+    )
+    worker.add_argument("--loglevel", default="INFO", help="Celery's log level")
+    worker.set_defaults(run=_worker)
+
     admin = commands.add_parser("admin", help="administration")
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
     create_key = admin_commands.add_parser("create-key", help="create an API key for a tenant")
@@ -41,6 +53,25 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit(f"luminal-cloud serve: {exc}")
     print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from api.services import open_database
+    from cloud.errors import LuminalError
+    from worker.celery_app import run_worker, wait_for_broker
+
+    logging.basicConfig(level=args.loglevel.upper())
+    settings = Settings()
+    targets = tuple(t for t in (args.targets or ",".join(settings.targets)).split(",") if t)
+    unknown = sorted(set(targets) - set(settings.targets))
+    if unknown:
+        sys.exit(f"luminal-cloud worker: unknown target {', '.join(unknown)}; known: {', '.join(settings.targets)}")
+    try:  # fail at start, with a message, when a service the compiles need is missing
+        wait_for_broker(settings)
+        open_database(settings).dispose()
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud worker: {exc.message}")
+    run_worker(settings, targets, args.concurrency or settings.compile_workers, args.loglevel.upper())
 
 
 def _create_key(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from cloud.storage import ObjectStore, load_artifact, make_object_store
 from compiler import Artifact
 from runtime import CpuDevice, Runtime
 from scheduler.engine import Engine, InProcessEngine
-from worker.pool import EmbeddedCompilePool
+from worker.queue import CompileQueue, make_compile_queue
 
 
 class DataDirInUse(RuntimeError):
@@ -52,7 +52,7 @@ class Services:
     store: ObjectStore
     registry: Registry
     ledger: Ledger
-    compiler: EmbeddedCompilePool
+    compiler: CompileQueue
     codec: Codec
     lock: DataDirLock
     engine: Engine | None = None
@@ -83,14 +83,7 @@ def build_services(settings: Settings) -> Services:
         store=store,
         registry=registry,
         ledger=Ledger(db),
-        compiler=EmbeddedCompilePool(
-            registry,
-            settings.compile_workers,
-            settings.compile_timeout_s,
-            settings.compile_memory_bytes,
-            settings.compile_candidates,
-            settings.compile_search,
-        ),
+        compiler=make_compile_queue(settings, registry),
         codec=Codec(settings.codec_process_above_bytes, settings.codec_workers),
         lock=lock,
     )

@@ -181,6 +181,17 @@ class Registry:
                 resumed.append((version.id, tenant_id))
         return resumed
 
+    def queued_versions(self) -> list[tuple[int, int]]:
+        """(version id, tenant id) of every version waiting for a compile, oldest first."""
+        with self.db.session() as session:
+            query = (
+                select(ModelVersion.id, Model.tenant_id)
+                .join(Model, ModelVersion.model_id == Model.id)
+                .where(ModelVersion.status == "queued")
+                .order_by(ModelVersion.id)
+            )
+            return [(version_id, tenant_id) for version_id, tenant_id in session.execute(query)]
+
     # -- status transitions (the compile worker) --
     def set_status(self, version_id: int, status: str, **fields: Any) -> None:
         assert status in STATUSES

@@ -25,8 +25,13 @@ class Settings(BaseSettings):
     database_url: str = ""
     # "local" keeps objects under data_dir/objects
     object_store: Literal["local"] = "local"
-    # "embedded" compiles in child processes of the server
-    compile_backend: Literal["embedded"] = "embedded"
+    # "embedded" compiles in child processes of the server; "celery" sends each compile to the
+    # Celery workers (`luminal-cloud worker`) through the broker at redis_url
+    compile_backend: Literal["embedded", "celery"] = "embedded"
+    # the Redis of the distributed mode: Celery's broker and result backend
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # a compile that meets a storage or database outage is retried this often, with backoff
+    compile_max_retries: int = 5
     # compiles at a time, taken round-robin across tenants
     compile_workers: int = 1
     # each compile's limits: wall time, and address space of its process

@@ -4,6 +4,7 @@ interrupting the server is failed instead of resumed forever."""
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -13,9 +14,11 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from api.services import build_services
 from cloud.auth import authenticate, create_key
+from cloud.errors import Unavailable
 from cloud.registry import INTERRUPTED
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
+from worker import pool
 from worker.pool import FairQueue
 
 # eight passes over 1.6 GB: about half a minute of compiling here; one pass needs 1.6 GB at once
@@ -90,9 +93,9 @@ def test_a_compile_interrupted_twice_fails_instead_of_resuming_forever(tmp_path:
     try:
         registry = services.registry
         tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
-        once = registry.create_version(tenant, "a", mlp(seed=1).SerializeToString(), "cpu")
-        twice = registry.create_version(tenant, "b", mlp(seed=2).SerializeToString(), "cpu")
-        queued = registry.create_version(tenant, "c", mlp(seed=3).SerializeToString(), "cpu")
+        once = registry.create_version(tenant, "a", io.BytesIO(mlp(seed=1).SerializeToString()), "cpu")
+        twice = registry.create_version(tenant, "b", io.BytesIO(mlp(seed=2).SerializeToString()), "cpu")
+        queued = registry.create_version(tenant, "c", io.BytesIO(mlp(seed=3).SerializeToString()), "cpu")
         registry.set_status(once.id, "compiling")
         registry.set_status(twice.id, "compiling", error=INTERRUPTED)
         assert registry.resume_unfinished() == [(once.id, tenant), (queued.id, tenant)]
@@ -110,3 +113,23 @@ def _no_leftover_children():
     import multiprocessing
 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("compile-")]
+
+
+def test_a_compile_that_meets_a_storage_outage_is_tried_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(pool, "OUTAGE_RETRY_S", 0.2)
+    client, keys = serve(tmp_path)
+    with client:
+        store = client.app.state.services.store
+        real_get, calls = store.get, []
+
+        def flaky_get(key: str) -> bytes:
+            calls.append(key)
+            if len(calls) == 1:
+                raise Unavailable("the object store is unreachable")
+            return real_get(key)
+
+        monkeypatch.setattr(store, "get", flaky_get)
+        upload(client, keys["alice"], "mlp", mlp().SerializeToString())
+        version = wait_for(client, keys["alice"], "mlp", 1)
+        assert version["status"] == "ready", version
+        assert len(calls) >= 2

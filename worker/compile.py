@@ -1,4 +1,4 @@
-"""Compiling one model version: a plain function the embedded pool (and later Celery) calls."""
+"""Compiling one model version: a plain function the embedded pool and the Celery task call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import redis
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from cloud import metrics
+from cloud.errors import Unavailable
 from cloud.registry import Registry
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
@@ -16,6 +20,17 @@ from compiler.pipeline import CANDIDATES, SEARCH
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
+
+
+# outages of the database, the object store or Redis: a compile that meets one is tried again
+# later, never failed for it
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    OperationalError,
+    InterfaceError,
+    Unavailable,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
 
 
 # (version id, graph bytes, target) -> artifact: in this process, or in a sandbox's child
@@ -68,6 +83,8 @@ def compile_version(
         return _fail(registry, version_id, message, started)
     except CompilerError as exc:
         return _fail(registry, version_id, f"compilation failed: {exc}", started)
+    except TRANSIENT_ERRORS:
+        raise
     except Exception as exc:  # a compiler bug must fail the version, not the worker
         log.exception("compiling version %s crashed", version_id)
         # the exception's text may name storage keys and paths: it stays in the operators' log

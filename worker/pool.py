@@ -3,12 +3,18 @@ tenants, each in a child process (worker/sandbox.py) that DELETE can stop."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict, deque
 
 from cloud.registry import Registry
-from worker.compile import compile_options, compile_version
+from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
 from worker.sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+# a compile that met a database or storage outage is queued again after this long
+OUTAGE_RETRY_S = 5.0
 
 
 class FairQueue:
@@ -70,6 +76,7 @@ class EmbeddedCompilePool:
         self.sandbox = Sandbox(timeout_s, memory_bytes, candidates, search)
         self.options = compile_options(candidates, search)
         self._queue = FairQueue()
+        self._tenants: dict[int, int] = {}  # version id -> tenant, to queue a retry fairly
         self._threads = [
             threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)
         ]
@@ -78,10 +85,22 @@ class EmbeddedCompilePool:
 
     def _work(self) -> None:
         while (version_id := self._queue.get()) is not None:
-            compile_version(version_id, self.registry, self.sandbox.compile, self.options)
+            try:
+                compile_version(version_id, self.registry, self.sandbox.compile, self.options)
+            except TRANSIENT_ERRORS as exc:
+                log.warning("compiling version %s met an outage (%s); queued again", version_id, exc)
+                retry = threading.Timer(OUTAGE_RETRY_S, self._resubmit, (version_id,))
+                retry.daemon = True
+                retry.start()
+            else:
+                self._tenants.pop(version_id, None)
 
     def submit(self, version_id: int, tenant_id: int) -> None:
+        self._tenants[version_id] = tenant_id
         self._queue.put(tenant_id, version_id)
+
+    def _resubmit(self, version_id: int) -> None:
+        self.submit(version_id, self._tenants[version_id])
 
     def cancel(self, version_ids: list[int]) -> None:
         """Stops the compiles of deleted versions, queued or running."""

@@ -1,0 +1,266 @@
+"""Compile jobs on Celery: the distributed compile backend (settings.compile_backend="celery").
+
+The task is a thin wrapper over worker.compile.compile_version. A message is acknowledged only
+after its compile ends (acks_late), so a worker killed midway leaves it in Redis, and the broker
+hands it to a worker again once its visibility timeout passes. Two deliveries of one version
+never compile at once: a worker holds a lease on the version in Redis while it compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+
+import redis
+from celery import Celery
+from kombu.exceptions import KombuError
+
+from cloud.registry import Registry
+from cloud.settings import Settings, get_settings
+from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
+from worker.sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+COMPILE_TASK = "luminal.compile_version"
+# a lease outlives its holder by this long: a dead worker's version is free again well before
+# the broker's visibility timeout hands its message to another worker
+LEASE_S = 10.0
+HEARTBEAT_S = 2.0
+
+
+def compile_queue(target: str) -> str:
+    """The queue of a target's compiles: a worker takes only the targets it can compile for."""
+    return f"compile.{target}"
+
+
+def redelivery_s(settings: Settings) -> float:
+    """How long a taken, unacknowledged compile waits before the broker gives it to another
+    worker: longer than any compile may run, so a live worker's job is never handed out twice."""
+    return settings.compile_timeout_s + 2 * LEASE_S
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("luminal", broker=settings.redis_url, backend=settings.redis_url)
+    app.conf.update(
+        task_acks_late=True,
+        # a worker that dies midway (OOM killer, SIGKILL) puts its message back
+        task_reject_on_worker_lost=True,
+        # one message at a time per thread: a long compile never holds others hostage
+        worker_prefetch_multiplier=1,
+        # the hard limit: the sandbox kills a compile's process group at compile_timeout_s (the
+        # worker's threads pool cannot enforce Celery's own time limits)
+        task_time_limit=settings.compile_timeout_s + LEASE_S,
+        broker_transport_options={
+            "visibility_timeout": redelivery_s(settings),
+            # look for messages of dead workers every few seconds, not every 100 s
+            "unacked_restore_interval": 5,
+            "unacked_restore_throttle": 1,
+        },
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_expires=24 * 3600,
+        worker_hijack_root_logger=False,
+        task_default_queue=compile_queue(settings.targets[0]),
+    )
+    app.task(
+        name=COMPILE_TASK,
+        bind=True,
+        autoretry_for=TRANSIENT_ERRORS,
+        retry_backoff=2,
+        retry_backoff_max=60,
+        retry_jitter=True,
+        max_retries=settings.compile_max_retries,
+    )(_compile_task)
+    return app
+
+
+# -- the worker side --
+
+
+@dataclass
+class WorkerContext:
+    """What a worker process compiles with, built once per process after Celery forks it."""
+
+    registry: Registry
+    sandbox: Sandbox
+    options: dict[str, object]
+    redis: redis.Redis
+    holder: str
+
+
+@cache
+def worker_context() -> WorkerContext:
+    from api.services import open_database
+    from cloud.storage import make_object_store
+
+    settings = get_settings()
+    db = open_database(settings)
+    registry = Registry(db, make_object_store(settings), settings.targets)
+    candidates, search = settings.compile_candidates, settings.compile_search
+    return WorkerContext(
+        registry=registry,
+        sandbox=Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search),
+        options=compile_options(candidates, search),
+        redis=redis.Redis.from_url(settings.redis_url),
+        holder=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+    )
+
+
+def _lease_key(version_id: int) -> str:
+    return f"luminal:compile-lease:{version_id}"
+
+
+@contextmanager
+def compile_lease(context: WorkerContext, version_id: int) -> Iterator[bool]:
+    """Yields whether this process holds the version's lease. While held, a thread renews it
+    and stops the compile if the version is deleted."""
+    key = _lease_key(version_id)
+    if not context.redis.set(key, context.holder, nx=True, px=int(LEASE_S * 1000)):
+        yield False
+        return
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(HEARTBEAT_S):
+            try:
+                context.redis.set(key, context.holder, xx=True, px=int(LEASE_S * 1000))
+                if context.registry.get_version(version_id) is None:
+                    context.sandbox.cancel(version_id)
+            except Exception:  # an outage must not end the compile; the next beat retries
+                log.warning("renewing the compile lease of version %s failed", version_id, exc_info=True)
+
+    thread = threading.Thread(target=renew, name=f"lease-{version_id}", daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        done.set()
+        thread.join()
+        if context.redis.get(key) == context.holder.encode():
+            context.redis.delete(key)
+
+
+def _compile_task(task, version_id: int) -> str | None:
+    context = worker_context()
+    with compile_lease(context, version_id) as held:
+        if not held:
+            log.info("version %s is compiling in another worker; this delivery ends", version_id)
+            return "leased"
+        return compile_version(version_id, context.registry, context.sandbox.compile, context.options)
+
+
+def run_worker(settings: Settings, targets: tuple[str, ...], concurrency: int, loglevel: str = "INFO") -> None:
+    """Runs a Celery worker that takes the compiles of `targets` (blocks until stopped)."""
+    app = make_celery(settings)
+    queues = ",".join(compile_queue(t) for t in targets)
+    app.worker_main(
+        # threads: each compile already runs in a sandbox process of its own, which a pool
+        # process (a daemon) could not start
+        ["worker", "--pool", "threads", "--queues", queues, "--concurrency", str(concurrency), "--loglevel", loglevel,
+         "--hostname", f"compile-{'+'.join(targets)}@{socket.gethostname()}-{os.getpid()}"]
+    )
+
+
+# -- the gateway side --
+
+
+class CeleryCompileQueue:
+    """The gateway's end: `submit` never blocks a request on the broker. An outbox thread sends,
+    and keeps what it could not send (Redis down) until the broker is back."""
+
+    def __init__(self, registry: Registry, settings: Settings) -> None:
+        self.registry = registry
+        self.app = make_celery(settings)
+        self._outbox: dict[int, str] = {}  # version id -> target, in submission order
+        self._wake = threading.Condition()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="compile-outbox", daemon=True)
+        self._sender.start()
+
+    def submit(self, version_id: int, tenant_id: int) -> None:
+        version = self.registry.get_version(version_id)
+        if version is None:
+            return
+        with self._wake:
+            self._outbox[version_id] = version.target
+            self._wake.notify()
+
+    def cancel(self, version_ids: list[int]) -> None:
+        """A deleted version's message ends at once when it is taken; a running compile is
+        stopped by its worker, which watches for the deletion."""
+        with self._wake:
+            for version_id in version_ids:
+                self._outbox.pop(version_id, None)
+
+    def resume_unfinished(self) -> None:
+        """Sends again what is still queued: a gateway that stopped between storing an upload
+        and sending it leaves it so (a duplicate message is harmless: the task is idempotent)."""
+        for version_id, tenant_id in self.registry.queued_versions():
+            self.submit(version_id, tenant_id)
+
+    def _send_loop(self) -> None:
+        delay = 0.5
+        while True:
+            with self._wake:
+                while not self._outbox and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                version_id, target = next(iter(self._outbox.items()))
+            try:
+                self.app.send_task(
+                    COMPILE_TASK,
+                    args=[version_id],
+                    queue=compile_queue(target),
+                    retry=False,
+                )
+            except (KombuError, redis.exceptions.RedisError, OSError):  # the broker is down: keep the job
+                log.warning("could not send the compile of version %s; retrying in %.1f s", version_id, delay)
+                with self._wake:
+                    self._wake.wait(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            delay = 0.5
+            with self._wake:
+                if self._outbox.get(version_id) == target:
+                    del self._outbox[version_id]
+
+    def pending(self) -> int:
+        with self._wake:
+            return len(self._outbox)
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._sender.join(timeout=10)
+        self.app.close()
+
+
+def wait_for_broker(settings: Settings, timeout_s: float = 5.0) -> None:
+    """Raises Unavailable naming the URL when Redis does not answer within `timeout_s`."""
+    from cloud.errors import Unavailable
+
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.exceptions.RedisError as exc:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"Redis at {settings.redis_url} is unreachable: {exc}") from None
+            time.sleep(0.5)
+        finally:
+            client.close()
