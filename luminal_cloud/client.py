@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 import numpy as np
 
 from luminal_cloud.errors import APIError, DeployFailed, LuminalCloudError
+
+if TYPE_CHECKING:
+    from luminal_cloud.graph import Graph
 
 _NON_FINITE = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}
 
@@ -29,6 +32,15 @@ def _has_strings(value: Any) -> bool:
     return False
 
 
+def _model_file(model: str | Path | bytes | Graph, name: str) -> tuple[str, bytes]:
+    if isinstance(model, bytes):
+        return f"{name}.onnx", model
+    # a Graph, recognized by its export so that uploading files never imports onnx
+    if hasattr(model, "to_onnx"):
+        return f"{name}.onnx", model.to_onnx()
+    return Path(model).name, Path(model).read_bytes()
+
+
 class Client:
     def __init__(self, url: str, api_key: str, timeout: float = 60.0, transport=None) -> None:
         self._http = httpx.Client(
@@ -43,7 +55,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -63,11 +75,17 @@ class Client:
         return response.json()
 
     def deploy(
-        self, path: str | Path, name: str, target: str = "cpu", wait: bool = True, timeout: float = 600.0
+        self,
+        model: str | Path | bytes | Graph,
+        name: str,
+        target: str = "cpu",
+        wait: bool = True,
+        timeout: float = 600.0,
     ) -> dict[str, Any]:
-        """Upload a model file; with wait=True, return once it is ready (DeployFailed if not)."""
-        data = Path(path).read_bytes()
-        files = {"file": (Path(path).name, data, "application/octet-stream")}
+        """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph); with
+        wait=True, return once it is ready (DeployFailed if not)."""
+        filename, data = _model_file(model, name)
+        files = {"file": (filename, data, "application/octet-stream")}
         created = self._request("POST", "/v1/models", files=files, data={"name": name, "target": target})
         if not wait:
             return created

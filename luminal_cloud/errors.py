@@ -2,7 +2,9 @@
 
     LuminalCloudError
     ├── APIError       the server answered with an error; carries status, code and message
-    └── DeployFailed   the model version failed to compile; carries the server's reason
+    ├── DeployFailed   the model version failed to compile; carries the server's reason
+    └── GraphError     (also a ValueError) a graph built with luminal_cloud.graph cannot work:
+                       a shape mismatch at the call that makes it, a duplicate name, no outputs
 """
 
 from __future__ import annotations
@@ -26,3 +28,7 @@ class DeployFailed(LuminalCloudError):
         self.name = name
         self.version = version
         self.reason = reason
+
+
+class GraphError(LuminalCloudError, ValueError):
+    pass
