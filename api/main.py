@@ -9,11 +9,14 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import error_response, install_error_handlers
-from api.routes import health, infer, models, usage
+from api.routes import health, infer, kserve_v2, models, usage
 from api.services import build_engine, build_services
 from cloud.auth import authenticate
 from cloud.errors import PayloadTooLarge, Unauthorized
 from cloud.settings import Settings, get_settings
+
+# the paths whose bodies only a tenant may send: the /v1 API and KServe v2 inference
+_AUTHENTICATED_BODIES = ("/v1/", "/v2/models/")
 
 
 class GuardedBody:
@@ -35,26 +38,27 @@ class GuardedBody:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if scope["path"].startswith("/v1/"):
+        path = scope["path"]
+        if path.startswith(_AUTHENTICATED_BODIES):
             services = scope["app"].state.services
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             try:
                 tenant = await run_in_threadpool(authenticate, services.db, authorization)
             except Unauthorized as exc:
-                response = error_response(401, exc.code, exc.message, {"WWW-Authenticate": "Bearer"})
+                response = error_response(path, 401, exc.code, exc.message, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
-        limit = self._limit(scope["path"])
+        limit = self._limit(path)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _too_large(limit)(scope, receive, send)
+            await _too_large(path, limit)(scope, receive, send)
             return
         await self.app(scope, _counting(receive, limit), send)
 
 
-def _too_large(limit: int):
-    return error_response(413, "payload_too_large", f"the request body is larger than {limit} bytes")
+def _too_large(path: str, limit: int):
+    return error_response(path, 413, "payload_too_large", f"the request body is larger than {limit} bytes")
 
 
 def _counting(receive, limit: int):
@@ -90,7 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Luminal Cloud", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    for router in (models.router, infer.router, usage.router, health.router):
+    for router in (models.router, infer.router, usage.router, health.router, kserve_v2.router):
         app.include_router(router)
     app.add_middleware(GuardedBody, settings=settings)
     return app

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class TensorSpecPublic(BaseModel):
@@ -106,3 +106,89 @@ class UsageReport(BaseModel):
     total_billed_seconds: float
     total_cost: float
     currency: str = "USD"
+
+
+# -- the KServe v2 / Open Inference Protocol (api.routes.kserve_v2) --
+
+
+class V2ServerMetadata(BaseModel):
+    name: str
+    version: str
+    # the protocol extensions served, such as "binary_tensor_data"
+    extensions: list[str]
+
+
+class V2TensorMetadata(BaseModel):
+    name: str
+    # FP32, INT64, BOOL, ...
+    datatype: str
+    # -1 for a dimension each request chooses
+    shape: list[int]
+
+
+class V2ModelMetadata(BaseModel):
+    name: str
+    # the ready versions, each of which may be asked for by number
+    versions: list[str]
+    platform: str
+    inputs: list[V2TensorMetadata]
+    outputs: list[V2TensorMetadata]
+
+
+class V2InputParameters(BaseModel, extra="allow"):
+    # binary tensor data extension: this many bytes of the body after the JSON header hold the input
+    binary_data_size: int | None = Field(None, ge=0)
+
+
+class V2RequestInput(BaseModel):
+    name: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    datatype: str
+    parameters: V2InputParameters = Field(default_factory=V2InputParameters)
+    # the elements in row-major order, flat or nested; absent when they follow the header in binary
+    data: Any = None
+
+
+class V2OutputParameters(BaseModel, extra="allow"):
+    # answer with this output's raw bytes after the JSON header; unset: the request's default
+    binary_data: bool | None = None
+
+
+class V2RequestOutput(BaseModel):
+    name: str
+    parameters: V2OutputParameters = Field(default_factory=V2OutputParameters)
+
+
+class V2RequestParameters(BaseModel, extra="allow"):
+    # the default for outputs that do not say whether they come in binary
+    binary_data_output: bool = False
+
+
+class V2InferRequest(BaseModel):
+    # echoed in the response
+    id: str | None = None
+    parameters: V2RequestParameters = Field(default_factory=V2RequestParameters)
+    inputs: list[V2RequestInput] = Field(min_length=1)
+    # the outputs to return, in this order; absent: all of them
+    outputs: list[V2RequestOutput] | None = None
+
+
+class V2ResponseOutput(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    # {"binary_data_size": bytes} when the output follows the JSON header in binary
+    parameters: dict[str, int] | None = None
+    # the elements in row-major order, when not in binary
+    data: list[Any] | None = None
+
+
+class V2InferResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_name: str
+    model_version: str
+    id: str | None = None
+    # the usage of /v1's response: request_id, exec_ms, batch_size, batch_rows, queue_ms
+    parameters: dict[str, Any]
+    outputs: list[V2ResponseOutput]

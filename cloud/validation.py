@@ -1,14 +1,17 @@
-"""Turning a request's JSON inputs into arrays that match a model's signature.
+"""Turning a request's inputs into arrays that match a model's signature.
 
-Every mismatch is an InvalidInput naming the input and the expected signature. Shapes are read
-from the nested lists and checked (rank, fixed dims, each symbol's size and limit, one size per
-symbol across inputs, element counts of inputs and outputs) before any array is allocated.
+Inputs come as nested JSON lists (/v1), or as a shape with the elements in row-major order,
+flat JSON values or raw little-endian bytes (/v2). Every mismatch is an InvalidInput naming the
+input and the expected signature. Shapes are checked (rank, fixed dims, each symbol's size and
+limit, one size per symbol across inputs, element counts of inputs and outputs, working memory)
+the same way for both before any array is allocated.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -73,9 +76,26 @@ def _fit_memory(signature: Signature, limits: dict[str, int], budget: int) -> di
 _ACCEPTED_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
 
 
+@dataclass
+class DecodedInputs:
+    # input name -> array of the input's dtype and a shape that fits the signature
+    arrays: dict[str, np.ndarray]
+    # the size of the batch dimension (1 when the model has none): the request's billed rows
+    rows: int
+
+
+@dataclass(frozen=True)
+class FlatTensor:
+    """An input given by its shape and its elements in row-major order."""
+
+    shape: tuple[int, ...]
+    # JSON values (a flat list, or nested as the shape says), or the raw little-endian bytes
+    values: list[Any] | bytes
+
+
 def decode_body(
     raw: bytes, signature: Signature, max_elements: int, limits: Mapping[str, int], max_memory_bytes: int | None
-) -> tuple[dict[str, np.ndarray], int]:
+) -> DecodedInputs:
     """An inference body `{"inputs": {name: nested list}}` to arrays (see decode_inputs); a plain
     function of bytes, so a large body can be decoded in another process."""
     try:
@@ -93,20 +113,61 @@ def decode_inputs(
     max_elements: int,
     limits: Mapping[str, int],
     max_memory_bytes: int | None = None,
-) -> tuple[dict[str, np.ndarray], int]:
-    """Arrays by input name, and the rows along the batch dimension (1 when there is none).
+) -> DecodedInputs:
+    """Arrays by input name from nested lists, and the rows along the batch dimension.
 
     `limits` gives the largest size of each symbolic dimension (see symbol_limits).
     """
+    return _decode(signature, raw, _claimed_shape, _convert, max_elements, limits, max_memory_bytes)
+
+
+def decode_flat_inputs(
+    signature: Signature,
+    tensors: Mapping[str, FlatTensor],
+    max_elements: int,
+    limits: Mapping[str, int],
+    max_memory_bytes: int | None = None,
+) -> DecodedInputs:
+    """Arrays by input name from shapes and row-major elements, checked like decode_inputs."""
+    return _decode(signature, tensors, _flat_shape, _from_flat, max_elements, limits, max_memory_bytes)
+
+
+def _decode[Given](
+    signature: Signature,
+    given: Mapping[str, Given],
+    shape_of: Callable[[TensorSpec, Given], tuple[int, ...]],
+    convert: Callable[[TensorSpec, Given, tuple[int, ...]], np.ndarray],
+    max_elements: int,
+    limits: Mapping[str, int],
+    max_memory_bytes: int | None,
+) -> DecodedInputs:
+    """Names, then shapes and sizes, are checked before `convert` makes any array."""
+    check_input_names(signature, given)
+    shapes = {s.name: shape_of(s, given[s.name]) for s in signature.inputs}
+    rows = _check_sizes(signature, shapes, max_elements, limits, max_memory_bytes)
+    return DecodedInputs({s.name: convert(s, given[s.name], shapes[s.name]) for s in signature.inputs}, rows)
+
+
+def check_input_names(signature: Signature, names: Mapping[str, Any]) -> None:
+    """Every input the model declares, and nothing else."""
     expected = describe_signature(signature)
-    names = {s.name for s in signature.inputs}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(names) - {s.name for s in signature.inputs})
     if unknown:
         raise InvalidInput(f"unknown input {unknown[0]!r}; the model expects {expected}")
-    missing = [s.name for s in signature.inputs if s.name not in raw]
+    missing = [s.name for s in signature.inputs if s.name not in names]
     if missing:
         raise InvalidInput(f"missing input {missing[0]!r}; the model expects {expected}")
-    shapes = {s.name: _claimed_shape(s, raw[s.name]) for s in signature.inputs}
+
+
+def _check_sizes(
+    signature: Signature,
+    shapes: Mapping[str, tuple[int, ...]],
+    max_elements: int,
+    limits: Mapping[str, int],
+    max_memory_bytes: int | None,
+) -> int:
+    """Checks the inputs' shapes against the signature and the service's limits, before any
+    array is allocated; returns the rows along the batch dimension (1 when there is none)."""
     bindings = _bind_symbols(signature, shapes, limits)
     for spec in signature.inputs:
         _check_elements(f"input {spec.name!r}", shapes[spec.name], max_elements)
@@ -121,9 +182,7 @@ def decode_inputs(
                 f"this request ({sizes}) would need about {needed / 2**20:,.0f} MiB of working memory; "
                 f"the limit is {max_memory_bytes / 2**20:,.0f} MiB"
             )
-    arrays = {s.name: _convert(s, raw[s.name], shapes[s.name]) for s in signature.inputs}
-    rows = bindings.get(signature.batch_symbol, 1) if signature.batch_symbol else 1
-    return arrays, rows
+    return bindings.get(signature.batch_symbol, 1) if signature.batch_symbol else 1
 
 
 def _claimed_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
@@ -134,9 +193,17 @@ def _claimed_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
         if not value:
             break
         value = value[0]
+    return _checked_rank(spec, tuple(shape))
+
+
+def _flat_shape(spec: TensorSpec, tensor: FlatTensor) -> tuple[int, ...]:
+    return _checked_rank(spec, tuple(tensor.shape))
+
+
+def _checked_rank(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) != len(spec.shape):
         raise InvalidInput(f"input {spec.name!r} has rank {len(shape)}, expected {describe(spec)}")
-    return tuple(shape)
+    return shape
 
 
 def _bind_symbols(
@@ -202,3 +269,24 @@ def _convert(spec: TensorSpec, value: Any, shape: tuple[int, ...]) -> np.ndarray
     if is_float(spec.dtype) and not np.all(np.isfinite(converted[np.isfinite(array)])):
         raise InvalidInput(f"input {spec.name!r} has values that overflow {spec.dtype}")
     return converted
+
+
+def _from_flat(spec: TensorSpec, tensor: FlatTensor, shape: tuple[int, ...]) -> np.ndarray:
+    count = prod(shape)
+    dims = ", ".join(map(str, shape))
+    if isinstance(tensor.values, bytes):
+        dtype = numpy_dtype(spec.dtype)
+        if len(tensor.values) != count * dtype.itemsize:
+            raise InvalidInput(
+                f"input {spec.name!r} has {len(tensor.values)} bytes of data; shape [{dims}] of {spec.dtype} "
+                f"needs {count * dtype.itemsize}"
+            )
+        # astype copies into the machine's byte order and leaves the request's buffer behind
+        return np.frombuffer(tensor.values, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    try:
+        array = np.asarray(tensor.values)
+    except (ValueError, TypeError):
+        raise InvalidInput(f"input {spec.name!r}: data is not a list of {spec.dtype} values") from None
+    if array.size != count:
+        raise InvalidInput(f"input {spec.name!r} has {array.size} values of data; shape [{dims}] needs {count}")
+    return _convert(spec, array.reshape(shape), shape)

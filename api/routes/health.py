@@ -11,6 +11,7 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ServicesDep
+from api.services import Services
 from cloud.errors import Forbidden, Unauthorized, Unavailable
 from cloud.metrics import REGISTRY
 
@@ -22,8 +23,9 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
-async def readyz(services: ServicesDep) -> dict[str, str]:
+async def check_ready(services: Services) -> None:
+    """Raises Unavailable unless the database, the object store and the engine all answer."""
+
     def check() -> None:
         with services.db.session() as session:
             session.execute(text("SELECT 1"))
@@ -35,6 +37,11 @@ async def readyz(services: ServicesDep) -> dict[str, str]:
         raise Unavailable(f"not ready: {type(exc).__name__}: {exc}") from None
     if services.engine is None:
         raise Unavailable("not ready: the inference engine has not started")
+
+
+@router.get("/readyz")
+async def readyz(services: ServicesDep) -> dict[str, str]:
+    await check_ready(services)
     return {"status": "ready"}
 
 

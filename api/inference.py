@@ -1,0 +1,98 @@
+"""One inference request's way through the service, shared by /v1 and the KServe v2 protocol:
+resolve the version, decode and validate the body off the event loop, queue it on the engine
+(which meters it), and count it in the request metrics. The routes differ only in how a body is
+decoded and how the outputs are rendered."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from api.schemas import InferUsage
+from api.services import Services
+from cloud import metrics
+from cloud.db import ModelVersion, Tenant
+from cloud.errors import LuminalError
+from cloud.validation import DecodedInputs, symbol_limits
+from compiler import Signature
+from scheduler.engine import InferenceResult, Route
+
+# decode(body, signature, max_elements, symbol limits, max_memory_bytes): a plain function, so a
+# large body can be decoded in another process (api.codec)
+type Decoder[Decoded: DecodedInputs] = Callable[[bytes, Signature, int, Mapping[str, int], int | None], Decoded]
+
+
+@dataclass
+class Served[Decoded: DecodedInputs]:
+    # the version that answered
+    version: ModelVersion
+    signature: Signature
+    # what the decoder made of the body: the inputs, and whatever else its protocol carries
+    decoded: Decoded
+    result: InferenceResult
+    # the service's id of the request, the key of its usage record
+    request_id: str
+
+    def usage(self) -> InferUsage:
+        return InferUsage(
+            request_id=self.request_id,
+            exec_ms=self.result.exec_seconds * 1000,
+            batch_size=self.result.batch_size,
+            batch_rows=self.result.batch_rows,
+            queue_ms=self.result.queue_seconds * 1000,
+        )
+
+
+async def serve[Decoded: DecodedInputs](
+    services: Services,
+    tenant: Tenant,
+    request: Request,
+    name: str,
+    version: int | None,
+    decode: Decoder[Decoded],
+) -> Served[Decoded]:
+    """Runs the request's body through the model `name` (its newest ready version, or `version`)."""
+    started = time.perf_counter()
+    outcome = "error"
+    model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant
+    try:
+        raw = await request.body()
+        found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
+        model_label = name
+        signature = Signature.from_json(found.signature)
+        settings = services.settings
+        decoded = await services.codec.run(
+            len(raw),
+            decode,
+            raw,
+            signature,
+            settings.max_request_elements,
+            symbol_limits(signature, settings),
+            settings.max_request_memory_bytes,
+        )
+        route = Route(
+            version_id=found.id,
+            tenant_id=tenant.id,
+            tenant_name=tenant.name,
+            model_name=name,
+            version=found.number,
+            target=found.target,
+            artifact_key=found.artifact_key,
+            batchable=signature.batch_symbol is not None,
+            model_bytes=found.graph_bytes,
+        )
+        request_id = uuid.uuid4().hex
+        result = await services.engine.infer(route, decoded.arrays, decoded.rows, request_id)
+        outcome = "ok"
+    except LuminalError as exc:
+        outcome = str(exc.status)
+        raise
+    finally:
+        metrics.REQUESTS.labels(tenant.name, model_label, outcome).inc()
+        metrics.REQUEST_LATENCY.labels(tenant.name, model_label).observe(time.perf_counter() - started)
+    return Served(found, signature, decoded, result, request_id)
