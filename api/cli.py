@@ -27,6 +27,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker.add_argument("--loglevel", default="INFO", help="Celery's log level")
     worker.set_defaults(run=_worker)
 
+    runtime = commands.add_parser(
+        "runtime", help="run a runtime process serving queued requests (request_queue=redis)"
+    )
+    runtime.add_argument("--device", default="cpu", help="the device this process runs models on (cpu)")
+    runtime.add_argument("--loglevel", default="INFO", help="log level")
+    runtime.set_defaults(run=_runtime)
+
     admin = commands.add_parser("admin", help="administration")
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
     create_key = admin_commands.add_parser("create-key", help="create an API key for a tenant")
@@ -72,6 +79,22 @@ def _worker(args: argparse.Namespace) -> None:
     except LuminalError as exc:
         sys.exit(f"luminal-cloud worker: {exc.message}")
     run_worker(settings, targets, args.concurrency or settings.compile_workers, args.loglevel.upper())
+
+
+def _runtime(args: argparse.Namespace) -> None:
+    from cloud.errors import LuminalError
+    from cloud.storage import make_object_store
+    from runtime.process import run_runtime
+    from worker.celery_app import wait_for_broker
+
+    logging.basicConfig(level=args.loglevel.upper())
+    settings = Settings()
+    try:  # fail at start, with a message, when Redis or the object store is missing
+        wait_for_broker(settings)
+        make_object_store(settings)
+        run_runtime(settings, args.device)
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud runtime: {exc.message}")
 
 
 def _create_key(args: argparse.Namespace) -> None:

@@ -90,8 +90,21 @@ def build_services(settings: Settings) -> Services:
 
 
 def build_engine(services: Services) -> Engine:
-    """The in-process engine; needs a running event loop (its batchers are asyncio tasks)."""
+    """The engine settings.request_queue names; needs a running event loop (both keep asyncio
+    tasks). With "redis" the gateway queues requests for the runtime processes and runs none."""
     settings, store = services.settings, services.store
+    if settings.request_queue == "redis":
+        from scheduler.streams import StreamEngine
+
+        return StreamEngine(
+            settings.redis_url,
+            services.ledger,
+            max_queue_requests=settings.max_queue_requests,
+            max_batch_rows=settings.max_batch_rows,
+            request_timeout_s=settings.request_timeout_s,
+            retry_after_s=settings.retry_after_s,
+            claim_idle_s=settings.runtime_claim_idle_s,
+        )
 
     def fetch(key: str) -> Artifact:
         return load_artifact(store, key)

@@ -95,3 +95,14 @@ class Unavailable(LuminalError):
 class DeadlineExceeded(LuminalError):
     status = 504
     code = "deadline_exceeded"
+
+
+def error_for_code(code: str, message: str) -> LuminalError:
+    """The error a code names, for errors that crossed a process boundary as (code, message)."""
+    pending: list[type[LuminalError]] = [LuminalError]
+    while pending:
+        cls = pending.pop()
+        if cls.code == code and cls is not Overloaded:  # Overloaded needs its retry_after
+            return cls(message)
+        pending += cls.__subclasses__()
+    return LuminalError(message)

@@ -75,6 +75,18 @@ class Settings(BaseSettings):
     # compiled models kept loaded per runtime, and how long an idle one stays
     max_loaded_models: int = 8
     idle_unload_s: float = 600.0
+    # "embedded" runs models in the server's own runtime; "redis" queues each request on a Redis
+    # stream per model version, served by `luminal-cloud runtime` processes (the gateway runs none)
+    request_queue: Literal["embedded", "redis"] = "embedded"
+    # a runtime process's memory for loaded programs (least recently used leave first); a model
+    # larger than every runtime's budget is refused with 503
+    runtime_memory_bytes: int = 8 * 1024**3
+    # a runtime renews its announcement this often; one silent for three periods is dead
+    runtime_heartbeat_s: float = 1.0
+    # a request taken by a runtime and left unanswered this long is taken over by another
+    runtime_claim_idle_s: float = 10.0
+    # port of a runtime process's /metrics (0: none)
+    runtime_metrics_port: int = 0
     # bearer token an operator's scraper sends to /metrics; empty serves /metrics only to clients
     # on this machine (the metrics name tenants and their billed seconds)
     metrics_token: str = ""

@@ -32,13 +32,17 @@ class Runtime:
         fetch_artifact: Callable[[str], Artifact],
         max_loaded: int = 8,
         idle_unload_s: float = 600.0,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         self.device = device
         self._fetch = fetch_artifact
         self._max_loaded = max_loaded
         self._idle_unload_s = idle_unload_s
+        # loaded programs' weights may take this much; the least recently used leave first
+        self.memory_budget_bytes = memory_budget_bytes
         # artifact key -> (loaded program, last used); most recently used last
         self._loaded: OrderedDict[str, tuple[object, float]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
         # one batch at a time on the device, so measured time is the batch's alone
         self._device_lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -47,6 +51,10 @@ class Runtime:
     def loaded_keys(self) -> list[str]:
         return list(self._loaded)
 
+    @property
+    def loaded_bytes(self) -> int:
+        return sum(self._sizes.values())
+
     def _ensure_loaded(self, key: str) -> tuple[object, float]:
         with self._load_lock:
             if key in self._loaded:
@@ -54,11 +62,17 @@ class Runtime:
                 self._loaded[key] = (program, time.monotonic())
                 return program, 0.0
             started = time.perf_counter()
-            program = self.device.load(self._fetch(key))
+            artifact = self._fetch(key)
+            program = self.device.load(artifact)
             load_seconds = time.perf_counter() - started
             self._loaded[key] = (program, time.monotonic())
-            while len(self._loaded) > self._max_loaded:
-                self._loaded.popitem(last=False)
+            self._sizes[key] = artifact_bytes(artifact)
+            while len(self._loaded) > 1 and (
+                len(self._loaded) > self._max_loaded
+                or (self.memory_budget_bytes is not None and self.loaded_bytes > self.memory_budget_bytes)
+            ):
+                evicted, _ = self._loaded.popitem(last=False)
+                self._sizes.pop(evicted, None)
             metrics.MODEL_LOAD_SECONDS.labels(self.device.target).observe(load_seconds)
             metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
             return program, load_seconds
@@ -69,12 +83,14 @@ class Runtime:
             idle = [k for k, (_, used) in self._loaded.items() if now - used >= self._idle_unload_s]
             for key in idle:
                 del self._loaded[key]
+                self._sizes.pop(key, None)
             metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
         return idle
 
     def unload(self, key: str) -> None:
         with self._load_lock:
             self._loaded.pop(key, None)
+            self._sizes.pop(key, None)
 
     def run_batch(
         self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]
@@ -85,3 +101,9 @@ class Runtime:
         with self._device_lock:
             outputs, exec_seconds = self.device.execute(program, batch)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)
+
+
+def artifact_bytes(artifact: Artifact) -> int:
+    """Memory a loaded program holds for its lifetime: its weights and native code."""
+    weights = sum(a.nbytes for a in artifact.all_weights().values())
+    return weights + sum(len(b) for b in artifact.binaries.values())

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -49,6 +50,8 @@ class Route:
     artifact_key: str
     # whether requests may be concatenated along a batch dimension
     batchable: bool
+    # memory the loaded program holds (its weights), to place it on a runtime with room for it
+    model_bytes: int = 0
 
 
 @dataclass
@@ -139,35 +142,61 @@ class InProcessEngine:
 
     def run_and_meter(self, route: Route, batch: list[Pending]) -> list[InferenceResult]:
         """Runs in a worker thread: execute the batch, then write its usage records."""
-        runtime = self.runtimes[route.target]
-        rows = [p.rows for p in batch]
-        result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows)
-        shares = split_by_rows(result.exec_seconds, rows)
-        price = price_for(route.target, self.prices)
-        usages = [
-            Usage(
-                request_id=p.request_id,
-                tenant_id=route.tenant_id,
-                model_name=route.model_name,
-                version=route.version,
-                target=route.target,
-                rows=p.rows,
-                batch_size=len(batch),
-                batch_rows=sum(rows),
-                batch_exec_seconds=result.exec_seconds,
-                billed_seconds=share,
-                price_per_second=price,
-            )
-            for p, share in zip(batch, shares)
-        ]
+        results, usages = run_priced(self.runtimes[route.target], self.prices, route, batch)
         self.ledger.record(usages)
-        metrics.BATCH_SIZE.labels(route.tenant_name, route.model_name).observe(len(batch))
-        metrics.EXECUTION_SECONDS.labels(route.tenant_name, route.model_name, route.target).inc(result.exec_seconds)
-        metrics.BILLED_SECONDS.labels(route.tenant_name).inc(sum(shares))
-        return [
-            InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
-            for out, share in zip(result.outputs, shares)
-        ]
+        return results
+
+
+def run_priced(
+    runtime: Runtime, prices: Mapping[str, float], route: Route, batch: list[Pending]
+) -> tuple[list[InferenceResult], list[Usage]]:
+    """Executes a batch (each Pending's payload has `.inputs`) and prices each request's share
+    of its device time; counts the batch in the metrics."""
+    rows = [p.rows for p in batch]
+    result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows)
+    shares = split_by_rows(result.exec_seconds, rows)
+    price = price_for(route.target, prices)
+    usages = [
+        Usage(
+            request_id=p.request_id,
+            tenant_id=route.tenant_id,
+            model_name=route.model_name,
+            version=route.version,
+            target=route.target,
+            rows=p.rows,
+            batch_size=len(batch),
+            batch_rows=sum(rows),
+            batch_exec_seconds=result.exec_seconds,
+            billed_seconds=share,
+            price_per_second=price,
+        )
+        for p, share in zip(batch, shares)
+    ]
+    metrics.BATCH_SIZE.labels(route.tenant_name, route.model_name).observe(len(batch))
+    metrics.EXECUTION_SECONDS.labels(route.tenant_name, route.model_name, route.target).inc(result.exec_seconds)
+    metrics.BILLED_SECONDS.labels(route.tenant_name).inc(sum(shares))
+    results = [
+        InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
+        for out, share in zip(result.outputs, shares)
+    ]
+    return results, usages
+
+
+def run_isolating[T](
+    run: Callable[[list[Pending]], list[T]], batch: list[Pending], label: str
+) -> list[tuple[Pending, T | BaseException]]:
+    """Each request's result or error. A request whose own input breaks the batch (an index out
+    of range, a size the model refuses, too much memory) fails alone: the others run again
+    without it."""
+    try:
+        return list(zip(batch, run(batch)))
+    except (IndexError, ShapeError, MemoryError) as exc:
+        if len(batch) > 1:
+            return [outcome for pending in batch for outcome in run_isolating(run, [pending], label)]
+        return [(batch[0], _request_error(exc))]
+    except Exception as exc:  # a failing batch fails its requests, never the batcher
+        log.exception("batch for %s failed", label)
+        return [(pending, exc) for pending in batch]
 
 
 class Batcher:
@@ -233,24 +262,15 @@ class Batcher:
         await self._run_batch(batch, started)
 
     async def _run_batch(self, batch: list[Pending], started: float) -> None:
-        try:
-            results = await asyncio.to_thread(self.engine.run_and_meter, self.route, batch)
-        except (IndexError, ShapeError, MemoryError) as exc:
-            if len(batch) > 1:  # one request's bad input must not fail the others: run each alone
-                for pending in batch:
-                    await self._run_batch([pending], started)
-                return
-            _fail(batch[0], _request_error(exc))
-            return
-        except Exception as exc:  # a failing batch fails its requests, never the batcher
-            log.exception("batch for %s failed", self.route.model_name)
-            for pending in batch:
-                _fail(pending, exc)
-            return
-        for pending, result in zip(batch, results):
-            result.queue_seconds = started - pending.enqueued_at
+        run = partial(self.engine.run_and_meter, self.route)
+        outcomes = await asyncio.to_thread(run_isolating, run, batch, self.route.model_name)
+        for pending, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                _fail(pending, outcome)
+                continue
+            outcome.queue_seconds = started - pending.enqueued_at
             if not pending.payload.future.done():
-                pending.payload.future.set_result(result)
+                pending.payload.future.set_result(outcome)
 
 
 def _request_error(exc: Exception) -> LuminalError:

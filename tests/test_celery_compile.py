@@ -6,8 +6,6 @@ they share PostgreSQL and S3 in a deployment."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from api.main import create_app
 from cloud.settings import Settings
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
+from tests.processes import ServiceProcess, free_port
 from worker.celery_app import (
     COMPILE_TASK,
     WorkerContext,
@@ -61,62 +60,16 @@ def settings(tmp_path: Path, redis_url: str) -> Settings:
     return celery_settings(tmp_path / "data", redis_url)
 
 
-class Worker:
-    """A `luminal-cloud worker` in its own process group, its output in a log file."""
-
-    def __init__(self, settings: Settings, log: Path, *args: str) -> None:
-        self.log = log
-        env = {
-            **os.environ,
-            "LUMINAL_DATA_DIR": str(settings.data_dir),
-            "LUMINAL_REDIS_URL": settings.redis_url,
-            "LUMINAL_COMPILE_BACKEND": "celery",
-            "LUMINAL_COMPILE_CANDIDATES": '["native-blas"]',
-            "LUMINAL_COMPILE_TIMEOUT_S": str(settings.compile_timeout_s),
-            "LUMINAL_TARGETS": '["' + '","'.join(settings.targets) + '"]',
-        }
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "luminal_cloud.cli", "worker", "--concurrency", "1", *args],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if " ready." in self.text():
-                return
-            if self.process.poll() is not None:
-                raise AssertionError(f"the worker exited ({self.process.returncode}):\n{self.text()}")
-            time.sleep(0.1)
-        raise AssertionError(f"the worker was not ready in {timeout} s:\n{self.text()}")
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group: the Celery main process and its pool."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+def worker_process(settings: Settings, log: Path, *args: str) -> ServiceProcess:
+    return ServiceProcess(settings, log, "worker", "--concurrency", "1", *args, ready_text=" ready.")
 
 
 @pytest.fixture
 def start_worker(settings: Settings, tmp_path: Path):
-    started: list[Worker] = []
+    started: list[ServiceProcess] = []
 
-    def start(*args: str, settings: Settings = settings) -> Worker:
-        worker = Worker(settings, tmp_path / f"worker-{len(started)}.log", *args)
+    def start(*args: str, settings: Settings = settings) -> ServiceProcess:
+        worker = worker_process(settings, tmp_path / f"worker-{len(started)}.log", *args)
         started.append(worker)
         worker.wait_ready()
         return worker
@@ -131,7 +84,7 @@ def ort(model, x):
     return session.run(None, {"x": x})[0]
 
 
-def ready_lines(*workers: Worker, version_id: int) -> int:
+def ready_lines(*workers: ServiceProcess, version_id: int) -> int:
     return sum(w.text().count(f"version {version_id} ready in") for w in workers)
 
 
@@ -213,14 +166,8 @@ def test_a_version_leased_by_one_worker_is_not_compiled_by_another(redis_url) ->
     client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_uploads_while_redis_is_down_compile_once_it_is_back(tmp_path, keys, start_worker) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     settings = celery_settings(tmp_path / "data", url)
     server_args = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
@@ -243,7 +190,7 @@ def test_uploads_while_redis_is_down_compile_once_it_is_back(tmp_path, keys, sta
 
 
 def test_the_worker_command_refuses_unreachable_redis_and_unknown_targets(tmp_path) -> None:
-    env = {**os.environ, "LUMINAL_DATA_DIR": str(tmp_path), "LUMINAL_REDIS_URL": f"redis://127.0.0.1:{_free_port()}/0"}
+    env = {**os.environ, "LUMINAL_DATA_DIR": str(tmp_path), "LUMINAL_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     down = subprocess.run(
         [sys.executable, "-m", "luminal_cloud.cli", "worker"], env=env, capture_output=True, text=True, timeout=60, check=False
     )

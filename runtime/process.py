@@ -1,0 +1,305 @@
+"""A runtime process (`luminal-cloud runtime --device cpu`): serves the requests queued on the
+Redis streams of the model versions placed on it.
+
+It announces itself and its capacity with heartbeats; reads its versions' streams in a consumer
+group shared with the other runtimes, batching with the one policy (scheduler.policy); loads
+artifacts from the object store on first use; answers each request on its gateway's reply
+stream; and emits one usage event per executed request. A request's message is acknowledged in
+the same transaction as its usage event and reply, so a runtime killed before that leaves the
+message to another runtime, which claims it: nothing is lost, and the ledger, idempotent by
+request id, never bills twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import redis
+
+from cloud.errors import DeadlineExceeded, LuminalError
+from cloud.metering import Usage
+from runtime.runtime import Runtime
+from scheduler import wire
+from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
+from scheduler.policy import BatchPolicy, BatchQueue, Pending
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Taken:
+    """A request read from a stream and waiting in this runtime's batch queue."""
+
+    stream: str
+    message_id: bytes
+    message: wire.RequestMessage
+
+    @property
+    def inputs(self):
+        return self.message.inputs
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str
+    memory_budget_bytes: int
+    heartbeat_s: float
+    claim_idle_s: float
+    max_batch_rows: int
+    max_delay_s: float
+    idle_unload_s: float
+    prices: dict[str, float]
+
+
+class RuntimeProcess:
+    def __init__(self, client: redis.Redis, runtime: Runtime, config: RuntimeConfig) -> None:
+        self.redis = client
+        self.runtime = runtime
+        self.config = config
+        self.runtime_id = f"{config.device}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._queues: dict[str, BatchQueue] = {}  # stream -> the requests taken from it
+        self._streams: list[str] = []
+        self._stopping = threading.Event()
+        self._last_claim = 0.0
+
+    # -- announcing --
+    def announce(self) -> None:
+        info = {
+            "device": self.config.device,
+            "memory_budget_bytes": self.config.memory_budget_bytes,
+            "loaded_bytes": self.runtime.loaded_bytes,
+            "loaded": json.dumps(self.runtime.loaded_keys),
+            "streams": len(self._streams),
+        }
+        key = wire.heartbeat_key(self.runtime_id)
+        with self.redis.pipeline() as pipe:
+            pipe.hset(key, mapping=info)
+            pipe.expire(key, max(1, round(3 * self.config.heartbeat_s)))
+            pipe.sadd(wire.RUNTIMES, self.runtime_id)
+            pipe.execute()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.config.heartbeat_s):
+            try:
+                self.announce()
+                self.runtime.unload_idle()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def withdraw(self) -> None:
+        """Leaves the placements at once, so gateways place this runtime's models elsewhere."""
+        assigned = self.redis.smembers(wire.assigned_key(self.runtime_id))
+        with self.redis.pipeline() as pipe:
+            for version in assigned:
+                pipe.srem(wire.placement_key(int(version)), self.runtime_id)
+            pipe.delete(wire.assigned_key(self.runtime_id), wire.heartbeat_key(self.runtime_id))
+            pipe.srem(wire.RUNTIMES, self.runtime_id)
+            pipe.execute()
+
+    # -- reading --
+    def refresh_streams(self) -> None:
+        versions = sorted(int(v) for v in self.redis.smembers(wire.assigned_key(self.runtime_id)))
+        streams = [wire.request_stream(v) for v in versions]
+        for stream in set(streams) - set(self._streams):
+            try:
+                self.redis.xgroup_create(stream, wire.RUNTIME_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        for stream in set(self._streams) - set(streams):
+            # unplaced (its model was deleted): what it still holds is answered, not dropped
+            for pending in self._queues.pop(stream, BatchQueue(self._policy())).expired(float("inf")):
+                self._answer_error(pending.payload, "unavailable", "the model was removed while the request was queued")
+        self._streams = streams
+
+    def _policy(self) -> BatchPolicy:
+        return BatchPolicy(self.config.max_batch_rows, self.config.max_delay_s, max_queue_requests=1 << 30)
+
+    def _read(self, block_s: float) -> list[tuple[str, bytes, dict]]:
+        if not self._streams:
+            self._stopping.wait(min(block_s, self.config.heartbeat_s))
+            return []
+        try:
+            replies = self.redis.xreadgroup(
+                wire.RUNTIME_GROUP,
+                self.runtime_id,
+                {stream: ">" for stream in self._streams},
+                count=self.config.max_batch_rows,
+                block=max(1, int(block_s * 1000)),
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._streams = []  # a stream was deleted under us: read the assignments again
+            return []
+        return [(stream.decode(), message_id, fields) for stream, entries in replies or [] for message_id, fields in entries]
+
+    def _claim_orphans(self) -> list[tuple[str, bytes, dict]]:
+        """Messages a dead runtime took and never answered."""
+        taken = []
+        for stream in self._streams:
+            _, entries, _ = self.redis.xautoclaim(
+                stream, wire.RUNTIME_GROUP, self.runtime_id, int(self.config.claim_idle_s * 1000), "0-0", count=100
+            )
+            taken += [(stream, message_id, fields) for message_id, fields in entries if fields]
+        if taken:
+            log.warning("took over %d requests of a runtime that stopped answering", len(taken))
+        return taken
+
+    def _accept(self, stream: str, message_id: bytes, fields: dict) -> None:
+        message = wire.RequestMessage.from_fields(fields)
+        taken = Taken(stream, message_id, message)
+        now = time.monotonic()
+        remaining = message.deadline - time.time()
+        pending = Pending(
+            message.request_id,
+            message.rows,
+            now,
+            now + remaining,
+            taken,
+            shape_key=tuple((name, x.shape[1:]) for name, x in sorted(message.inputs.items())),
+        )
+        self._queues.setdefault(stream, BatchQueue(self._policy())).submit(pending, now)
+
+    # -- executing --
+    def step(self) -> None:
+        """One turn: read what arrived (waiting at most until a batch is due), run due batches."""
+        now = time.monotonic()
+        wake = [w for q in self._queues.values() if (w := q.wake_at(now)) is not None]
+        block_s = min([self.config.heartbeat_s, *(max(0.0, w - now) for w in wake)])
+        entries = self._read(block_s) if block_s > 0 or not wake else []
+        if now - self._last_claim >= self.config.claim_idle_s / 2:
+            self._last_claim = now
+            self.refresh_streams()
+            entries += self._claim_orphans()
+        for stream, message_id, fields in entries:
+            self._accept(stream, message_id, fields)
+        now = time.monotonic()
+        for queue in list(self._queues.values()):
+            for pending in queue.expired(now):
+                # never run, never billed: the gateway answers 504
+                self._answer_error(pending.payload, DeadlineExceeded.code, "the request waited in the queue past its deadline")
+            while (batch := queue.take_batch(now)) is not None:
+                self._execute(batch)
+
+    def _execute(self, batch: list[Pending]) -> None:
+        started = time.monotonic()
+        route = Route(**batch[0].payload.message.route)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for pending in batch:
+                reply = wire.ReplyMessage(pending.request_id, "started")
+                pipe.xadd(pending.payload.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
+            pipe.execute()
+
+        def run(part: list[Pending]) -> list[tuple[InferenceResult, Usage]]:
+            results, usages = run_priced(self.runtime, self.config.prices, route, part)
+            return list(zip(results, usages))
+
+        for pending, outcome in run_isolating(run, batch, route.model_name):
+            taken: Taken = pending.payload
+            if isinstance(outcome, BaseException):
+                code = outcome.code if isinstance(outcome, LuminalError) else "internal_error"
+                message = outcome.message if isinstance(outcome, LuminalError) else f"internal error ({type(outcome).__name__})"
+                self._answer_error(taken, code, message)
+                continue
+            result, usage = outcome
+            reply = wire.ReplyMessage(
+                pending.request_id,
+                "ok",
+                batch_size=result.batch_size,
+                batch_rows=result.batch_rows,
+                exec_seconds=result.exec_seconds,
+                batch_exec_seconds=result.batch_exec_seconds,
+                queue_seconds=started - pending.enqueued_at,
+                outputs=result.outputs,
+            )
+            self._finish(taken, reply, usage)
+
+    def _finish(self, taken: Taken, reply: wire.ReplyMessage, usage: Usage | None) -> None:
+        """The usage event, the reply and the acknowledgement, all or none."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            if usage is not None:
+                pipe.xadd(wire.USAGE_STREAM, {"usage": json.dumps(asdict(usage))})
+            pipe.xadd(taken.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
+            pipe.xack(taken.stream, wire.RUNTIME_GROUP, taken.message_id)
+            pipe.xdel(taken.stream, taken.message_id)
+            pipe.execute()
+
+    def _answer_error(self, taken: Taken, code: str, message: str) -> None:
+        self._finish(taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None)
+
+    # -- running --
+    def serve(self) -> None:
+        self.announce()
+        self.refresh_streams()
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+        log.info("runtime %s serving device %s", self.runtime_id, self.config.device)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self.step()
+                except redis.RedisError as exc:
+                    log.warning("Redis unreachable (%s); retrying", exc)
+                    self._stopping.wait(1.0)
+            self._drain()
+        finally:
+            self._stopping.set()
+            try:
+                self.withdraw()
+            except redis.RedisError:
+                pass  # the heartbeat expires on its own
+
+    def _drain(self) -> None:
+        """On a stop: what this runtime took runs now, rather than waiting to be claimed."""
+        for queue in self._queues.values():
+            while (batch := queue.take_batch(float("inf"))) is not None:
+                self._execute(batch)
+
+    def stop(self, *_: object) -> None:
+        self._stopping.set()
+
+
+def run_runtime(settings, device: str) -> None:
+    """Builds a runtime process from settings and serves until SIGTERM or SIGINT."""
+    from cloud.storage import load_artifact, make_object_store
+    from runtime import CpuDevice
+
+    if device != "cpu":
+        raise LuminalError(f"device {device!r} is not supported by this build; available: cpu")
+    store = make_object_store(settings)
+    runtime = Runtime(
+        CpuDevice(),
+        lambda key: load_artifact(store, key),
+        settings.max_loaded_models,
+        settings.idle_unload_s,
+        settings.runtime_memory_bytes,
+    )
+    config = RuntimeConfig(
+        device=device,
+        memory_budget_bytes=settings.runtime_memory_bytes,
+        heartbeat_s=settings.runtime_heartbeat_s,
+        claim_idle_s=settings.runtime_claim_idle_s,
+        max_batch_rows=settings.max_batch_rows,
+        max_delay_s=settings.max_queue_delay_ms / 1000.0,
+        idle_unload_s=settings.idle_unload_s,
+        prices=dict(settings.price_per_second),
+    )
+    process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config)
+    signal.signal(signal.SIGTERM, process.stop)
+    signal.signal(signal.SIGINT, process.stop)
+    if settings.runtime_metrics_port:
+        from prometheus_client import start_http_server
+
+        from cloud.metrics import REGISTRY
+
+        start_http_server(settings.runtime_metrics_port, registry=REGISTRY)
+    process.serve()

@@ -1,0 +1,356 @@
+"""The distributed engine (settings.request_queue="redis"): the gateway queues each request on
+its model version's Redis stream and waits for the answer on its own reply stream; runtime
+processes (runtime/process.py) do the batching and the running. The gateway runs no model.
+
+Also here, since only gateways run them: the placement of versions on runtimes, and the ledger
+consumer that turns the runtimes' usage events into usage records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from cloud import metrics
+from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
+from cloud.metering import Ledger, Usage
+from scheduler import wire
+from scheduler.engine import InferenceResult, Route
+
+log = logging.getLogger(__name__)
+
+# how often a version with waiting requests has its placement checked
+WATCH_S = 0.25
+
+
+@dataclass
+class RuntimeInfo:
+    runtime_id: str
+    device: str
+    memory_budget_bytes: int
+    loaded_bytes: int
+    loaded: list[str]
+    streams: int
+
+
+def choose_runtime(route: Route, live: list[RuntimeInfo], exclude: set[str]) -> RuntimeInfo:
+    """Where a version goes next: a runtime of its device type with room for it, one that has it
+    loaded first, then the least busy. Raises Unavailable naming why there is none."""
+    of_device = [r for r in live if r.device == route.target]
+    if not of_device:
+        raise Unavailable(
+            f"no runtime process serves device type {route.target!r}; start one with "
+            f"`luminal-cloud runtime --device {route.target}`"
+        )
+    fits = [r for r in of_device if r.memory_budget_bytes >= route.model_bytes]
+    if not fits:
+        largest = max(r.memory_budget_bytes for r in of_device)
+        raise Unavailable(
+            f"{route.model_name} v{route.version} needs about {route.model_bytes / 2**20:.1f} MiB, more than the "
+            f"memory budget of every {route.target} runtime (the largest is {largest / 2**20:.1f} MiB)"
+        )
+    candidates = [r for r in fits if r.runtime_id not in exclude] or fits
+    return min(candidates, key=lambda r: (route.artifact_key not in r.loaded, r.streams, r.loaded_bytes))
+
+
+class Placement:
+    """Keeps every version with waiting requests on at least one live runtime, and on one more
+    while its backlog is longer than `spread_backlog` requests."""
+
+    def __init__(self, client: aioredis.Redis, spread_backlog: int, cache_s: float = 0.5) -> None:
+        self.redis = client
+        self.spread_backlog = spread_backlog
+        self.cache_s = cache_s
+        self._live: list[RuntimeInfo] = []
+        self._live_at = -1.0
+
+    async def live_runtimes(self) -> list[RuntimeInfo]:
+        now = time.monotonic()
+        if now - self._live_at < self.cache_s:
+            return self._live
+        ids = sorted(m.decode() for m in await self.redis.smembers(wire.RUNTIMES))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for runtime_id in ids:
+                pipe.hgetall(wire.heartbeat_key(runtime_id))
+            infos = await pipe.execute()
+        live, dead = [], []
+        for runtime_id, info in zip(ids, infos):
+            if not info:
+                dead.append(runtime_id)
+                continue
+            live.append(
+                RuntimeInfo(
+                    runtime_id,
+                    info[b"device"].decode(),
+                    int(info[b"memory_budget_bytes"]),
+                    int(info[b"loaded_bytes"]),
+                    json.loads(info[b"loaded"]),
+                    int(info[b"streams"]),
+                )
+            )
+        if dead:
+            await self.redis.srem(wire.RUNTIMES, *dead)
+        self._live, self._live_at = live, now
+        return live
+
+    async def ensure(self, route: Route, backlog: int) -> None:
+        live = await self.live_runtimes()
+        live_ids = {r.runtime_id for r in live}
+        placed = {m.decode() for m in await self.redis.smembers(wire.placement_key(route.version_id))}
+        gone = placed - live_ids
+        if gone:
+            await self.redis.srem(wire.placement_key(route.version_id), *gone)
+        serving = placed & live_ids
+        of_device = {r.runtime_id for r in live if r.device == route.target}
+        if serving and (backlog <= self.spread_backlog or not (of_device - serving)):
+            return
+        chosen = choose_runtime(route, live, exclude=serving)
+        if chosen.runtime_id in serving:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(wire.placement_key(route.version_id), chosen.runtime_id)
+            pipe.sadd(wire.assigned_key(chosen.runtime_id), route.version_id)
+            await pipe.execute()
+        log.info("placed %s v%s on %s", route.model_name, route.version, chosen.runtime_id)
+
+    async def remove(self, version_id: int) -> None:
+        placed = await self.redis.smembers(wire.placement_key(version_id))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for runtime_id in placed:
+                pipe.srem(wire.assigned_key(runtime_id.decode()), version_id)
+            pipe.delete(wire.placement_key(version_id), wire.request_stream(version_id))
+            await pipe.execute()
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    # when a runtime said its batch started (loop time), or None while queued
+    started: float | None = None
+    enqueued: float = field(default=0.0)
+
+
+class StreamEngine:
+    """Engine over Redis Streams. Needs a running event loop (it starts its reader tasks)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        ledger: Ledger,
+        max_queue_requests: int,
+        max_batch_rows: int,
+        request_timeout_s: float,
+        retry_after_s: int,
+        claim_idle_s: float,
+    ) -> None:
+        self.redis_url = redis_url
+        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=10)
+        self.ledger = ledger
+        self.max_queue_requests = max_queue_requests
+        self.request_timeout_s = request_timeout_s
+        self.retry_after_s = retry_after_s
+        self.claim_idle_s = claim_idle_s
+        self.placement = Placement(self.redis, spread_backlog=2 * max_batch_rows)
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.reply_to = wire.reply_stream(self.gateway_id)
+        self._waiting: dict[str, _Waiter] = {}
+        # version id -> (its route, requests waiting), and the task keeping each placed
+        self._watched: dict[int, tuple[Route, int]] = {}
+        self._watchers: dict[int, asyncio.Task] = {}
+        self._loop = asyncio.get_running_loop()
+        self._tasks = [
+            self._loop.create_task(self._read_replies(), name="replies"),
+            self._loop.create_task(self._consume_usage(), name="ledger"),
+        ]
+
+    def _unreachable(self, exc: Exception) -> Unavailable:
+        return Unavailable(f"the request queue (Redis at {wire.redact(self.redis_url)}) is unreachable: {exc}")
+
+    async def infer(
+        self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
+    ) -> InferenceResult:
+        stream = wire.request_stream(route.version_id)
+        waiter = _Waiter(self._loop.create_future(), enqueued=self._loop.time())
+        deadline = time.time() + self.request_timeout_s
+        try:
+            backlog = await self.redis.xlen(stream)
+            if backlog >= self.max_queue_requests:
+                metrics.QUEUE_REJECTIONS.labels(route.tenant_name, route.model_name).inc()
+                raise Overloaded(
+                    f"the queue for {route.model_name} v{route.version} is full ({backlog} requests)",
+                    retry_after=self.retry_after_s,
+                )
+            await self.placement.ensure(route, backlog)
+            message = wire.RequestMessage(request_id, self.reply_to, deadline, rows, route_fields(route), dict(inputs))
+            self._waiting[request_id] = waiter
+            await self.redis.xadd(stream, message.to_fields())
+        except redis.RedisError as exc:
+            self._waiting.pop(request_id, None)
+            raise self._unreachable(exc) from None
+        self._watch(route, +1)
+        try:
+            return await self._wait(waiter, deadline)
+        finally:
+            self._waiting.pop(request_id, None)
+            self._watch(route, -1)
+
+    def _watch(self, route: Route, change: int) -> None:
+        """Counts a version's waiting requests; while there are any, a task keeps it placed."""
+        _, waiting = self._watched.get(route.version_id, (route, 0))
+        self._watched[route.version_id] = (route, waiting + change)
+        if waiting == 0 and change > 0 and route.version_id not in self._watchers:
+            task = self._loop.create_task(self._keep_placed(route.version_id), name=f"place-{route.version_id}")
+            self._watchers[route.version_id] = task
+
+    async def _keep_placed(self, version_id: int) -> None:
+        """Every WATCH_S while requests wait: a dead runtime's versions go to a live one, and a
+        growing backlog spreads to one more runtime."""
+        try:
+            while True:
+                await asyncio.sleep(WATCH_S)
+                route, waiting = self._watched[version_id]
+                if waiting <= 0:
+                    return
+                try:
+                    backlog = await self.redis.xlen(wire.request_stream(version_id))
+                    await self.placement.ensure(route, backlog)
+                except (redis.RedisError, LuminalError) as exc:
+                    log.warning("placing %s v%s again failed: %s", route.model_name, route.version, exc)
+        finally:
+            self._watchers.pop(version_id, None)
+            if self._watched.get(version_id, (None, 0))[1] <= 0:
+                self._watched.pop(version_id, None)
+
+    async def _wait(self, waiter: _Waiter, deadline: float) -> InferenceResult:
+        """The reply. Queued, the request gets 504 at its deadline; once its batch started, it
+        waits for the run, and for a takeover if its runtime dies meanwhile."""
+        while True:
+            now = self._loop.time()
+            if waiter.started is None:
+                remaining = deadline - time.time()
+            else:
+                remaining = waiter.started + self.request_timeout_s + self.claim_idle_s - now
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    "the request waited in the queue past its deadline"
+                    if waiter.started is None
+                    else "the runtime running this request stopped answering"
+                )
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter.future), remaining)
+            except TimeoutError:
+                pass
+
+    async def _read_replies(self) -> None:
+        last = "$"
+        while True:
+            try:
+                replies = await self.redis.xread({self.reply_to: last}, count=500, block=1000)
+            except redis.RedisError as exc:
+                log.warning("reading replies failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            except asyncio.CancelledError:
+                return
+            done = []
+            for _stream, entries in replies or []:
+                for message_id, fields in entries:
+                    last = message_id
+                    done.append(message_id)
+                    self._resolve(wire.ReplyMessage.from_fields(fields))
+            if done:
+                try:
+                    await self.redis.xdel(self.reply_to, *done)
+                except redis.RedisError:
+                    pass  # trimmed by length anyway
+
+    def _resolve(self, reply: wire.ReplyMessage) -> None:
+        waiter = self._waiting.get(reply.request_id)
+        if waiter is None or waiter.future.done():
+            return  # answered already (a runtime that took over ran it again), or given up
+        if reply.kind == "started":
+            waiter.started = self._loop.time()
+        elif reply.kind == "ok":
+            waiter.future.set_result(
+                InferenceResult(
+                    reply.outputs,
+                    reply.batch_size,
+                    reply.batch_rows,
+                    reply.exec_seconds,
+                    reply.batch_exec_seconds,
+                    reply.queue_seconds,
+                )
+            )
+        else:
+            waiter.future.set_exception(error_for_code(reply.code, reply.message))
+
+    async def _consume_usage(self) -> None:
+        """Usage events to the ledger. Gateways share the work in one consumer group; an event
+        is acknowledged once its record is written, and one a dead gateway held is taken over."""
+        consumer, created, last_claim = self.gateway_id, False, 0.0
+        while True:
+            try:
+                if not created:
+                    try:
+                        await self.redis.xgroup_create(wire.USAGE_STREAM, wire.LEDGER_GROUP, id="0", mkstream=True)
+                    except redis.ResponseError as exc:
+                        if "BUSYGROUP" not in str(exc):
+                            raise
+                    created = True
+                entries = []
+                if time.monotonic() - last_claim > self.claim_idle_s:
+                    last_claim = time.monotonic()
+                    _, claimed, _ = await self.redis.xautoclaim(
+                        wire.USAGE_STREAM, wire.LEDGER_GROUP, consumer, int(self.claim_idle_s * 3000), "0-0", count=500
+                    )
+                    entries += [e for e in claimed if e[1]]
+                read = await self.redis.xreadgroup(
+                    wire.LEDGER_GROUP, consumer, {wire.USAGE_STREAM: ">"}, count=500, block=1000
+                )
+                entries += [e for _stream, got in read or [] for e in got]
+                if not entries:
+                    continue
+                usages = [Usage(**json.loads(fields[b"usage"])) for _, fields in entries]
+                await asyncio.to_thread(self.ledger.record, usages)
+                ids = [message_id for message_id, _ in entries]
+                await self.redis.xack(wire.USAGE_STREAM, wire.LEDGER_GROUP, *ids)
+                await self.redis.xdel(wire.USAGE_STREAM, *ids)
+            except asyncio.CancelledError:
+                return
+            except Exception as exc:  # noqa: BLE001  an outage of Redis or the database: the events wait in Redis
+                created = created and "NOGROUP" not in str(exc)  # a restarted Redis lost the group
+                log.warning("recording usage events failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+
+    def forget(self, version_id: int) -> None:
+        self._loop.create_task(self._forget(version_id))
+
+    async def _forget(self, version_id: int) -> None:
+        try:
+            await self.placement.remove(version_id)
+        except redis.RedisError as exc:
+            log.warning("removing the queue of version %s failed: %s", version_id, exc)
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._watchers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await self.redis.delete(self.reply_to)
+        except redis.RedisError:
+            pass
+        await self.redis.aclose()
+
+
+def route_fields(route: Route) -> dict:
+    return {name: getattr(route, name) for name in Route.__dataclass_fields__}

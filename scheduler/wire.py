@@ -1,0 +1,126 @@
+"""What gateways and runtime processes say to each other through Redis: key names, and tensors
+and messages as bytes. Pure: no connections here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+PREFIX = "luminal:"
+# runtime ids of every runtime process that has announced itself (some may be dead: the
+# heartbeat key below tells)
+RUNTIMES = PREFIX + "runtimes"
+# usage events of executed requests, read by the ledger consumers of the gateways
+USAGE_STREAM = PREFIX + "usage"
+# the consumer groups: runtimes share a version's requests, gateways share the usage events
+RUNTIME_GROUP = "runtimes"
+LEDGER_GROUP = "ledger"
+
+
+def request_stream(version_id: int) -> str:
+    return f"{PREFIX}requests:{version_id}"
+
+
+def reply_stream(gateway_id: str) -> str:
+    return f"{PREFIX}replies:{gateway_id}"
+
+
+def heartbeat_key(runtime_id: str) -> str:
+    """A runtime's announcement (a hash that expires unless renewed): alive while it exists."""
+    return f"{PREFIX}runtime:{runtime_id}"
+
+
+def assigned_key(runtime_id: str) -> str:
+    """The version ids whose requests a runtime reads."""
+    return f"{PREFIX}assigned:{runtime_id}"
+
+
+def placement_key(version_id: int) -> str:
+    """The runtime ids a version is placed on."""
+    return f"{PREFIX}placement:{version_id}"
+
+
+def pack_tensors(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """A JSON header line (name -> dtype, shape, byte count) followed by the raw C-order bytes."""
+    header, parts = {}, []
+    for name, value in tensors.items():
+        array = np.ascontiguousarray(value)
+        header[name] = [array.dtype.str, list(array.shape), array.nbytes]
+        parts.append(array.tobytes())
+    return json.dumps(header).encode() + b"\n" + b"".join(parts)
+
+
+def unpack_tensors(data: bytes) -> dict[str, np.ndarray]:
+    head, _, body = data.partition(b"\n")
+    tensors, offset = {}, 0
+    for name, (dtype, shape, nbytes) in json.loads(head).items():
+        kind = np.dtype(dtype)
+        tensors[name] = np.frombuffer(body, kind, nbytes // kind.itemsize, offset).reshape(shape)
+        offset += nbytes
+    return tensors
+
+
+@dataclass
+class RequestMessage:
+    """One inference request on a version's stream."""
+
+    request_id: str
+    # the gateway's reply stream
+    reply_to: str
+    # wall-clock time (time.time()) by which it must have started, or it is dropped unrun
+    deadline: float
+    rows: int
+    # the Route, as a dict (scheduler.engine.Route's fields)
+    route: dict[str, Any]
+    inputs: dict[str, np.ndarray] = field(repr=False)
+
+    def to_fields(self) -> dict[str, bytes | str]:
+        return {"meta": json.dumps(_meta(self, "inputs")), "inputs": pack_tensors(self.inputs)}
+
+    @staticmethod
+    def from_fields(fields: Mapping[bytes, bytes]) -> RequestMessage:
+        meta = json.loads(fields[b"meta"])
+        return RequestMessage(**meta, inputs=unpack_tensors(fields[b"inputs"]))
+
+
+@dataclass
+class ReplyMessage:
+    """A runtime's answer to one request: "started" when its batch starts, then "ok" or "error"."""
+
+    request_id: str
+    kind: str
+    # on error: the error code of cloud.errors and its message
+    code: str = ""
+    message: str = ""
+    batch_size: int = 0
+    batch_rows: int = 0
+    exec_seconds: float = 0.0
+    batch_exec_seconds: float = 0.0
+    queue_seconds: float = 0.0
+    outputs: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def to_fields(self) -> dict[str, bytes | str]:
+        return {"meta": json.dumps(_meta(self, "outputs")), "outputs": pack_tensors(self.outputs)}
+
+    @staticmethod
+    def from_fields(fields: Mapping[bytes, bytes]) -> ReplyMessage:
+        meta = json.loads(fields[b"meta"])
+        return ReplyMessage(**meta, outputs=unpack_tensors(fields[b"outputs"]))
+
+
+def _meta(message: Any, tensors: str) -> dict[str, Any]:
+    return {f.name: getattr(message, f.name) for f in fields(message) if f.name != tensors}
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
