@@ -50,13 +50,17 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.main import create_app
-    from api.services import DataDirInUse, DataDirLock
+    from api.services import DataDirInUse, DataDirLock, open_database
+    from cloud.errors import LuminalError
+    from cloud.storage import make_object_store
 
     logging.basicConfig(level=logging.INFO)
     settings = Settings()
     try:  # fail before any work, with a message rather than uvicorn's startup traceback
         DataDirLock(settings.data_dir).release()
-    except DataDirInUse as exc:
+        open_database(settings).dispose()  # and brings a PostgreSQL schema to head
+        make_object_store(settings)
+    except (DataDirInUse, LuminalError) as exc:
         sys.exit(f"luminal-cloud serve: {exc}")
     print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
@@ -100,9 +104,13 @@ def _runtime(args: argparse.Namespace) -> None:
 def _create_key(args: argparse.Namespace) -> None:
     from api.services import open_database
     from cloud.auth import create_key
+    from cloud.errors import LuminalError
 
     settings = Settings()
-    db = open_database(settings)
+    try:
+        db = open_database(settings)
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud admin: {exc}")
     try:
         key = create_key(db, args.tenant)
     finally:

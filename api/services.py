@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import fcntl
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.exc import ArgumentError, OperationalError
+
 from api.codec import Codec
-from cloud.db import Database
+from cloud.db import Database, masked_url
+from cloud.errors import Unreachable
 from cloud.metering import Ledger
+from cloud.migrations import upgrade_to_head
 from cloud.registry import Registry
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
@@ -64,18 +69,37 @@ class Services:
 
 
 def open_database(settings: Settings) -> Database:
+    """The metadata database at the current schema: the embedded SQLite by create_all (nothing
+    to migrate from), any other by the Alembic migrations. Unreachable, naming the URL with its
+    password masked, when the database cannot be reached or the URL is not one."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    db = Database(settings.resolved_database_url)
-    db.create_all()
+    url = settings.resolved_database_url
+    try:
+        db = Database(url)
+    except ArgumentError as exc:
+        raise Unreachable(f"LUMINAL_DATABASE_URL is not a database URL SQLAlchemy can use: {exc}") from None
+    try:
+        if db.is_sqlite:
+            db.create_all()
+        else:
+            upgrade_to_head(db.engine)
+    except OperationalError as exc:
+        db.dispose()
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        raise Unreachable(f"cannot reach the database at {masked_url(url)}: {reason}") from None
     return db
 
 
 def build_services(settings: Settings) -> Services:
     """Everything a server holds; raises DataDirInUse before any work if another server holds
-    the data directory."""
-    lock = DataDirLock(settings.data_dir)
-    db = open_database(settings)
-    store = make_object_store(settings)
+    the data directory, Unreachable if the database or the object store cannot be reached."""
+    with ExitStack() as undo:  # a database or store that cannot be reached frees what came before
+        lock = DataDirLock(settings.data_dir)
+        undo.callback(lock.release)
+        db = open_database(settings)
+        undo.callback(db.dispose)
+        store = make_object_store(settings)
+        undo.pop_all()
     registry = Registry(db, store, settings.targets)
     return Services(
         settings=settings,

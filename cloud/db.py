@@ -18,6 +18,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    make_url,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
@@ -104,12 +105,19 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+# seconds to wait for a PostgreSQL connection: a dead host fails the start instead of hanging it
+_CONNECT_TIMEOUT_S = 10
+
+
 class Database:
     def __init__(self, url: str) -> None:
-        is_sqlite = url.startswith("sqlite")
-        connect_args = {"check_same_thread": False, "timeout": 30} if is_sqlite else {}
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            connect_args: dict[str, Any] = {"check_same_thread": False, "timeout": 30}
+        else:
+            connect_args = {"connect_timeout": _CONNECT_TIMEOUT_S}
         self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
-        if is_sqlite:
+        if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -131,6 +139,11 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def masked_url(url: str) -> str:
+    """The URL with its password replaced by ***, for messages and logs."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:

@@ -11,6 +11,7 @@
     ├── PayloadTooLarge (413)
     ├── Overloaded (429)             a queue is full; carries retry_after seconds
     ├── Unavailable (503)
+    │   └── Unreachable (503)        the database or object store cannot be reached or refuses us
     └── DeadlineExceeded (504)
 """
 
@@ -90,6 +91,13 @@ class Overloaded(LuminalError):
 class Unavailable(LuminalError):
     status = 503
     code = "unavailable"
+
+
+class Unreachable(Unavailable):
+    """A backing service (database, object store) is down, unknown or refuses our credentials;
+    the message names it (URL with the password masked), so an operator can fix the setting."""
+
+    code = "backend_unreachable"
 
 
 class DeadlineExceeded(LuminalError):

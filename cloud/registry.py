@@ -5,12 +5,12 @@ The API and the compile worker both go through here; neither touches the tables 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from cloud.db import Database, Model, ModelVersion
 from cloud.errors import InvalidModelFile, InvalidRequest, NotFound, NotReady
-from cloud.storage import ObjectStore, artifacts_prefix
+from cloud.storage import ObjectStore, artifacts_prefix, graph_key, spool
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
 
@@ -28,11 +28,15 @@ STATUSES = ("queued", "compiling", "ready", "failed")
 INTERRUPTED = "the compile was interrupted by a server stop and resumed"
 
 
-def graph_key(data: bytes) -> str:
-    return f"graphs/{hashlib.sha256(data).hexdigest()}.onnx"
-
-
 _INSERT_ATTEMPTS = 6
+
+
+def _check_model(path: Path) -> None:
+    """InvalidModelFile unless the file parses as an ONNX model this service can take."""
+    try:
+        parse_model(path.read_bytes())  # the bytes are dropped before the blob is stored
+    except (InvalidModel, UnsupportedModel) as exc:
+        raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
 
 
 class Registry:
@@ -43,31 +47,36 @@ class Registry:
         self._insert_lock = threading.Lock()
 
     # -- uploads --
-    def create_version(self, tenant_id: int, name: str, data: bytes, target: str) -> ModelVersion:
+    def create_version(
+        self, tenant_id: int, name: str, source: BinaryIO, target: str, max_bytes: int | None = None
+    ) -> ModelVersion:
+        """A new version from the ONNX file read from `source`, spooled to disk (at most
+        `max_bytes`, else PayloadTooLarge) and streamed to the store: never whole in memory
+        but while the parser checks it."""
         if not NAME_PATTERN.match(name):
             raise InvalidRequest(
                 f"model name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'"
             )
         if target not in self.targets:
             raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
-        try:
-            parse_model(data)
-        except (InvalidModel, UnsupportedModel) as exc:
-            raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
-        key = graph_key(data)
-        # uploads racing on a new name or the next number: within this process they take turns
-        # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered pause.
-        # The blob is stored under the same lock, so a delete cannot free it in between.
-        for attempt in range(_INSERT_ATTEMPTS):
-            try:
-                with self._insert_lock:
-                    if not self.store.exists(key):
-                        self.store.put(key, data)
-                    return self._insert_version(tenant_id, name, key, len(data), target)
-            except IntegrityError:
-                if attempt == _INSERT_ATTEMPTS - 1:
-                    raise
-                time.sleep(random.uniform(0, 0.01 * (attempt + 1)))
+        with spool(source, max_bytes) as graph:
+            if graph.size == 0:
+                raise InvalidModelFile("the uploaded file is empty")
+            _check_model(graph.path)
+            key = graph_key(graph.sha256)
+            # uploads racing on a new name or the next number: within this process they take turns
+            # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered
+            # pause. The blob is stored under the same lock, so a delete cannot free it in between.
+            for attempt in range(_INSERT_ATTEMPTS):
+                try:
+                    with self._insert_lock:
+                        if not self.store.exists(key):
+                            self.store.put_file(key, graph.path)
+                        return self._insert_version(tenant_id, name, key, graph.size, target)
+                except IntegrityError:
+                    if attempt == _INSERT_ATTEMPTS - 1:
+                        raise
+                    time.sleep(random.uniform(0, 0.01 * (attempt + 1)))
         raise AssertionError("unreachable")
 
     def _insert_version(self, tenant_id: int, name: str, key: str, size: int, target: str) -> ModelVersion:

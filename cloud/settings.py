@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from compiler.pipeline import CANDIDATES
@@ -23,8 +23,17 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=_default_data_dir)
     # SQLAlchemy URL; empty means SQLite inside data_dir
     database_url: str = ""
-    # "local" keeps objects under data_dir/objects
-    object_store: Literal["local"] = "local"
+    # "local" keeps objects under data_dir/objects; "s3" in the bucket below (S3, MinIO)
+    object_store: Literal["local", "s3"] = "local"
+    # the S3 endpoint; empty means AWS itself (MinIO in compose: http://minio:9000)
+    s3_endpoint_url: str = ""
+    # the bucket holding graphs and artifacts, created at start when missing
+    s3_bucket: str = "luminal-cloud"
+    # the bucket's region (AWS needs it to sign requests; MinIO accepts any)
+    s3_region: str = "us-east-1"
+    # credentials; both empty means boto3's own chain (environment, instance role)
+    s3_access_key_id: str = ""
+    s3_secret_access_key: SecretStr = SecretStr("")
     # "embedded" compiles in child processes of the server; "celery" sends each compile to the
     # Celery workers (`luminal-cloud worker`) through the broker at redis_url
     compile_backend: Literal["embedded", "celery"] = "embedded"

@@ -1,6 +1,7 @@
 """The object store: graph blobs and compiled artifacts, by key.
 
-One small interface; the embedded default is a local directory.
+One small interface with two adapters, picked by `make_object_store`: a local directory (the
+embedded default) and an S3 bucket (`cloud/s3.py`).
 """
 
 from __future__ import annotations
@@ -10,18 +11,25 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from cloud.errors import NotFound
+from cloud.errors import NotFound, PayloadTooLarge
 from cloud.settings import Settings
 from compiler import Artifact
 from compiler.pipeline import COMPILER_VERSION
 
+# uploads are read, hashed and stored this much at a time
+_CHUNK = 1 << 20
+
 
 class ObjectStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
+    # streamed from the file: a large upload never sits whole in memory
+    def put_file(self, key: str, path: Path) -> None: ...
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def delete_prefix(self, prefix: str) -> None: ...
@@ -41,12 +49,26 @@ class LocalObjectStore:
         return path
 
     def put(self, key: str, data: bytes) -> None:
+        with self._replacing(key) as f:
+            f.write(data)
+
+    def put_file(self, key: str, path: Path) -> None:
+        with self._replacing(key) as f, path.open("rb") as source:
+            shutil.copyfileobj(source, f, _CHUNK)
+
+    @contextmanager
+    def _replacing(self, key: str) -> Iterator[BinaryIO]:
+        """A temporary file beside the object, renamed over it once written whole."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def get(self, key: str) -> bytes:
         try:
@@ -66,7 +88,43 @@ class LocalObjectStore:
 
 
 def make_object_store(settings: Settings) -> ObjectStore:
+    """The adapter the settings name; an S3 store checks its bucket now (Unreachable if not)."""
+    if settings.object_store == "s3":
+        from cloud.s3 import S3ObjectStore  # boto3 is imported only by servers that use it
+
+        return S3ObjectStore.from_settings(settings)
     return LocalObjectStore(settings.objects_dir)
+
+
+@dataclass(frozen=True)
+class SpooledFile:
+    """An upload written to a temporary file, hashed on the way."""
+
+    path: Path
+    # hex digest of the contents: the key graphs are stored under
+    sha256: str
+    size: int
+
+
+@contextmanager
+def spool(source: BinaryIO, max_bytes: int | None = None) -> Iterator[SpooledFile]:
+    """Copies `source` into a temporary file (removed on exit), hashing as it reads;
+    PayloadTooLarge as soon as it passes `max_bytes`."""
+    digest, size = hashlib.sha256(), 0
+    with tempfile.NamedTemporaryFile(prefix="luminal-upload-") as f:
+        while chunk := source.read(_CHUNK):
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise PayloadTooLarge(f"the upload is larger than the limit of {max_bytes} bytes")
+            digest.update(chunk)
+            f.write(chunk)
+        f.flush()
+        yield SpooledFile(Path(f.name), digest.hexdigest(), size)
+
+
+def graph_key(sha256: str) -> str:
+    """Where an uploaded graph is stored: by the hex digest of its bytes."""
+    return f"graphs/{sha256}.onnx"
 
 
 def graph_digest(graph_key: str) -> str:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 from fastapi.testclient import TestClient
 
 from api.main import create_app
@@ -14,6 +16,8 @@ from cloud.settings import Settings
 from compiler import pipeline
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# the PostgreSQL on this machine; tests create their own databases from here and drop them
+POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +38,25 @@ def make_settings(data_dir: Path, **overrides) -> Settings:
     }
     values.update(overrides)
     return Settings(**values)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """The URL of a new, empty database on the local PostgreSQL, dropped after the test."""
+    name = f"luminal_test_{uuid.uuid4().hex[:16]}"
+    server = sqlalchemy.create_engine(f"{POSTGRES_SERVER}/test", isolation_level="AUTOCOMMIT")
+    try:
+        with server.connect() as connection:
+            connection.exec_driver_sql(f"CREATE DATABASE {name}")
+    except sqlalchemy.exc.OperationalError as exc:
+        server.dispose()
+        pytest.fail(f"PostgreSQL is needed at {POSTGRES_SERVER} and cannot be reached: {exc}")
+    try:
+        yield f"{POSTGRES_SERVER}/{name}"
+    finally:
+        with server.connect() as connection:
+            connection.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        server.dispose()
 
 
 @pytest.fixture

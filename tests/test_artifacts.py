@@ -3,6 +3,7 @@ uploader or for anyone who later uploads the same bytes; it is compiled again.""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_pat
     try:
         registry, store = services.registry, services.store
         alice, bob = (authenticate(services.db, f"Bearer {create_key(services.db, name)}").id for name in ("alice", "bob"))
-        first = registry.create_version(alice, "mlp", MLP, "cpu")
+        first = registry.create_version(alice, "mlp", io.BytesIO(MLP), "cpu")
         key = cache_key(first.graph_key, "cpu", compile_options())
         # what a kill -9 between the writes of an older, manifest-first save left in the store
         files = compile_onnx(MLP).to_files()
@@ -54,7 +55,7 @@ def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_pat
             store.put(f"{key}/program.json", files["program.json"])
             store.put(f"{key}/weights.npz", files["weights.npz"][:100])
         assert compile_version(first.id, registry) == "ready"
-        again = registry.create_version(bob, "mlp", MLP, "cpu")
+        again = registry.create_version(bob, "mlp", io.BytesIO(MLP), "cpu")
         assert compile_version(again.id, registry) == "ready"
         x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
         np.testing.assert_allclose(
@@ -72,7 +73,7 @@ def test_a_compiler_crash_fails_the_version_without_revealing_paths(tmp_path: Pa
     try:
         registry = services.registry
         tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
-        version = registry.create_version(tenant, "mlp", MLP, "cpu")
+        version = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
 
         def crash(data: bytes, target: str) -> Artifact:
             raise RuntimeError(f"cannot open {tmp_path}/data/objects/artifacts/abc/weights.npz")
@@ -98,18 +99,18 @@ def test_the_cache_reuses_an_artifact_only_for_the_same_options_and_cpu(tmp_path
         registry, store = services.registry, services.store
         tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
         blas_only = compile_options(("native-blas",), True)
-        first = registry.create_version(tenant, "mlp", MLP, "cpu")
+        first = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
         assert compile_version(first.id, registry, counting, blas_only) == "ready"
-        again = registry.create_version(tenant, "mlp", MLP, "cpu")
+        again = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
         assert compile_version(again.id, registry, counting, blas_only) == "ready"
         assert compiled == [(first.id, "cpu")]  # the same bytes and options: no second compile
         assert registry.get_version(again.id).artifact_key == registry.get_version(first.id).artifact_key
 
         # other options (the search off) or another CPU type: compiled again, stored beside it
-        other = registry.create_version(tenant, "mlp", MLP, "cpu")
+        other = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
         assert compile_version(other.id, registry, counting, compile_options(("native-blas",), False)) == "ready"
         monkeypatch.setattr("worker.compile.cpu_fingerprint", lambda: "another cpu type")
-        elsewhere = registry.create_version(tenant, "mlp", MLP, "cpu")
+        elsewhere = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
         assert compile_version(elsewhere.id, registry, counting, blas_only) == "ready"
         assert compiled == [(first.id, "cpu"), (other.id, "cpu"), (elsewhere.id, "cpu")]
         keys = {registry.get_version(v.id).artifact_key for v in (first, other, elsewhere)}

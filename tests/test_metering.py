@@ -5,13 +5,12 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import sqlalchemy
 from sqlalchemy import select
 
+from api.services import open_database
 from cloud.db import Database, UsageRecord
 from cloud.metering import Ledger, Usage, split_by_rows
-
-POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from cloud.settings import Settings
 
 
 def test_split_is_proportional_to_rows_and_sums_to_the_batch() -> None:
@@ -27,16 +26,10 @@ def test_split_refuses_an_empty_batch() -> None:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database(request, tmp_path):
-    if request.param == "sqlite":
-        db = Database(f"sqlite:///{tmp_path / 'ledger.db'}")
-    else:
-        db = Database(POSTGRES_URL)
-        try:
-            with db.engine.connect():
-                pass
-        except sqlalchemy.exc.OperationalError as exc:
-            pytest.fail(f"PostgreSQL is needed at {POSTGRES_URL} and cannot be reached: {exc}")
-    db.create_all()
+    """The ledger's database as a server opens it: SQLite by create_all, a new PostgreSQL
+    database by the migrations."""
+    url = "" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    db = open_database(Settings(data_dir=tmp_path / "data", database_url=url))
     yield db
     db.dispose()
 
@@ -47,7 +40,7 @@ def usage(request_id: str, tenant_id: int, rows: int, seconds: float) -> Usage:
 
 def test_ledger_records_once_and_sums(database: Database) -> None:
     ledger = Ledger(database)
-    tenant = uuid.uuid4().int % 1_000_000_000  # unique per run: the PostgreSQL database persists
+    tenant = 7
     first, second = uuid.uuid4().hex, uuid.uuid4().hex
     ledger.record([usage(first, tenant, 1, 0.001), usage(second, tenant, 2, 0.002)])
     ledger.record([usage(first, tenant, 1, 0.001)])  # a retry of the same request changes nothing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def test_versions_left_unfinished_compile_after_a_restart(settings, keys) -> Non
     services = build_services(settings)  # a server that accepted an upload, then died
     tenant_model = mlp().SerializeToString()
     tenant = authenticate(services.db, f"Bearer {keys['alice']}")
-    version = services.registry.create_version(tenant.id, "orphan", tenant_model, "cpu")
+    version = services.registry.create_version(tenant.id, "orphan", io.BytesIO(tenant_model), "cpu")
     services.close()
     with BackgroundServer(settings) as server, Client(server.url, keys["alice"]) as client:
         assert client.wait("orphan", version.number, timeout=30)["status"] == "ready"

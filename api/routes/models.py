@@ -18,25 +18,11 @@ from api.schemas import (
     VersionPublic,
 )
 from cloud.db import Model
-from cloud.errors import InvalidModelFile, PayloadTooLarge
 from cloud.settings import Settings
 from cloud.validation import symbol_limits
 from compiler import Signature
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
-
-_CHUNK = 1 << 20
-
-
-async def _read_limited(file: UploadFile, limit: int) -> bytes:
-    chunks, size = [], 0
-    while chunk := await file.read(_CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the upload is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=VersionCreated)
 async def upload_model(
@@ -46,10 +32,10 @@ async def upload_model(
     name: Annotated[str, Form()],
     target: Annotated[str, Form()] = "cpu",
 ) -> VersionCreated:
-    data = await _read_limited(file, services.settings.max_upload_bytes)
-    if not data:
-        raise InvalidModelFile("the uploaded file is empty")
-    version = await run_in_threadpool(services.registry.create_version, tenant.id, name, data, target)
+    # the part is already a file (Starlette spools parts over 1 MiB to disk): streamed on from there
+    version = await run_in_threadpool(
+        services.registry.create_version, tenant.id, name, file.file, target, services.settings.max_upload_bytes
+    )
     services.compiler.submit(version.id, tenant.id)
     return VersionCreated(name=name, version=version.number, status=version.status, target=target)
 
