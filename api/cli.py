@@ -1,10 +1,11 @@
-"""Server commands for `luminal-cloud`: serve, admin, demo (registered by entry point)."""
+"""Server commands of `luminal-cloud` (serve, worker, runtime, stack, admin, demo), by entry point."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from cloud.settings import Settings
 
@@ -33,6 +34,30 @@ def register(commands: argparse._SubParsersAction) -> None:
     runtime.add_argument("--device", default="cpu", help="the device this process runs models on (cpu)")
     runtime.add_argument("--loglevel", default="INFO", help="log level")
     runtime.set_defaults(run=_runtime)
+
+    stack = commands.add_parser(
+        "stack", help="run the distributed mode as local processes: Celery workers, runtimes, a gateway"
+    )
+    stack.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    stack.add_argument("--workers", type=int, default=1, help="Celery compile workers")
+    stack.add_argument("--runtimes", type=int, default=2, help="runtime processes (device cpu)")
+    stack.add_argument("--redis-url", help="default: LUMINAL_REDIS_URL")
+    stack.add_argument(
+        "--database-url", help="created when missing (default: LUMINAL_DATABASE_URL, else the local PostgreSQL's "
+        "database luminal)"
+    )
+    stack.add_argument(
+        "--s3-endpoint", help="default: LUMINAL_S3_ENDPOINT_URL; when neither is set, moto's S3 server is started"
+    )
+    stack.add_argument(
+        "--runtime-metrics-port", type=int, default=0,
+        help="the first runtime's /metrics port, the next ones follow (default: free ports)",
+    )
+    stack.add_argument("--log-dir", type=Path, help="default: LUMINAL_DATA_DIR/logs")
+    stack.add_argument("--tenant", help="once ready, create an API key for this tenant and print it")
+    stack.add_argument("--start-timeout", type=float, default=120.0, help="seconds each piece has to be ready")
+    stack.set_defaults(run=_stack)
 
     admin = commands.add_parser("admin", help="administration")
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
@@ -99,6 +124,17 @@ def _runtime(args: argparse.Namespace) -> None:
         run_runtime(settings, args.device)
     except LuminalError as exc:
         sys.exit(f"luminal-cloud runtime: {exc.message}")
+
+
+def _stack(args: argparse.Namespace) -> None:
+    from api.stack import StackOptions, run_stack
+
+    options = StackOptions(
+        host=args.host, port=args.port, workers=args.workers, runtimes=args.runtimes, redis_url=args.redis_url,
+        database_url=args.database_url, s3_endpoint=args.s3_endpoint, runtime_metrics_port=args.runtime_metrics_port,
+        log_dir=args.log_dir, tenant=args.tenant, start_timeout_s=args.start_timeout,
+    )
+    sys.exit(run_stack(options))
 
 
 def _create_key(args: argparse.Namespace) -> None:

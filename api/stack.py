@@ -1,0 +1,305 @@
+"""`luminal-cloud stack`: the distributed mode as local processes, for development and the
+integration tests. Celery compile workers, runtime processes and a gateway, each a child in its
+own process group with its output in a log file, against a Redis, a PostgreSQL (the database is
+created when missing) and an S3 endpoint (moto's standalone server, started here, when none is
+given). Ctrl-C or SIGTERM stops them all: the gateway first, so nothing new arrives, then the
+runtimes and workers, then the S3 server."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from api.server import free_port
+from cloud.db import masked_url
+from cloud.errors import LuminalError, Unreachable
+from cloud.settings import Settings
+
+# the local PostgreSQL, used when neither --database-url nor LUMINAL_DATABASE_URL names one
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/luminal"
+# moto accepts any credentials, but boto3 needs some to sign its requests with
+MOTO_CREDENTIALS = {"LUMINAL_S3_ACCESS_KEY_ID": "testing", "LUMINAL_S3_SECRET_ACCESS_KEY": "testing"}
+LOG_TAIL_LINES = 25
+# how long a stopping child may take before its process group is killed
+STOP_GRACE_S = 20.0
+POLL_S = 0.1
+
+
+class StackError(Exception):
+    """A piece of the stack did not start or died; the message names it and shows its log."""
+
+
+class StopRequested(Exception):
+    """Ctrl-C or SIGTERM arrived: the stack stops, whatever it was doing."""
+
+
+@dataclass
+class StackOptions:
+    """What `luminal-cloud stack` was asked for; None takes the LUMINAL_* setting."""
+
+    host: str = "127.0.0.1"  # the gateway's address
+    port: int = 8000  # the gateway's port
+    workers: int = 1  # Celery compile workers
+    runtimes: int = 2  # runtime processes (device cpu)
+    redis_url: str | None = None
+    database_url: str | None = None  # DEFAULT_DATABASE_URL when the setting is empty too
+    s3_endpoint: str | None = None  # empty starts moto's server
+    runtime_metrics_port: int = 0  # the first runtime's /metrics port, the others follow; 0 picks free ports
+    log_dir: Path | None = None  # data_dir/logs by default
+    tenant: str | None = None  # create and print an API key for this tenant once ready
+    start_timeout_s: float = 120.0  # for each wave of children to become ready
+
+
+@dataclass
+class Child:
+    """One process of the stack, in its own process group so that a stop reaches its children."""
+
+    name: str  # how messages call it: s3, worker-1, runtime-2, gateway
+    where: str  # what it serves, for the listing
+    command: list[str]
+    env: dict[str, str]
+    log: Path
+    is_ready: Callable[[Child], bool]
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        with open(self.log, "wb") as out:  # truncated: a failure's tail is from this run
+            self.process = subprocess.Popen(
+                self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
+
+    def failure(self, what: str) -> StackError:
+        return StackError(f"{self.name} {what}; the last lines of {self.log}:\n{self.log_tail()}")
+
+    def signal_group(self, signum: int) -> None:
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def log_says(words: str) -> Callable[[Child], bool]:
+    return lambda child: words in child.log.read_text(errors="replace")
+
+
+def answers(url: str) -> Callable[[Child], bool]:
+    """Ready when `url` answers 200."""
+
+    def check(_: Child) -> bool:
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    return check
+
+
+class Stack:
+    """Children started in waves (each wave ready before the next starts), stopped in reverse."""
+
+    def __init__(self, start_timeout_s: float) -> None:
+        self.start_timeout_s = start_timeout_s
+        self.waves: list[list[Child]] = []
+        self.stop_requested = False
+
+    def request_stop(self, *_: object) -> None:
+        self.stop_requested = True
+
+    def start(self, *children: Child) -> None:
+        self.waves.append(list(children))
+        for child in children:
+            child.start()
+            assert child.process is not None
+            print(f"{child.name:<10} pid {child.process.pid:<8} {child.where}\n{'':<10} log {child.log}", flush=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        waiting = list(children)
+        while waiting:
+            self._check_stop()
+            for child in list(waiting):
+                if (code := child.exited()) is not None:
+                    raise child.failure(f"exited with status {code} before it was ready")
+                if child.is_ready(child):
+                    waiting.remove(child)
+            if waiting and time.monotonic() > deadline:
+                raise waiting[0].failure(f"was not ready within {self.start_timeout_s:.0f} s")
+            time.sleep(POLL_S)
+
+    def watch(self) -> None:
+        """Returns when a stop is requested; raises when a child dies meanwhile."""
+        while True:
+            self._check_stop()
+            for child in self.children():
+                if (code := child.exited()) is not None:
+                    raise child.failure(f"exited with status {code} while the stack was running")
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        for wave in reversed(self.waves):
+            for child in wave:
+                child.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in wave:
+                if child.process is not None:
+                    try:
+                        child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        print(f"{child.name} did not stop within {STOP_GRACE_S:.0f} s; killed", file=sys.stderr)
+                # what the child started and left behind goes with it
+                child.signal_group(signal.SIGKILL)
+                if child.process is not None:
+                    child.process.wait()
+        self.waves.clear()
+
+    def children(self) -> list[Child]:
+        return [child for wave in self.waves for child in wave]
+
+    def _check_stop(self) -> None:
+        if self.stop_requested:
+            raise StopRequested
+
+
+def ensure_database(url: str) -> None:
+    """Creates the PostgreSQL database that `url` names when it is missing (other kinds of
+    database are left as they are); Unreachable, naming the URL, when the server does not answer."""
+    target = make_url(url)
+    if target.get_backend_name() != "postgresql" or not target.database:
+        return
+    server = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with server.connect() as connection:
+            found = connection.scalar(text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": target.database})
+            if not found:
+                quoted = connection.dialect.identifier_preparer.quote(target.database)
+                connection.exec_driver_sql(f"CREATE DATABASE {quoted}")
+                print(f"created the database {masked_url(url)}", flush=True)
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise Unreachable(f"cannot reach PostgreSQL at {masked_url(url)}: {reason}") from None
+    finally:
+        server.dispose()
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "luminal_cloud.cli", *args]
+
+
+def _moto_server(log_dir: Path, env: dict[str, str]) -> tuple[Child, str]:
+    """moto's S3 server on a free loopback port, and its URL."""
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        raise StackError(
+            "moto's S3 server is not installed: run .venv/bin/pip install 'moto[server]' (scripts/bootstrap "
+            "--test installs it), or pass --s3-endpoint with an S3 endpoint of your own"
+        )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    return Child("s3", f"{url} (moto, kept in memory)", command, env, log_dir / "s3.log", answers(f"{url}/moto-api/")), url
+
+
+def _runtime_metrics_ports(first: int, count: int) -> list[int]:
+    return [first + i for i in range(count)] if first else [free_port() for _ in range(count)]
+
+
+def run_stack(options: StackOptions) -> int:
+    """Starts the stack, waits for Ctrl-C or SIGTERM, stops it; 1 when a piece failed."""
+    settings = Settings()
+    redis_url = options.redis_url or settings.redis_url
+    database_url = options.database_url or settings.database_url or DEFAULT_DATABASE_URL
+    s3_endpoint = options.s3_endpoint if options.s3_endpoint is not None else settings.s3_endpoint_url
+    log_dir = options.log_dir or settings.data_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",  # the logs show what happened up to a crash
+        "LUMINAL_DATA_DIR": str(settings.data_dir),
+        "LUMINAL_REDIS_URL": redis_url,
+        "LUMINAL_DATABASE_URL": database_url,
+        "LUMINAL_COMPILE_BACKEND": "celery",
+        "LUMINAL_REQUEST_QUEUE": "redis",
+        "LUMINAL_OBJECT_STORE": "s3",
+    }
+    stack = Stack(options.start_timeout_s)
+    signal.signal(signal.SIGINT, stack.request_stop)
+    signal.signal(signal.SIGTERM, stack.request_stop)
+    try:
+        _start(stack, options, env, s3_endpoint, log_dir)
+        stack.watch()
+    except StopRequested:
+        print("stopping the stack", flush=True)
+    except (StackError, LuminalError) as exc:
+        print(f"luminal-cloud stack: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
+    return 0
+
+
+def _start(stack: Stack, options: StackOptions, env: dict[str, str], s3_endpoint: str, log_dir: Path) -> None:
+    from worker.celery_app import wait_for_broker
+
+    # the services the children need, checked first so that their absence reads as one message
+    wait_for_broker(Settings(redis_url=env["LUMINAL_REDIS_URL"]))
+    ensure_database(env["LUMINAL_DATABASE_URL"])
+    if not s3_endpoint:
+        env.update(MOTO_CREDENTIALS)
+        moto, s3_endpoint = _moto_server(log_dir, env)
+        stack.start(moto)
+    env["LUMINAL_S3_ENDPOINT_URL"] = s3_endpoint
+
+    workers = [
+        Child(f"worker-{i}", "Celery compile worker", _command("worker"), env, log_dir / f"worker-{i}.log",
+              log_says(" ready."))
+        for i in range(1, options.workers + 1)
+    ]
+    runtimes = [
+        Child(f"runtime-{i}", f"device cpu, metrics http://127.0.0.1:{port}/metrics",
+              _command("runtime", "--device", "cpu"), {**env, "LUMINAL_RUNTIME_METRICS_PORT": str(port)},
+              log_dir / f"runtime-{i}.log", log_says("serving device cpu"))
+        for i, port in enumerate(_runtime_metrics_ports(options.runtime_metrics_port, options.runtimes), start=1)
+    ]
+    stack.start(*workers, *runtimes)
+
+    # loopback reaches a gateway bound to every address
+    probe_host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
+    url = f"http://{options.host}:{options.port}"
+    gateway = Child("gateway", url, _command("serve", "--host", options.host, "--port", str(options.port)), env,
+                    log_dir / "gateway.log", answers(f"http://{probe_host}:{options.port}/readyz"))
+    stack.start(gateway)
+    if options.tenant:
+        _print_key(env["LUMINAL_DATABASE_URL"], options.tenant)
+    print(f"stack ready: gateway at {url}, S3 at {s3_endpoint}, Redis at {env['LUMINAL_REDIS_URL']}, "
+          f"database {masked_url(env['LUMINAL_DATABASE_URL'])} (Ctrl-C stops everything)", flush=True)
+
+
+def _print_key(database_url: str, tenant: str) -> None:
+    from api.services import open_database
+    from cloud.auth import create_key
+
+    db = open_database(Settings(database_url=database_url))
+    try:
+        print(f"API key for tenant {tenant!r}: {create_key(db, tenant)}", flush=True)
+    finally:
+        db.dispose()
