@@ -19,29 +19,17 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import pytest
-import redis
 import sqlalchemy
 from luminal_cloud import Client
 
 from tests.conftest import POSTGRES_SERVER
 from tests.onnx_models import mlp
 from tests.processes import free_port
+from tests.test_distributed import redis_url as flushed_redis_url
 
-REDIS_DB = 13
 MODEL = mlp()
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    client = redis.Redis.from_url(url, socket_connect_timeout=2)
-    try:
-        client.flushdb()
-    except redis.exceptions.ConnectionError as exc:
-        pytest.fail(f"these tests need the local Redis at {url}, which is unreachable: {exc}")
-    yield url
-    client.flushdb()
-    client.close()
+# a flushed Redis database: the new PostgreSQL database's model ids meet no streams of an earlier run
+redis_url = flushed_redis_url
 
 
 @pytest.fixture
