@@ -41,7 +41,7 @@ from compiler.shape import ShapeError, SymDim, evaluate
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.6.0"
+COMPILER_VERSION = "0.6.1"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
 # convolutions' panel products generated (built only where there are some), generated C with loop
@@ -462,7 +462,14 @@ def _choose(found: list[_Candidate]) -> _Candidate:
 
 
 def verification_case(graph: Graph) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Random inputs and the reference's outputs for them."""
+    """Random inputs and the reference's outputs for them. Each symbol has its own size, so a
+    program that reads one symbol for another (batch for seq) disagrees; all share one size only
+    when the model does not run with different ones."""
+    try:
+        inputs = sample_inputs(graph, distinct=True)
+        return inputs, run_graph(graph, inputs)
+    except (ValueError, IndexError):  # (ShapeError is a ValueError)
+        pass
     inputs = sample_inputs(graph)
     try:
         return inputs, run_graph(graph, inputs)
@@ -473,16 +480,18 @@ def verification_case(graph: Graph) -> tuple[dict[str, np.ndarray], dict[str, np
 
 
 def sample_inputs(
-    graph: Graph, seed: int = 0, int_high: int = 3, symbol_size: int = VERIFY_SYMBOL_SIZE
+    graph: Graph, seed: int = 0, int_high: int = 3, symbol_size: int = VERIFY_SYMBOL_SIZE, distinct: bool = False
 ) -> dict[str, np.ndarray]:
-    """Random inputs for every signature input, with each symbol set to a small size."""
+    """Random inputs for every signature input, with each symbol set to a small size: the same
+    for all, or with `distinct` symbol_size, symbol_size + 1, ... in the order of their names
+    (each within the model's size limit)."""
     rng = np.random.default_rng(seed)
+    specs = graph.input_specs()
+    names = sorted({d.as_symbol() or str(d) for _, shape, _ in specs for d in shape if isinstance(d, SymDim)})
+    wanted = {name: symbol_size + (k if distinct else 0) for k, name in enumerate(names)}
     inputs = {}
-    for name, shape, dtype in graph.input_specs():
-        concrete = tuple(
-            min(symbol_size, graph.size_limits.get(d.as_symbol() or "", symbol_size)) if isinstance(d, SymDim) else d
-            for d in shape
-        )
+    for name, shape, dtype in specs:
+        concrete = tuple(_sample_size(graph, d, wanted) if isinstance(d, SymDim) else d for d in shape)
         if is_float(dtype):
             inputs[name] = rng.standard_normal(concrete).astype(numpy_dtype(dtype))
         elif dtype == "bool":
@@ -490,6 +499,11 @@ def sample_inputs(
         else:
             inputs[name] = rng.integers(0, int_high, concrete).astype(numpy_dtype(dtype))
     return inputs
+
+
+def _sample_size(graph: Graph, dim: SymDim, wanted: dict[str, int]) -> int:
+    symbol = dim.as_symbol() or str(dim)
+    return min(wanted[symbol], graph.size_limits.get(symbol, wanted[symbol]))
 
 
 def verify(

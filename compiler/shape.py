@@ -205,6 +205,8 @@ def dim_div(a: Dim, b: Dim) -> Dim:
         return a // b
     if a == b:
         return 1
+    if a == 0:
+        return 0
     divisor = _terms(b)
     if len(divisor) == 1:
         (d_atoms, d_coef), = divisor.items()

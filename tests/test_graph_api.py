@@ -338,11 +338,6 @@ def test_reshape_to_a_moved_symbol_reads_the_dim_at_run_time(tmp_path) -> None:
     np.testing.assert_array_equal(swapped, data.reshape(5, 3, 4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compiler bug: native-blas returns garbage for a Reshape whose shape "
-    "swaps two symbolic dims read with Shape (the numpy candidate is right)",
-)
 def test_compiled_reshape_to_swapped_symbols() -> None:
     g = Graph()
     x = g.input("x", ("batch", "seq", 4))

@@ -16,7 +16,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from compiler import Artifact, UnsupportedModel, compile_onnx, executable
+from compiler.frontends.onnx import load_graph
 from compiler.ir import GraphBuilder, Op
+from compiler.pipeline import sample_inputs, verification_case
 from compiler.shape import (
     ShapeError,
     SymDim,
@@ -296,6 +298,127 @@ def test_symbolic_output_dims_are_reported_in_the_signature() -> None:
     assert artifact.signature.outputs[0].to_json()["shape"] == ["batch", "seq+1", 4]
     artifact = compile_onnx(CASES["pad_to_even_and_fold_pairs"], "cpu")
     assert artifact.signature.outputs[0].to_json()["shape"] == ["batch", "floordiv(seq+1,2)", 8]
+
+
+# ---- reshapes that reorder symbols -----------------------------------------------------------------
+# A Reshape of a row-major buffer reinterprets its bytes: (batch, seq, 4) -> (seq, batch, 4) is the
+# same memory with a new shape, not a transpose. Generated C once read such a target as if batch
+# were seq (the two only differ at run time), so these run where the symbols differ from each other
+# and their products differ from both.
+
+
+def _dims(name: str, symbols: list[str]) -> list[onnx.NodeProto]:
+    """`name`'s own dims, one 1-element tensor per symbol (Shape then Gather, as exporters write)."""
+    nodes = [helper.make_node("Shape", [name], [f"{name}_shape"])]
+    for axis, symbol in enumerate(symbols):
+        nodes.append(helper.make_node("Gather", [f"{name}_shape", f"at{axis}"], [symbol], axis=0))
+    return nodes
+
+
+def _axes(count: int) -> list[onnx.TensorProto]:
+    return [int64(f"at{axis}", [axis]) for axis in range(count)]
+
+
+X3 = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", "heads", 2])
+
+REORDERING_RESHAPES = {
+    # (batch, seq, 4) -> (seq, batch, 4)
+    "swap_two_symbols": model(
+        [
+            *_dims("x", ["batch", "seq"]),
+            helper.make_node("Concat", ["seq", "batch", "four"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"]),
+        ],
+        [X], [out()], [*_axes(2), int64("four", [4])],
+    ),
+    # (batch, seq, heads, 2) -> (heads, batch, seq, 2)
+    "permute_three_symbols": model(
+        [
+            *_dims("x", ["batch", "seq", "heads"]),
+            helper.make_node("Concat", ["heads", "batch", "seq", "two"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"]),
+        ],
+        [X3], [out(rank=4)], [*_axes(3), int64("two", [2])],
+    ),
+    # (batch, seq, 4) -> (batch, seq*4), negated (a buffer of its own), -> (seq, batch*4)
+    "merge_then_split_the_other_way": model(
+        [
+            *_dims("x", ["batch", "seq"]),
+            helper.make_node("Concat", ["batch", "minus_one"], ["merged_shape"], axis=0),
+            helper.make_node("Reshape", ["x", "merged_shape"], ["merged"]),
+            helper.make_node("Neg", ["merged"], ["negated"]),
+            helper.make_node("Mul", ["batch", "four"], ["batch_by_four"]),
+            helper.make_node("Concat", ["seq", "batch_by_four"], ["target"], axis=0),
+            helper.make_node("Reshape", ["negated", "target"], ["y"]),
+        ],
+        [X], [out(rank=2)], [*_axes(2), int64("four", [4]), int64("minus_one", [-1])],
+    ),
+    # Flatten to (batch*seq, 4), then back as (seq, batch, 4)
+    "flatten_then_swap": model(
+        [
+            *_dims("x", ["batch", "seq"]),
+            helper.make_node("Flatten", ["x"], ["flat"], axis=2),
+            helper.make_node("Relu", ["flat"], ["positive"]),
+            helper.make_node("Concat", ["seq", "batch", "four"], ["target"], axis=0),
+            helper.make_node("Reshape", ["positive", "target"], ["y"]),
+        ],
+        [X], [out()], [*_axes(2), int64("four", [4])],
+    ),
+    # Unsqueeze to (batch, 1, seq, 4), reshaped to (seq, 1, batch, 4), Squeeze back to rank 3
+    "unsqueeze_swap_squeeze": model(
+        [
+            *_dims("x", ["batch", "seq"]),
+            helper.make_node("Unsqueeze", ["x", "one"], ["tall"]),
+            helper.make_node("Concat", ["seq", "one", "batch", "four"], ["target"], axis=0),
+            helper.make_node("Reshape", ["tall", "target"], ["swapped"]),
+            helper.make_node("Squeeze", ["swapped", "one"], ["y"]),
+        ],
+        [X], [out()], [*_axes(2), int64("one", [1]), int64("four", [4])],
+    ),
+    # row 0 of every batch Expanded over seq, then read as (seq, batch, 4)
+    "expand_then_swap": model(
+        [
+            *_dims("x", ["batch", "seq"]),
+            helper.make_node("Slice", ["x", "zero", "one", "one"], ["first"]),
+            helper.make_node("Shape", ["x"], ["full"]),
+            helper.make_node("Expand", ["first", "full"], ["spread"]),
+            helper.make_node("Add", ["spread", "x"], ["summed"]),
+            helper.make_node("Concat", ["seq", "batch", "four"], ["target"], axis=0),
+            helper.make_node("Reshape", ["summed", "target"], ["y"]),
+        ],
+        [X], [out()], [*_axes(2), int64("zero", [0]), int64("one", [1]), int64("four", [4])],
+    ),
+}
+# (batch, seq, heads): each symbol differs from the others and from their products
+REORDER_SIZES = ((2, 5, 3), (5, 3, 2), (3, 2, 7))
+
+
+@pytest.mark.parametrize("candidate", ["native-blas", "native-loops"])
+@pytest.mark.parametrize("case", sorted(REORDERING_RESHAPES))
+def test_reshapes_that_reorder_symbols_match_onnxruntime(case: str, candidate: str) -> None:
+    data = REORDERING_RESHAPES[case]
+    artifact = compile_onnx(data, candidates=(candidate,))
+    # the generated C itself, not the NumPy lowering it falls back to when verification fails
+    assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
+    program = executable(artifact)
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    rank = len(onnx.load_from_string(data).graph.input[0].type.tensor_type.shape.dim)
+    for batch, seq, heads in REORDER_SIZES:
+        shape = (batch, seq, heads, 2) if rank == 4 else (batch, seq, 4)
+        x = np.random.default_rng(batch * 100 + seq).standard_normal(shape).astype(np.float32)
+        (want,) = session.run(["y"], {"x": x})
+        got = program.run({"x": x})["y"]
+        assert got.shape == want.shape, (case, shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"{case} {candidate} at {shape}")
+
+
+def test_verification_gives_each_symbol_its_own_size() -> None:
+    """A program that mixes two symbols up agrees with the reference when all symbols share one
+    size: the compile's check runs them at different sizes."""
+    graph = load_graph(REORDERING_RESHAPES["permute_three_symbols"])
+    inputs, _ = verification_case(graph)
+    assert len(set(inputs["x"].shape[:3])) == 3
+    assert sample_inputs(graph)["x"].shape == (3, 3, 3, 2)
 
 
 # ---- honest refusals ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from compiler.shape import (
     is_static,
     numel,
     provably_le,
+    symbols_of,
 )
 
 # element types the native renderers handle; a graph with others stays on the NumPy backend
@@ -69,8 +70,10 @@ UNROLL_REDUCE_MAX = 4
 # kernel recomputes, and a buffer round trip costs more than a few multiply-adds
 INLINE_COST_LIMIT = 8
 OP_COST = {Op.EXP2: 8, Op.LOG2: 8, Op.SIN: 8, Op.SQRT: 4, Op.RECIP: 2, Op.MOD: 4, Op.GATHER: 2}
-# probe size for symbols when grouping reshape axes (a prime, so products rarely coincide)
-_PROBE = 1009
+# probe sizes for symbols when grouping reshape axes: each symbol its own prime, so products of
+# different symbols (batch vs seq) rarely coincide; a group is kept only when its sizes are equal
+# as symbolic expressions, the probes only steer which axes are tried together
+_PROBES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061, 1063, 1069, 1087, 1091, 1093, 1097)
 
 
 class NotNative(Exception):
@@ -603,8 +606,14 @@ def _as_digit(ix: Ix) -> tuple[Ix, Dim, Dim | None] | None:
     return inner, 1, size
 
 
-def _probe(d: Dim) -> int:
-    return d if isinstance(d, int) else evaluate(d, {s: _PROBE for s in d.symbols})
+def _probe(d: Dim, sizes: dict[str, int]) -> int:
+    return d if isinstance(d, int) else evaluate(d, sizes)
+
+
+def _probe_sizes(shapes: Sequence[Shape]) -> dict[str, int]:
+    """A distinct probe size per symbol (beyond the table, distinct odd numbers past it)."""
+    names = sorted(symbols_of([d for shape in shapes for d in shape]))
+    return {name: _PROBES[k] if k < len(_PROBES) else _PROBES[-1] + 2 * (k + 1) for k, name in enumerate(names)}
 
 
 def view_index(
@@ -652,32 +661,8 @@ def view_index(
 def reshape_index(idx: list[Ix], src_shape: Shape, out_shape: Shape, extents: dict[str, Dim]) -> list[Ix]:
     """Axes are grouped where running products agree, so a split or merge of adjacent axes costs
     one multiply-add or one division, not a round trip through the flat offset."""
-    src_axes = [j for j, d in enumerate(src_shape) if d != 1]
-    out_axes = [j for j, d in enumerate(out_shape) if d != 1]
-    groups: list[tuple[list[int], list[int]]] = []
-    s = o = 0
-    while s < len(src_axes) and o < len(out_axes):
-        gs, go = [src_axes[s]], [out_axes[o]]
-        ps, po = _probe(src_shape[gs[0]]), _probe(out_shape[go[0]])
-        s, o = s + 1, o + 1
-        while ps != po:
-            if ps < po and s < len(src_axes):
-                gs.append(src_axes[s])
-                ps *= _probe(src_shape[src_axes[s]])
-                s += 1
-            elif po < ps and o < len(out_axes):
-                go.append(out_axes[o])
-                po *= _probe(out_shape[out_axes[o]])
-                o += 1
-            else:
-                break
-        groups.append((gs, go))
-    if s < len(src_axes) or o < len(out_axes) or any(
-        _probe(numel(src_shape[j] for j in gs)) != _probe(numel(out_shape[j] for j in go)) for gs, go in groups
-    ):
-        groups = [(src_axes, out_axes)]  # no alignment: one group through the flat offset
     src = [Ix()] * len(src_shape)
-    for gs, go in groups:
+    for gs, go in _reshape_groups(src_shape, out_shape):
         out_dims = tuple(out_shape[j] for j in go)
         flat = linear([idx[j] for j in go], out_dims)
         inner: Dim = 1
@@ -687,6 +672,50 @@ def reshape_index(idx: list[Ix], src_shape: Shape, out_shape: Shape, extents: di
             src[axis] = part if pos == 0 else ix_mod(part, src_shape[axis], extents)
             inner = dim_mul(inner, src_shape[axis])
     return src
+
+
+def _reshape_groups(src_shape: Shape, out_shape: Shape) -> list[tuple[list[int], list[int]]]:
+    """Runs of source and output axes (size-1 axes left out) that hold the same elements, in order.
+    Probe sizes, one per symbol, suggest where runs end; a run stands only when its sizes are equal
+    as symbolic expressions (a probe cannot tell batch from seq when they happen to coincide), else
+    it is merged with the runs after it until they are. A last run that never is, or a reshape with
+    no runs at all, goes through the flat offset; it holds the same number of elements because
+    the whole reshape does and every run before it does."""
+    src_axes = [j for j, d in enumerate(src_shape) if d != 1]
+    out_axes = [j for j, d in enumerate(out_shape) if d != 1]
+    sizes = _probe_sizes([src_shape, out_shape])
+    suggested: list[tuple[list[int], list[int]]] = []
+    s = o = 0
+    while s < len(src_axes) and o < len(out_axes):
+        gs, go = [src_axes[s]], [out_axes[o]]
+        ps, po = _probe(src_shape[gs[0]], sizes), _probe(out_shape[go[0]], sizes)
+        s, o = s + 1, o + 1
+        while ps != po:
+            if ps < po and s < len(src_axes):
+                gs.append(src_axes[s])
+                ps *= _probe(src_shape[src_axes[s]], sizes)
+                s += 1
+            elif po < ps and o < len(out_axes):
+                go.append(out_axes[o])
+                po *= _probe(out_shape[out_axes[o]], sizes)
+                o += 1
+            else:
+                break
+        suggested.append((gs, go))
+    suggested.append((src_axes[s:], out_axes[o:]))  # what the probes could not pair, if anything
+    groups: list[tuple[list[int], list[int]]] = []
+    gs, go = [], []
+    for more_s, more_o in suggested:
+        gs, go = gs + more_s, go + more_o
+        if gs and go and dim_sub(numel(src_shape[j] for j in gs), numel(out_shape[j] for j in go)) == 0:
+            groups.append((gs, go))
+            gs, go = [], []
+    if gs or go:
+        if groups and not (gs and go):  # axes whose sizes multiply to 1: part of the run before
+            last_s, last_o = groups.pop()
+            gs, go = last_s + gs, last_o + go
+        groups.append((gs, go))
+    return groups
 
 
 # ---- buffer planning ----------------------------------------------------------------------------
