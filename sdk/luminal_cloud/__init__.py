@@ -2,19 +2,58 @@
 
     from luminal_cloud import Client
     client = Client("http://127.0.0.1:8000", api_key="lc_...")
-    client.deploy("model.onnx", name="mnist")
+    client.deploy("model.onnx", name="mnist")       # a progress bar on a terminal
     outputs = client.predict("mnist", {"input": x})
 
-It depends on httpx and numpy only, and imports nothing from the server. Graph (the native
-graph API in luminal_cloud.graph) also needs onnx, imported on first use.
+`AsyncClient` has the same methods, awaited. The SDK depends on httpx and numpy, and imports
+nothing from the server; Graph (the native graph API in luminal_cloud.graph) also needs onnx,
+and Client.deploy_torch needs torch (the extra `luminal-cloud-sdk[torch]`), each imported on
+first use.
 """
 
 from typing import Any
 
-from luminal_cloud.client import Client
-from luminal_cloud.errors import APIError, DeployFailed, GraphError, LuminalCloudError
+from luminal_cloud.client import AsyncClient, Client
+from luminal_cloud.errors import (
+    APIError,
+    DeadlineExceeded,
+    DeployFailed,
+    Forbidden,
+    GraphError,
+    InvalidInput,
+    InvalidModel,
+    InvalidRequest,
+    LuminalCloudError,
+    NotFound,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    ServerUnreachable,
+    Unauthorized,
+    Unavailable,
+)
 
-__all__ = ["APIError", "Client", "DeployFailed", "Graph", "GraphError", "LuminalCloudError"]
+__all__ = [
+    "APIError",
+    "AsyncClient",
+    "Client",
+    "DeadlineExceeded",
+    "DeployFailed",
+    "Forbidden",
+    "Graph",
+    "GraphError",
+    "InvalidInput",
+    "InvalidModel",
+    "InvalidRequest",
+    "LuminalCloudError",
+    "NotFound",
+    "NotReady",
+    "Overloaded",
+    "PayloadTooLarge",
+    "ServerUnreachable",
+    "Unauthorized",
+    "Unavailable",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,35 +1,37 @@
-"""The HTTP client."""
+"""The HTTP clients: `Client` (blocking) and `AsyncClient` (awaited), one implementation.
+
+Each public method is written once, in `Calls`, as a generator of steps (luminal_cloud._steps):
+it builds httpx requests and reads responses but does no I/O, so the two clients differ only in
+the driver that runs those steps over httpx.Client or httpx.AsyncClient.
+"""
 
 from __future__ import annotations
 
+import email.utils
+import itertools
+import random
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, TextIO
+from urllib.parse import quote
 
 import httpx
 import numpy as np
 
-from luminal_cloud.errors import APIError, DeployFailed, LuminalCloudError
+from luminal_cloud import _progress, _tensors
+from luminal_cloud._steps import Driven, Send, Sleep, Steps, operation, run_async, run_sync
+from luminal_cloud._torch import export_onnx
+from luminal_cloud.errors import APIError, DeployFailed, LuminalCloudError, ServerUnreachable, api_error
 
 if TYPE_CHECKING:
     from luminal_cloud.graph import Graph
 
-_NON_FINITE = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}
-
-
-def _decode(value: Any, dtype: str | None) -> np.ndarray:
-    array = np.asarray(value, dtype=object if _has_strings(value) else None)
-    if array.dtype == object:
-        array = np.vectorize(lambda v: _NON_FINITE.get(v, v), otypes=[np.float64])(array)
-    return array.astype(dtype) if dtype else array
-
-
-def _has_strings(value: Any) -> bool:
-    if isinstance(value, str):
-        return True
-    if isinstance(value, list):
-        return any(_has_strings(v) for v in value)
-    return False
+# answers that mean "not now": the request was not taken, so sending it again is safe
+RETRY_STATUSES = frozenset({429, 503})
+# waits between attempts when the server gives no Retry-After: 0.5 s, doubling, at most 8 s
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0
 
 
 def _model_file(model: str | Path | bytes | Graph, name: str) -> tuple[str, bytes]:
@@ -41,16 +43,361 @@ def _model_file(model: str | Path | bytes | Graph, name: str) -> tuple[str, byte
     return Path(model).name, Path(model).read_bytes()
 
 
-class Client:
-    def __init__(self, url: str, api_key: str, timeout: float = 60.0, transport=None) -> None:
-        self._http = httpx.Client(
-            base_url=url.rstrip("/"),
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=timeout,
-            transport=transport,
-        )
-        # (name, version) -> output dtypes, so predictions come back in the declared dtype
+def retry_after(response: httpx.Response) -> float | None:
+    """The seconds a Retry-After header asks for (a number, or an HTTP date); None without one."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def backoff(attempt: int) -> float:
+    """The wait after failed attempt number `attempt` (1, 2, ...), jittered so that clients
+    turned away together do not come back together."""
+    ceiling = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (attempt - 1))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def error_of(response: httpx.Response) -> APIError:
+    """The typed error for an error response: /v1's {"error": {"code", "message"}}, KServe v2's
+    {"error": "message"}, or whatever else a proxy in between answered."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        error = None
+    if isinstance(error, dict):
+        code, message = error.get("code"), str(error.get("message", ""))
+    elif isinstance(error, str):
+        code, message = None, error
+    else:
+        code, message = None, response.text or response.reason_phrase
+    return api_error(response.status_code, code, message, retry_after(response))
+
+
+class Calls(Driven):
+    """Every call the clients make, each a generator of steps (see the module's docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        timeout: float,
+        max_attempts: int,
+        max_retry_wait: float,
+        progress_stream: TextIO | None,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts is at least 1 (the first try)")
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = httpx.Timeout(timeout).as_dict()
+        self._max_attempts = max_attempts
+        self._max_retry_wait = max_retry_wait
+        # None: sys.stdout as it is when deploy runs (tests and notebooks swap it)
+        self._progress_stream = progress_stream
+        # (name, version) -> output dtypes, so /v1 predictions come back in the declared dtype
         self._output_dtypes: dict[tuple[str, int], dict[str, str]] = {}
+        # whether the server speaks KServe v2 with binary tensors; asked once (GET /v2)
+        self._binary_v2: bool | None = None
+        # (name, version or None) -> (the version it describes, input name -> v2 datatype)
+        self._v2_inputs: dict[tuple[str, int | None], tuple[int, dict[str, str]]] = {}
+
+    # -- requests and responses
+
+    def _request(
+        self, method: str, path: str, *, headers: Mapping[str, str] | None = None, **kwargs
+    ) -> httpx.Request:
+        return httpx.Request(
+            method,
+            self.url + path,
+            headers={**self._headers, **(headers or {})},
+            extensions={"timeout": self._timeout},
+            **kwargs,
+        )
+
+    def _send(self, request: httpx.Request, retry: bool = True) -> Steps[httpx.Response]:
+        """The response, after retrying 429 and 503 (with `retry`) while attempts and the wait
+        budget last."""
+        waited = 0.0
+        attempts = self._max_attempts if retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                response = yield Send(request)
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc) from None
+            if response.status_code not in RETRY_STATUSES or attempt == attempts:
+                break
+            delay = retry_after(response)
+            delay = backoff(attempt) if delay is None else delay
+            if waited + delay > self._max_retry_wait:
+                break
+            waited += delay
+            yield Sleep(delay)
+        return response
+
+    def _transport_error(self, exc: httpx.TransportError) -> LuminalCloudError:
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            return ServerUnreachable(self.url, reason)
+        if isinstance(exc, httpx.TimeoutException):
+            return LuminalCloudError(f"no answer from {self.url} within the timeout ({type(exc).__name__})")
+        return LuminalCloudError(f"the connection to {self.url} failed: {reason}")
+
+    def _checked(self, request: httpx.Request) -> Steps[httpx.Response]:
+        response = yield from self._send(request)
+        if response.status_code >= 400:
+            raise error_of(response)
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Steps[Any]:
+        response = yield from self._checked(self._request(method, path, **kwargs))
+        return response.json()
+
+    # -- models
+
+    @operation
+    def deploy(
+        self,
+        model: str | Path | bytes | Graph,
+        name: str,
+        target: str = "cpu",
+        wait: bool = True,
+        timeout: float = 600.0,
+        progress: bool = True,
+    ) -> Steps[dict[str, Any]]:
+        """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph); with
+        wait=True, return the version once it is ready, or raise DeployFailed with the compile
+        error. On a terminal (and unless progress=False) a progress bar shows the upload, then
+        the compile's phase and elapsed time."""
+        filename, data = _model_file(model, name)
+        return (yield from self._deploy(filename, data, name, target, wait, timeout, progress))
+
+    @operation
+    def deploy_torch(
+        self,
+        module: Any,
+        example_inputs: Any,
+        name: str,
+        *,
+        input_names: Sequence[str] | None = None,
+        output_names: Sequence[str] | None = None,
+        dynamic_axes: Mapping[str, Any] | None = None,
+        opset_version: int | None = None,
+        target: str = "cpu",
+        wait: bool = True,
+        timeout: float = 600.0,
+        progress: bool = True,
+    ) -> Steps[dict[str, Any]]:
+        """Export a torch.nn.Module with torch.onnx.export here (example_inputs: a tensor or a
+        tuple of them; inputs are named "input", or input_0, input_1, ... unless input_names
+        says) and deploy it like `deploy`. Needs the extra: pip install 'luminal-cloud-sdk[torch]'."""
+        data = export_onnx(module, example_inputs, input_names, output_names, dynamic_axes, opset_version)
+        return (yield from self._deploy(f"{name}.onnx", data, name, target, wait, timeout, progress))
+
+    def _deploy(
+        self, filename: str, data: bytes, name: str, target: str, wait: bool, timeout: float, progress: bool
+    ) -> Steps[dict[str, Any]]:
+        shown = _progress.Progress(self._progress_stream or sys.stdout, progress)
+        request = self._request(
+            "POST",
+            "/v1/models",
+            files={"file": (filename, data, "application/octet-stream")},
+            data={"name": name, "target": target},
+        )
+        if shown.shown:
+            body = request.read()
+            request.stream = _progress.UploadStream(
+                body,
+                lambda sent: shown.show(
+                    _progress.upload_line(filename, sent, len(body)), throttle=sent < len(body)
+                ),
+            )
+        created = (yield from self._checked(request)).json()
+        if not wait:
+            shown.finish(f"{name} v{created['version']} uploaded, {created['status']}")
+            return created
+        return (yield from self._wait(name, created["version"], timeout, shown))
+
+    @operation
+    def wait(
+        self, name: str, version: int, timeout: float = 600.0, progress: bool = False
+    ) -> Steps[dict[str, Any]]:
+        """The version once it is ready; DeployFailed if it failed to compile."""
+        shown = _progress.Progress(self._progress_stream or sys.stdout, progress)
+        return (yield from self._wait(name, version, timeout, shown))
+
+    def _wait(
+        self, name: str, version: int, timeout: float, shown: _progress.Progress
+    ) -> Steps[dict[str, Any]]:
+        started = time.monotonic()
+        delay = 0.05
+        for tick in itertools.count():
+            model = yield from self._json("GET", f"/v1/models/{quote(name, safe='')}")
+            found = next(v for v in model["versions"] if v["version"] == version)
+            elapsed = time.monotonic() - started
+            if found["status"] == "ready":
+                shown.finish(_progress.done_line(name, version, elapsed, found.get("report")))
+                return found
+            if found["status"] == "failed":
+                shown.finish(_progress.failed_line(name, version, elapsed))
+                raise DeployFailed(name, version, found.get("error") or "unknown error")
+            if elapsed > timeout:
+                shown.finish(_progress.compile_line(name, version, found["status"], elapsed, tick))
+                raise LuminalCloudError(f"model {name!r} v{version} still {found['status']} after {timeout}s")
+            shown.show(_progress.compile_line(name, version, found["status"], elapsed, tick))
+            yield Sleep(delay)
+            # at most half a second between looks, so the elapsed time on the bar keeps moving
+            delay = min(delay * 1.5, 0.5)
+        raise AssertionError("unreachable")  # for type checkers: the loop above has no end
+
+    @operation
+    def model(self, name: str) -> Steps[dict[str, Any]]:
+        """The model and its versions: status (queued, compiling, ready, failed), error, report."""
+        return (yield from self._json("GET", f"/v1/models/{quote(name, safe='')}"))
+
+    @operation
+    def models(self) -> Steps[list[dict[str, Any]]]:
+        return (yield from self._json("GET", "/v1/models"))["models"]
+
+    @operation
+    def delete(self, name: str) -> Steps[dict[str, Any]]:
+        return (yield from self._json("DELETE", f"/v1/models/{quote(name, safe='')}"))
+
+    @operation
+    def usage(self) -> Steps[dict[str, Any]]:
+        return (yield from self._json("GET", "/v1/usage"))
+
+    # -- inference
+
+    @operation
+    def infer(
+        self, name: str, inputs: Mapping[str, Any], version: int | None = None
+    ) -> Steps[dict[str, Any]]:
+        """/v1's raw response: outputs as nested lists, plus model, version and usage."""
+        return (yield from self._infer_v1(name, inputs, version))
+
+    def _infer_v1(self, name: str, inputs: Mapping[str, Any], version: int | None) -> Steps[dict[str, Any]]:
+        body = {"inputs": {k: np.asarray(v).tolist() for k, v in inputs.items()}}
+        params = {"version": version} if version is not None else None
+        return (
+            yield from self._json(
+                "POST", f"/v1/models/{quote(name, safe='')}/infer", json=body, params=params
+            )
+        )
+
+    @operation
+    def predict(
+        self, name: str, inputs: Mapping[str, Any], version: int | None = None
+    ) -> Steps[dict[str, np.ndarray]]:
+        """Outputs as numpy arrays in the model's dtypes. Tensors travel as raw bytes (KServe v2's
+        binary extension) where the server has it, as /v1 JSON otherwise."""
+        if (yield from self._speaks_binary_v2()):
+            outputs = yield from self._predict_v2(name, inputs, version)
+            if outputs is not None:
+                return outputs
+        reply = yield from self._infer_v1(name, inputs, version)
+        dtypes = yield from self._v1_output_dtypes(name, reply["version"])
+        return {k: _tensors.from_json(v, dtypes.get(k)) for k, v in reply["outputs"].items()}
+
+    def _speaks_binary_v2(self) -> Steps[bool]:
+        if self._binary_v2 is None:
+            response = yield from self._send(self._request("GET", "/v2"))
+            if response.status_code >= 500:
+                return False  # /v1 for now; asked again next time
+            try:
+                metadata = response.json() if response.is_success else {}
+                self._binary_v2 = "binary_tensor_data" in metadata.get("extensions", [])
+            except (ValueError, AttributeError):  # not the protocol's answer: a server without /v2
+                self._binary_v2 = False
+        return self._binary_v2
+
+    def _predict_v2(
+        self, name: str, inputs: Mapping[str, Any], version: int | None
+    ) -> Steps[dict[str, np.ndarray] | None]:
+        """The outputs over v2, or None for a model that /v1 serves instead."""
+        key = (name, version)
+        path = f"/v2/models/{quote(name, safe='')}" + (f"/versions/{version}" if version is not None else "")
+        for fresh in (key not in self._v2_inputs, True):
+            described = yield from self._v2_input_datatypes(key, path)
+            if described is None:
+                return None
+            body, header_length = _tensors.v2_request(inputs, described[1])
+            headers = {_tensors.HEADER_LENGTH: str(header_length), "Content-Type": "application/octet-stream"}
+            response = yield from self._send(
+                self._request("POST", f"{path}/infer", content=body, headers=headers)
+            )
+            if response.status_code == 400 and not fresh:
+                # the datatypes may be an older version's: look again, then send once more
+                del self._v2_inputs[key]
+                continue
+            if response.status_code >= 400:
+                raise error_of(response)
+            header, outputs = _tensors.v2_response(
+                response.content, response.headers.get(_tensors.HEADER_LENGTH)
+            )
+            if int(header["model_version"]) != described[0]:
+                self._v2_inputs.pop(key, None)  # a newer version serves now: its datatypes next time
+            return outputs
+        raise AssertionError("unreachable")  # for type checkers: the second round returns or raises
+
+    def _v2_input_datatypes(
+        self, key: tuple[str, int | None], path: str
+    ) -> Steps[tuple[int, dict[str, str]] | None]:
+        """The version that `path` (a model, or one version of it) describes, and its inputs'
+        datatypes; None where v2 cannot serve it."""
+        if key not in self._v2_inputs:
+            response = yield from self._send(self._request("GET", path), retry=False)
+            if response.status_code in (400, 503):
+                # a dtype the protocol has no name for (float8, ...): /v1 serves the model; a
+                # version not ready (v2 has no 409): /v1 answers NotReady, with its own retries
+                return None
+            if response.status_code >= 400:
+                raise error_of(response)
+            metadata = response.json()
+            # the version the service picks when none is named is the newest ready one
+            described = key[1] if key[1] is not None else max(int(v) for v in metadata["versions"])
+            self._v2_inputs[key] = (described, {t["name"]: t["datatype"] for t in metadata["inputs"]})
+        return self._v2_inputs[key]
+
+    def _v1_output_dtypes(self, name: str, version: int) -> Steps[dict[str, str]]:
+        key = (name, version)
+        if key not in self._output_dtypes:
+            model = yield from self._json("GET", f"/v1/models/{quote(name, safe='')}")
+            found = next((v for v in model["versions"] if v["version"] == version), None)
+            outputs = (found or {}).get("signature") or {"outputs": []}
+            self._output_dtypes[key] = {o["name"]: o["dtype"] for o in outputs["outputs"]}
+        return self._output_dtypes[key]
+
+
+class Client(Calls):
+    """A blocking client. Retries 429 and 503 (after the server's Retry-After, or a backoff) up
+    to `max_attempts` tries and `max_retry_wait` seconds of waiting in all; deploy's progress
+    goes to `progress_stream` (stdout), when it is a terminal. `transport`: httpx's, for tests."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        max_attempts: int = 5,
+        max_retry_wait: float = 60.0,
+        progress_stream: TextIO | None = None,
+    ) -> None:
+        super().__init__(url, api_key, timeout, max_attempts, max_retry_wait, progress_stream)
+        self._http = httpx.Client(transport=transport)
+
+    def _run(self, steps: Steps[Any]) -> Any:
+        return run_sync(self._http, steps)
 
     def close(self) -> None:
         self._http.close()
@@ -61,81 +408,33 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise LuminalCloudError(f"cannot reach the server: {exc}") from None
-        if response.status_code >= 400:
-            try:
-                error = response.json()["error"]
-                raise APIError(response.status_code, error["code"], error["message"])
-            except (ValueError, KeyError, TypeError):
-                raise APIError(response.status_code, "http_error", response.text) from None
-        return response.json()
 
-    def deploy(
+class AsyncClient(Calls):
+    """The same calls as Client, each awaited: `async with AsyncClient(url, key) as client:
+    outputs = await client.predict(...)`. Options as Client's."""
+
+    def __init__(
         self,
-        model: str | Path | bytes | Graph,
-        name: str,
-        target: str = "cpu",
-        wait: bool = True,
-        timeout: float = 600.0,
-    ) -> dict[str, Any]:
-        """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph); with
-        wait=True, return once it is ready (DeployFailed if not)."""
-        filename, data = _model_file(model, name)
-        files = {"file": (filename, data, "application/octet-stream")}
-        created = self._request("POST", "/v1/models", files=files, data={"name": name, "target": target})
-        if not wait:
-            return created
-        return self.wait(name, created["version"], timeout)
+        url: str,
+        api_key: str,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        max_attempts: int = 5,
+        max_retry_wait: float = 60.0,
+        progress_stream: TextIO | None = None,
+    ) -> None:
+        super().__init__(url, api_key, timeout, max_attempts, max_retry_wait, progress_stream)
+        self._http = httpx.AsyncClient(transport=transport)
 
-    def wait(self, name: str, version: int, timeout: float = 600.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            model = self.model(name)
-            found = next(v for v in model["versions"] if v["version"] == version)
-            if found["status"] == "ready":
-                return found
-            if found["status"] == "failed":
-                raise DeployFailed(name, version, found["error"] or "unknown error")
-            if time.monotonic() > deadline:
-                raise LuminalCloudError(f"model {name!r} v{version} still {found['status']} after {timeout}s")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
+    def _run(self, steps: Steps[Any]) -> Any:
+        return run_async(self._http, steps)
 
-    def model(self, name: str) -> dict[str, Any]:
-        return self._request("GET", f"/v1/models/{name}")
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
-    def models(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/models")["models"]
+    async def __aenter__(self) -> Self:
+        return self
 
-    def delete(self, name: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/v1/models/{name}")
-
-    def usage(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/usage")
-
-    def infer(self, name: str, inputs: dict[str, np.ndarray], version: int | None = None) -> dict[str, Any]:
-        """The raw response: outputs as nested lists, plus model, version and usage."""
-        body = {"inputs": {k: np.asarray(v).tolist() for k, v in inputs.items()}}
-        params = {"version": version} if version is not None else None
-        return self._request("POST", f"/v1/models/{name}/infer", json=body, params=params)
-
-    def predict(
-        self, name: str, inputs: dict[str, np.ndarray], version: int | None = None
-    ) -> dict[str, np.ndarray]:
-        reply = self.infer(name, inputs, version)
-        dtypes = self._dtypes(name, reply["version"])
-        return {k: _decode(v, dtypes.get(k)) for k, v in reply["outputs"].items()}
-
-    def _dtypes(self, name: str, version: int) -> dict[str, str]:
-        key = (name, version)
-        if key not in self._output_dtypes:
-            model = self.model(name)
-            found = next((v for v in model["versions"] if v["version"] == version), None)
-            outputs = (found or {}).get("signature") or {"outputs": []}
-            self._output_dtypes[key] = {o["name"]: o["dtype"] for o in outputs["outputs"]}
-        return self._output_dtypes[key]
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
