@@ -56,9 +56,14 @@ def rendered_size(outputs: Mapping[str, np.ndarray]) -> int:
     return sum(int(a.size) for a in outputs.values()) * _RENDERED_BYTES_PER_ELEMENT
 
 
+# below this many bytes a body is decoded or rendered on the event loop itself: it takes
+# microseconds, less than handing it to a thread
+INLINE_BELOW_BYTES = 16 * 1024
+
+
 class Codec:
-    """Runs decode and render functions: in a thread below `process_above_bytes`, in one of
-    `workers` child processes (started on first use) above it."""
+    """Runs decode and render functions: inline for small bodies, in a thread below
+    `process_above_bytes`, in one of `workers` child processes (started on first use) above it."""
 
     def __init__(self, process_above_bytes: int, workers: int) -> None:
         self.process_above_bytes = process_above_bytes
@@ -75,6 +80,8 @@ class Codec:
             return self._pool
 
     async def run(self, size: int, function: Callable[..., T], *args: Any) -> T:
+        if size < min(INLINE_BELOW_BYTES, self.process_above_bytes):
+            return function(*args)
         if size < self.process_above_bytes:
             return await run_in_threadpool(function, *args)
         pool = self._executor()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
-from cloud.auth import authenticate
 from cloud.db import Tenant
 
 
@@ -18,12 +18,12 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def get_tenant(
+async def get_tenant(
     request: Request, services: ServicesDep, authorization: Annotated[str | None, Header()] = None
 ) -> Tenant:
     # requests with a body were authenticated before it was read (api.main.GuardedBody)
-    tenant = getattr(request.state, "tenant", None)
-    return tenant if tenant is not None else authenticate(services.db, authorization)
+    tenant = getattr(request.state, "tenant", None) or services.auth.cached(authorization)
+    return tenant if tenant is not None else await run_in_threadpool(services.auth, authorization)
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]

@@ -62,7 +62,9 @@ async def serve[Decoded: DecodedInputs](
     model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant
     try:
         raw = await request.body()
-        found = await run_in_threadpool(services.registry.resolve, tenant.id, name, version)
+        found = services.registry.resolve_cached(tenant.id, name, version) or await run_in_threadpool(
+            services.registry.resolve, tenant.id, name, version
+        )
         model_label = name
         signature = Signature.from_json(found.signature)
         settings = services.settings

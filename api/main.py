@@ -11,7 +11,6 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import error_response, install_error_handlers
 from api.routes import health, infer, kserve_v2, models, usage
 from api.services import build_engine, build_services
-from cloud.auth import authenticate
 from cloud.errors import PayloadTooLarge, Unauthorized
 from cloud.settings import Settings, get_settings
 
@@ -43,7 +42,7 @@ class GuardedBody:
             services = scope["app"].state.services
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             try:
-                tenant = await run_in_threadpool(authenticate, services.db, authorization)
+                tenant = services.auth.cached(authorization) or await run_in_threadpool(services.auth, authorization)
             except Unauthorized as exc:
                 response = error_response(path, 401, exc.code, exc.message, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

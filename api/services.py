@@ -10,6 +10,7 @@ from pathlib import Path
 from sqlalchemy.exc import ArgumentError, OperationalError
 
 from api.codec import Codec
+from cloud.auth import Authenticator
 from cloud.db import Database, masked_url
 from cloud.errors import Unreachable
 from cloud.metering import Ledger
@@ -54,6 +55,7 @@ class DataDirLock:
 class Services:
     settings: Settings
     db: Database
+    auth: Authenticator
     store: ObjectStore
     registry: Registry
     ledger: Ledger
@@ -104,6 +106,7 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         db=db,
+        auth=Authenticator(db),
         store=store,
         registry=registry,
         ledger=Ledger(db),
@@ -143,6 +146,7 @@ def build_engine(services: Services) -> Engine:
         max_queue_requests=settings.max_queue_requests,
         request_timeout_s=settings.request_timeout_s,
         retry_after_s=settings.retry_after_s,
+        adaptive_batching=settings.adaptive_batching,
         # a model leaves memory within a quarter of idle_unload_s after it goes idle
         idle_check_s=max(0.05, min(30.0, settings.idle_unload_s / 4)),
     )

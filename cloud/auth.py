@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 from sqlalchemy import select
 
@@ -38,7 +39,38 @@ def authenticate(db: Database, authorization: str | None) -> Tenant:
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized("malformed Authorization header; send 'Authorization: Bearer <api key>'")
     with db.session() as session:
-        row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key.strip())))
-        if row is None:
+        tenant = session.scalar(
+            select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(ApiKey.key_hash == hash_key(key.strip()))
+        )
+        if tenant is None:
             raise Unauthorized("invalid API key")
-        return row.tenant
+        return tenant
+
+
+class Authenticator:
+    """authenticate() that remembers each key's tenant for `ttl_s`: every request names its key,
+    and a database round trip per request costs more than the rest of a small model's request.
+    A key deleted from the database keeps working here for up to `ttl_s`."""
+
+    def __init__(self, db: Database, ttl_s: float = 5.0, max_keys: int = 10_000) -> None:
+        self.db = db
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._tenants: dict[str, tuple[float, Tenant]] = {}  # authorization header -> (expires, tenant)
+
+    def cached(self, authorization: str | None) -> Tenant | None:
+        """The tenant if this header was authenticated lately; no I/O, safe on the event loop."""
+        found = self._tenants.get(authorization or "")
+        if found is None or found[0] < time.monotonic():
+            return None
+        return found[1]
+
+    def __call__(self, authorization: str | None) -> Tenant:
+        tenant = self.cached(authorization)
+        if tenant is not None:
+            return tenant
+        tenant = authenticate(self.db, authorization)
+        if len(self._tenants) >= self.max_keys:
+            self._tenants.clear()  # many keys at once is rare: start over rather than track age
+        self._tenants[authorization or ""] = (time.monotonic() + self.ttl_s, tenant)
+        return tenant

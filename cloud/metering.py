@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from cloud.db import Database, UsageRecord
+from cloud.db import Database, UsageRecord, utcnow
 
 
 def split_by_rows(batch_seconds: float, rows: Sequence[int]) -> list[float]:
@@ -60,16 +60,17 @@ class Ledger:
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        insert = pg_insert if db.engine.dialect.name == "postgresql" else sqlite_insert
+        # one statement for every call, run with a list of rows: compiled once, not per batch
+        self._insert = insert(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
 
     def record(self, usages: Sequence[Usage]) -> None:
         if not usages:
             return
-        rows = [{**u.__dict__, "cost": u.cost} for u in usages]
-        dialect = self.db.engine.dialect.name
-        insert = pg_insert if dialect == "postgresql" else sqlite_insert
-        statement = insert(UsageRecord).values(rows).on_conflict_do_nothing(index_elements=["request_id"])
-        with self.db.session() as session:
-            session.execute(statement)
+        now = utcnow()
+        rows = [{**u.__dict__, "cost": u.cost, "created_at": now} for u in usages]
+        with self.db.engine.begin() as connection:
+            connection.execute(self._insert, rows)
 
     def summary(self, tenant_id: int) -> list[dict]:
         """Per model and version: requests, rows, billed seconds and cost."""

@@ -10,7 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -29,6 +29,19 @@ INTERRUPTED = "the compile was interrupted by a server stop and resumed"
 
 
 _INSERT_ATTEMPTS = 6
+# how long a resolved version is served from memory before the database is asked again
+RESOLVE_CACHE_S = 1.0
+
+
+class ServedVersion(NamedTuple):
+    """What serving a version needs, fixed once it is ready."""
+
+    id: int
+    number: int
+    target: str
+    artifact_key: str
+    signature: dict[str, Any]
+    graph_bytes: int
 
 
 def _check_model(path: Path) -> None:
@@ -45,6 +58,8 @@ class Registry:
         self.store = store
         self.targets = targets
         self._insert_lock = threading.Lock()
+        # (tenant id, model name, version number or None) -> (expires at, the version to serve)
+        self._served: dict[tuple[int, str, int | None], tuple[float, ServedVersion]] = {}
 
     # -- uploads --
     def create_version(
@@ -127,24 +142,47 @@ class Registry:
             raise NotFound(f"model {name!r} not found")
         return model
 
-    def resolve(self, tenant_id: int, name: str, number: int | None) -> ModelVersion:
-        """The version to serve: the one asked for, else the newest ready one."""
-        model = self.get_model(tenant_id, name)
+    def resolve(self, tenant_id: int, name: str, number: int | None) -> ServedVersion:
+        """The version to serve: the one asked for, else the newest ready one. Every inference
+        request asks, so a ready answer is kept for RESOLVE_CACHE_S (a version's served fields
+        never change once ready; a new or deleted version shows within that time)."""
+        served = self.resolve_cached(tenant_id, name, number)
+        if served is not None:
+            return served
+        with self.db.session() as session:
+            rows = session.execute(
+                select(*(getattr(ModelVersion, f) for f in ServedVersion._fields), ModelVersion.status, ModelVersion.error)
+                .join(Model, ModelVersion.model_id == Model.id)
+                .where(Model.tenant_id == tenant_id, Model.name == name)
+                .order_by(ModelVersion.number)
+            ).all()
+        if not rows:
+            raise NotFound(f"model {name!r} not found")
         if number is not None:
-            version = next((v for v in model.versions if v.number == number), None)
-            if version is None:
+            row = next((r for r in rows if r.number == number), None)
+            if row is None:
                 raise NotFound(f"model {name!r} has no version {number}")
         else:
-            ready = [v for v in model.versions if v.status == "ready"]
-            version = ready[-1] if ready else model.versions[-1]
-        if version.status != "ready":
-            detail = f": {version.error}" if version.error else ""
+            ready = [r for r in rows if r.status == "ready"]
+            row = ready[-1] if ready else rows[-1]
+        if row.status != "ready":
+            detail = f": {row.error}" if row.error else ""
             raise NotReady(
-                f"model {name!r} version {version.number} is {version.status}{detail}",
-                version_status=version.status,
+                f"model {name!r} version {row.number} is {row.status}{detail}",
+                version_status=row.status,
             )
-        version.model = model
-        return version
+        served = ServedVersion(*row[: len(ServedVersion._fields)])
+        self._served[(tenant_id, name, number)] = (time.monotonic() + RESOLVE_CACHE_S, served)
+        return served
+
+    def resolve_cached(self, tenant_id: int, name: str, number: int | None) -> ServedVersion | None:
+        """resolve()'s recent answer, if any; no I/O, safe on the event loop."""
+        cached = self._served.get((tenant_id, name, number))
+        return cached[1] if cached is not None and cached[0] > time.monotonic() else None
+
+    def _forget_served(self, tenant_id: int, name: str) -> None:
+        for key in [k for k in self._served if k[:2] == (tenant_id, name)]:
+            self._served.pop(key, None)
 
     def delete_model(self, tenant_id: int, name: str) -> list[int]:
         """Deletes the model and its versions, and the stored graphs and artifacts no other
@@ -152,6 +190,7 @@ class Registry:
         with self._insert_lock:
             with self.db.session() as session:
                 model = self._model(session, tenant_id, name)
+                self._forget_served(tenant_id, name)
                 ids = [v.id for v in model.versions]
                 keys = {v.graph_key for v in model.versions}
                 session.delete(model)

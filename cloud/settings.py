@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     # batching policy, per model version
     max_batch_rows: int = 32
     max_queue_delay_ms: float = 5.0
+    # wait for company only while requests arrive faster than a batch runs (and no longer than a
+    # batch takes); false: every partial batch waits max_queue_delay_ms
+    adaptive_batching: bool = True
     max_queue_requests: int = 256
     # a request still queued or running after this long gets 504
     request_timeout_s: float = 30.0

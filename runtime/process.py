@@ -55,6 +55,7 @@ class RuntimeConfig:
     claim_idle_s: float
     max_batch_rows: int
     max_delay_s: float
+    adaptive_batching: bool
     idle_unload_s: float
     prices: dict[str, float]
 
@@ -121,7 +122,12 @@ class RuntimeProcess:
         self._streams = streams
 
     def _policy(self) -> BatchPolicy:
-        return BatchPolicy(self.config.max_batch_rows, self.config.max_delay_s, max_queue_requests=1 << 30)
+        return BatchPolicy(
+            self.config.max_batch_rows,
+            self.config.max_delay_s,
+            max_queue_requests=1 << 30,
+            adaptive=self.config.adaptive_batching,
+        )
 
     def _read(self, block_s: float) -> list[tuple[str, bytes, dict]]:
         if not self._streams:
@@ -203,7 +209,11 @@ class RuntimeProcess:
             results, usages = run_priced(self.runtime, self.config.prices, route, part)
             return list(zip(results, usages))
 
-        for pending, outcome in run_isolating(run, batch, route.model_name):
+        outcomes = run_isolating(run, batch, route.model_name)
+        ran = [o[0].batch_exec_seconds for _, o in outcomes if not isinstance(o, BaseException)]
+        if ran:
+            self._queues[batch[0].payload.stream].record_execution(max(ran))
+        for pending, outcome in outcomes:
             taken: Taken = pending.payload
             if isinstance(outcome, BaseException):
                 code = outcome.code if isinstance(outcome, LuminalError) else "internal_error"
@@ -290,6 +300,7 @@ def run_runtime(settings, device: str) -> None:
         claim_idle_s=settings.runtime_claim_idle_s,
         max_batch_rows=settings.max_batch_rows,
         max_delay_s=settings.max_queue_delay_ms / 1000.0,
+        adaptive_batching=settings.adaptive_batching,
         idle_unload_s=settings.idle_unload_s,
         prices=dict(settings.price_per_second),
     )

@@ -95,15 +95,17 @@ class InProcessEngine:
         request_timeout_s: float,
         retry_after_s: int,
         idle_check_s: float = 30.0,
+        adaptive_batching: bool = True,
     ) -> None:
         self.runtimes = runtimes
         self.ledger = ledger
         self.prices = prices
-        self._policy = dict(
-            max_batch_rows=max_batch_rows,
-            max_delay_s=max_delay_s,
-            max_queue_requests=max_queue_requests,
-        )
+        self._policy = {
+            "max_batch_rows": max_batch_rows,
+            "max_delay_s": max_delay_s,
+            "max_queue_requests": max_queue_requests,
+            "adaptive": adaptive_batching,
+        }
         self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
         self._batchers: dict[int, Batcher] = {}
@@ -264,6 +266,9 @@ class Batcher:
     async def _run_batch(self, batch: list[Pending], started: float) -> None:
         run = partial(self.engine.run_and_meter, self.route)
         outcomes = await asyncio.to_thread(run_isolating, run, batch, self.route.model_name)
+        ran = [o.batch_exec_seconds for _, o in outcomes if not isinstance(o, BaseException)]
+        if ran:
+            self.queue.record_execution(max(ran))
         for pending, outcome in outcomes:
             if isinstance(outcome, BaseException):
                 _fail(pending, outcome)

@@ -4,7 +4,9 @@ Contract (the caller is the batcher):
   - `submit(request, now)` when a request arrives; raises QueueFull when the queue is full.
   - `expired(now)` to take out requests whose deadline passed while queued.
   - `take_batch(now)` returns the next batch when one is due, else None. A batch is due when
-    the queued rows fill a batch, or the oldest request has waited `max_delay_s`.
+    the queued rows fill a batch, or the oldest request has waited its delay: `max_delay_s`, or
+    with `adaptive`, only as long as company is likely to come (see `delay_s`).
+  - `record_execution(seconds)` after each batch ran, so the adaptive delay knows its cost.
   - `wake_at(now)` says when a batch or an expiry will next be due, so the caller can sleep.
 Requests are taken in arrival order; a request is never split across batches, and a batch only
 holds requests with equal `shape_key` (their sizes apart from the batch axis, e.g. a sequence
@@ -32,6 +34,13 @@ class BatchPolicy:
     max_queue_requests: int
     # whether requests may be concatenated (the model has a symbolic batch dimension)
     batchable: bool = True
+    # wait for company only while requests arrive faster than a batch runs, and then no longer
+    # than a batch takes: a lone request on an idle device runs at once
+    adaptive: bool = True
+
+
+# weight of the newest sample in the running averages of arrival gaps and batch times
+SMOOTHING = 0.2
 
 
 @dataclass
@@ -54,6 +63,21 @@ class BatchQueue:
         self.policy = policy
         self._queue: deque[Pending] = deque()
         self._rows = 0
+        # running averages: seconds between arrivals, and seconds a batch runs (None: no sample)
+        self._arrival_gap: float | None = None
+        self._last_arrival: float | None = None
+        self._batch_seconds: float | None = None
+
+    def delay_s(self) -> float:
+        """How long the oldest request waits for company before a partial batch runs."""
+        if not self.policy.adaptive:
+            return self.policy.max_delay_s
+        if self._arrival_gap is None or self._batch_seconds is None or self._arrival_gap >= self._batch_seconds:
+            return 0.0  # nobody is likely to come before the batch would have finished anyway
+        return min(self.policy.max_delay_s, self._batch_seconds)
+
+    def record_execution(self, seconds: float) -> None:
+        self._batch_seconds = _smooth(self._batch_seconds, seconds)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -63,6 +87,9 @@ class BatchQueue:
             raise QueueFull(f"{len(self._queue)} requests already queued")
         self._queue.append(request)
         self._rows += request.rows
+        if self._last_arrival is not None:
+            self._arrival_gap = _smooth(self._arrival_gap, max(0.0, now - self._last_arrival))
+        self._last_arrival = now
 
     def expired(self, now: float) -> list[Pending]:
         gone = [r for r in self._queue if r.deadline <= now]
@@ -76,7 +103,7 @@ class BatchQueue:
             return False
         if not self.policy.batchable or self._rows >= self.policy.max_batch_rows:
             return True
-        return now - self._queue[0].enqueued_at >= self.policy.max_delay_s
+        return now - self._queue[0].enqueued_at >= self.delay_s()
 
     def take_batch(self, now: float) -> list[Pending] | None:
         if not self._due(now):
@@ -99,5 +126,9 @@ class BatchQueue:
             return None
         if self._due(now):
             return now
-        batch_due = self._queue[0].enqueued_at + self.policy.max_delay_s
+        batch_due = self._queue[0].enqueued_at + self.delay_s()
         return min(batch_due, min(r.deadline for r in self._queue))
+
+
+def _smooth(average: float | None, sample: float) -> float:
+    return sample if average is None else (1 - SMOOTHING) * average + SMOOTHING * sample

@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 # how often a version with waiting requests has its placement checked
 WATCH_S = 0.25
+# XADD unless the stream already holds ARGV[1] entries (nil then)
+APPEND_BOUNDED = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return nil end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+"""
 
 
 @dataclass
@@ -167,6 +172,7 @@ class StreamEngine:
         self._watched: dict[int, tuple[Route, int]] = {}
         self._watchers: dict[int, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
+        self._append_bounded = self.redis.register_script(APPEND_BOUNDED)
         self._tasks = [
             self._loop.create_task(self._read_replies(), name="replies"),
             self._loop.create_task(self._consume_usage(), name="ledger"),
@@ -183,16 +189,18 @@ class StreamEngine:
         deadline = time.time() + self.request_timeout_s
         try:
             backlog = await self.redis.xlen(stream)
-            if backlog >= self.max_queue_requests:
-                metrics.QUEUE_REJECTIONS.labels(route.tenant_name, route.model_name).inc()
-                raise Overloaded(
-                    f"the queue for {route.model_name} v{route.version} is full ({backlog} requests)",
-                    retry_after=self.retry_after_s,
-                )
             await self.placement.ensure(route, backlog)
             message = wire.RequestMessage(request_id, self.reply_to, deadline, rows, route_fields(route), dict(inputs))
             self._waiting[request_id] = waiter
-            await self.redis.xadd(stream, message.to_fields())
+            fields = [part for pair in message.to_fields().items() for part in pair]
+            # the bound holds across gateways: the length check and the append are one step
+            if await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields]) is None:
+                self._waiting.pop(request_id, None)
+                metrics.QUEUE_REJECTIONS.labels(route.tenant_name, route.model_name).inc()
+                raise Overloaded(
+                    f"the queue for {route.model_name} v{route.version} is full ({self.max_queue_requests} requests)",
+                    retry_after=self.retry_after_s,
+                )
         except redis.RedisError as exc:
             self._waiting.pop(request_id, None)
             raise self._unreachable(exc) from None

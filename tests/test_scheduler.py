@@ -12,7 +12,7 @@ def req(i: int, rows: int = 1, at: float = 0.0, deadline: float = 100.0) -> Pend
 
 
 def queue(max_rows=8, delay=0.01, max_requests=4, batchable=True) -> BatchQueue:
-    return BatchQueue(BatchPolicy(max_rows, delay, max_requests, batchable))
+    return BatchQueue(BatchPolicy(max_rows, delay, max_requests, batchable, adaptive=False))
 
 
 def test_partial_batch_waits_for_the_delay() -> None:
@@ -74,3 +74,35 @@ def test_unbatchable_model_runs_one_request_per_batch() -> None:
     q.submit(req(2), 0.0)
     assert [p.request_id for p in q.take_batch(0.0)] == ["r1"]
     assert [p.request_id for p in q.take_batch(0.0)] == ["r2"]
+
+
+def adaptive(max_rows=8, delay=0.005) -> BatchQueue:
+    return BatchQueue(BatchPolicy(max_rows, delay, max_queue_requests=100))
+
+
+def test_adaptive_a_lone_request_on_an_idle_device_runs_at_once() -> None:
+    q = adaptive()
+    q.submit(req(1, at=0.0), now=0.0)
+    assert [p.request_id for p in q.take_batch(now=0.0)] == ["r1"]  # no history: nobody to wait for
+    q.record_execution(0.002)
+    # a sequential client: the next request comes after the answer, later than a batch takes
+    q.submit(req(2, at=0.010), now=0.010)
+    assert q.delay_s() == 0.0
+    assert [p.request_id for p in q.take_batch(now=0.010)] == ["r2"]
+
+
+def test_adaptive_waits_while_requests_come_faster_than_a_batch_runs_and_no_longer() -> None:
+    q = adaptive(delay=0.005)
+    for i in range(6):  # one every 0.5 ms
+        q.submit(req(i, at=i * 0.0005), now=i * 0.0005)
+        q.take_batch(now=i * 0.0005)
+    q.record_execution(0.002)  # a batch takes 2 ms: four more would come meanwhile
+    q.submit(req(10, at=0.010), now=0.010)
+    assert q.delay_s() == pytest.approx(0.002)  # its batch time, below max_delay_s
+    assert q.take_batch(now=0.011) is None
+    q.submit(req(11, at=0.0115), now=0.0115)
+    assert q.wake_at(now=0.0115) == pytest.approx(0.012)
+    assert [p.request_id for p in q.take_batch(now=0.012)] == ["r10", "r11"]
+    q.record_execution(0.050)  # slower than max_delay_s: the cap holds
+    q.submit(req(12, at=0.0120), now=0.0120)
+    assert q.delay_s() == pytest.approx(0.005)

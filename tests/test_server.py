@@ -69,7 +69,10 @@ def test_sdk_raises_server_errors_with_their_message(server, keys, tmp_path) -> 
 
 
 def test_full_queue_answers_429_with_retry_after(tmp_path, keys) -> None:
-    settings = make_settings(tmp_path / "data", max_queue_requests=1, max_queue_delay_ms=1500, max_batch_rows=64)
+    # a fixed batching window: the first request waits in the queue for company
+    settings = make_settings(
+        tmp_path / "data", max_queue_requests=1, max_queue_delay_ms=1500, max_batch_rows=64, adaptive_batching=False
+    )
     model = tmp_path / "mlp.onnx"
     model.write_bytes(mlp().SerializeToString())
     db = open_database(settings)

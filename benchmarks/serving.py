@@ -1,0 +1,169 @@
+"""Serving latency and throughput of a small MLP through real HTTP, in one run: the embedded path
+against the distributed one (gateway + a runtime process over Redis Streams), with batching on
+and with a max batch size of 1, at concurrency 1, 16 and 64.
+
+    .venv/bin/python benchmarks/serving.py [--seconds 5] [--redis redis://127.0.0.1:6379/13]
+
+Each configuration starts `luminal-cloud serve` (and, distributed, one `luminal-cloud runtime`)
+as separate processes on one data directory, so the model compiles once. Latency is measured by
+the load generator (httpx, asyncio) per request; "overhead" is a request's latency minus its
+billed device time, the time the service itself adds. The Redis database given is emptied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from api.server import free_port
+from api.services import open_database
+from benchmarks.models import mlp
+from cloud.auth import create_key
+from cloud.settings import Settings
+from luminal_cloud import Client
+
+WIDTHS = (256, 512, 512, 10)
+CONCURRENCY = (1, 16, 64)
+
+
+def start(args: list[str], env: dict[str, str], log: Path, ready: str, timeout: float = 120) -> subprocess.Popen:
+    out = open(log, "ab")  # noqa: SIM115  the child writes to it for its lifetime
+    process = subprocess.Popen(
+        [sys.executable, "-m", "luminal_cloud.cli", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + timeout
+    while ready not in log.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{args[0]} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple[list[float], list[float], list[int], float]:
+    """(latencies s, overheads s, batch sizes, wall s) of `concurrency` clients sending back to back."""
+    x = np.random.default_rng(0).standard_normal((1, WIDTHS[0])).astype(np.float32).tolist()
+    body = {"inputs": {"features": x}}
+    latencies, overheads, batches = [], [], []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers={"Authorization": f"Bearer {key}"}) as http:
+        for _ in range(3):  # warm: the model loads, connections open
+            (await http.post("/v1/models/mlp/infer", json=body)).raise_for_status()
+        stop_at = time.perf_counter() + seconds
+
+        async def client() -> None:
+            while time.perf_counter() < stop_at:
+                started = time.perf_counter()
+                reply = await http.post("/v1/models/mlp/infer", json=body)
+                elapsed = time.perf_counter() - started
+                reply.raise_for_status()
+                usage = reply.json()["usage"]
+                latencies.append(elapsed)
+                # each request is one row: the batch ran for its share times the batch's rows
+                overheads.append(elapsed - usage["exec_ms"] / 1000 * usage["batch_rows"])
+                batches.append(usage["batch_size"])
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - began
+    return latencies, overheads, batches, wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0, help="load per configuration and concurrency")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/13", help="a Redis database this run may empty")
+    parser.add_argument("--modes", default="embedded,distributed")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="luminal-serving-"))
+    settings = Settings(data_dir=workdir / "data")
+    db = open_database(settings)
+    key = create_key(db, "bench")
+    db.dispose()
+    rows = []
+    for mode in args.modes.split(","):
+        for batching in (True, False):
+            redis.Redis.from_url(args.redis).flushdb()
+            port = free_port()
+            env = {
+                **os.environ,
+                "LUMINAL_DATA_DIR": str(settings.data_dir),
+                "LUMINAL_REDIS_URL": args.redis,
+                "LUMINAL_REQUEST_QUEUE": "redis" if mode == "distributed" else "embedded",
+                "LUMINAL_MAX_BATCH_ROWS": "32" if batching else "1",
+                "LUMINAL_MAX_QUEUE_REQUESTS": "1024",
+            }
+            label = f"{mode}-{'batch' if batching else 'b1'}"
+            processes = []
+            try:
+                if mode == "distributed":
+                    processes.append(start(["runtime"], env, workdir / f"{label}-runtime.log", "serving device"))
+                processes.append(
+                    start(["serve", "--port", str(port)], env, workdir / f"{label}-serve.log", "Application startup complete")
+                )
+                url = f"http://127.0.0.1:{port}"
+                with Client(url, key) as client:
+                    client.deploy(mlp(WIDTHS), name="mlp")
+                for concurrency in CONCURRENCY:
+                    latencies, overheads, batches, wall = asyncio.run(load(url, key, concurrency, args.seconds))
+                    rows.append(
+                        (
+                            mode,
+                            "on" if batching else "max 1",
+                            concurrency,
+                            percentile(latencies, 0.5) * 1000,
+                            percentile(latencies, 0.99) * 1000,
+                            len(latencies) / wall,
+                            statistics.mean(batches),
+                            percentile(overheads, 0.5) * 1000,
+                        )
+                    )
+                    print(_row(rows[-1]), flush=True)
+            finally:
+                for process in reversed(processes):
+                    stop(process)
+    print()
+    print(_table(rows))
+
+
+HEADER = ("path", "batching", "concurrency", "p50 ms", "p99 ms", "req/s", "mean batch", "p50 overhead ms")
+
+
+def _row(row: tuple) -> str:
+    mode, batching, concurrency, p50, p99, rate, batch, overhead = row
+    return f"| {mode} | {batching} | {concurrency} | {p50:.2f} | {p99:.2f} | {rate:.0f} | {batch:.1f} | {overhead:.2f} |"
+
+
+def _table(rows: list[tuple]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + [_row(r) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
