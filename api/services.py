@@ -136,7 +136,9 @@ def build_engine(services: Services) -> Engine:
     def fetch(key: str) -> Artifact:
         return load_artifact(store, key)
 
-    runtime = Runtime(CpuDevice(), fetch, settings.max_loaded_models, settings.idle_unload_s)
+    runtime = Runtime(
+        CpuDevice(), fetch, settings.max_loaded_models, settings.idle_unload_s, settings.runtime_memory_bytes
+    )
     return InProcessEngine(
         runtimes={"cpu": runtime},
         ledger=services.ledger,
