@@ -61,8 +61,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     admin = commands.add_parser("admin", help="administration")
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
-    create_key = admin_commands.add_parser("create-key", help="create an API key for a tenant")
-    create_key.add_argument("--tenant", required=True)
+    create_key = admin_commands.add_parser(
+        "create-key", help="create an API key for a tenant, or with --admin an operator key (/v1/admin)"
+    )
+    create_key.add_argument("--tenant", help="the tenant the key acts for (created when new)")
+    create_key.add_argument(
+        "--admin", action="store_true", help="an operator key: reads every tenant's usage, acts for no tenant"
+    )
+    create_key.add_argument("--name", default="operator", help="who holds the operator key (with --admin)")
     create_key.set_defaults(run=_create_key)
 
     demo = commands.add_parser("demo", help="start a server, deploy a sample model, batch, bill")
@@ -139,19 +145,24 @@ def _stack(args: argparse.Namespace) -> None:
 
 def _create_key(args: argparse.Namespace) -> None:
     from api.services import open_database
-    from cloud.auth import create_key
+    from cloud.auth import create_admin_key, create_key
     from cloud.errors import LuminalError
 
+    if args.admin == bool(args.tenant):
+        sys.exit("luminal-cloud admin create-key: give --tenant NAME for a tenant's key, or --admin for an operator's")
     settings = Settings()
     try:
         db = open_database(settings)
     except LuminalError as exc:
         sys.exit(f"luminal-cloud admin: {exc}")
     try:
-        key = create_key(db, args.tenant)
+        key = create_admin_key(db, args.name) if args.admin else create_key(db, args.tenant)
     finally:
         db.dispose()
-    print(f"API key for tenant {args.tenant!r}: {key}")
+    if args.admin:
+        print(f"Operator key for {args.name!r} (for /v1/admin only): {key}")
+    else:
+        print(f"API key for tenant {args.tenant!r}: {key}")
 
 
 def _demo(args: argparse.Namespace) -> None:

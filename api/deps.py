@@ -8,7 +8,8 @@ from fastapi import Depends, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
-from cloud.db import Tenant
+from cloud.auth import authenticate_admin
+from cloud.db import AdminKey, Tenant
 
 
 def get_services(request: Request) -> Services:
@@ -27,3 +28,11 @@ async def get_tenant(
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
+
+
+async def get_operator(services: ServicesDep, authorization: Annotated[str | None, Header()] = None) -> AdminKey:
+    # operator routes are rare: no cache, so a revoked operator key stops at once
+    return await run_in_threadpool(authenticate_admin, services.db, authorization)
+
+
+CurrentOperator = Annotated[AdminKey, Depends(get_operator)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,18 +90,27 @@ class InferResponse(BaseModel):
 
 
 class UsageItem(BaseModel):
-    model: str
-    version: int
-    target: str
+    # the group: only the fields of the report's group_by are set
+    tenant: str | None = None
+    model: str | None = None
+    version: int | None = None
+    target: str | None = None
+    price_per_second: float | None = None
+    # a UTC calendar day
+    day: date | None = None
     requests: int
     rows: int
     billed_seconds: float
-    price_per_second: float
     cost: float
 
 
 class UsageReport(BaseModel):
-    tenant: str
+    # the caller's tenant; in the operators' view, the tenant asked for (absent: every tenant)
+    tenant: str | None = None
+    group_by: str
+    # the period, `to` exclusive, in UTC; absent: unbounded on that side
+    start: datetime | None = Field(default=None, serialization_alias="from")
+    end: datetime | None = Field(default=None, serialization_alias="to")
     items: list[UsageItem]
     total_billed_seconds: float
     total_cost: float

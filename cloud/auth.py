@@ -1,4 +1,4 @@
-"""API keys: created for a tenant, stored as hashes, looked up by hash."""
+"""API keys: created for a tenant (or for an operator), stored as hashes, looked up by hash."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import time
 
 from sqlalchemy import select
 
-from cloud.db import ApiKey, Database, Tenant
-from cloud.errors import Unauthorized
+from cloud.db import AdminKey, ApiKey, Database, Tenant
+from cloud.errors import Forbidden, Unauthorized
 
 KEY_PREFIX = "lc_"
+# operators' keys look different, so one pasted in the wrong place is easy to spot
+ADMIN_KEY_PREFIX = "lca_"
 
 
 def hash_key(key: str) -> str:
@@ -32,15 +34,43 @@ def create_key(db: Database, tenant_name: str) -> str:
     return key
 
 
-def authenticate(db: Database, authorization: str | None) -> Tenant:
+def create_admin_key(db: Database, name: str) -> str:
+    """A new operator key, held by `name`; returned once, never stored."""
+    key = ADMIN_KEY_PREFIX + secrets.token_urlsafe(32)
+    with db.session() as session:
+        session.add(AdminKey(name=name, key_hash=hash_key(key), prefix=key[:10]))
+    return key
+
+
+def bearer_key(authorization: str | None) -> str:
     if not authorization:
         raise Unauthorized("missing Authorization header; send 'Authorization: Bearer <api key>'")
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized("malformed Authorization header; send 'Authorization: Bearer <api key>'")
+    return key.strip()
+
+
+def authenticate_admin(db: Database, authorization: str | None) -> AdminKey:
+    """The operator key sent; a tenant's key is refused (403), anything else is 401."""
+    key_hash = hash_key(bearer_key(authorization))
+    with db.session() as session:
+        admin = session.scalar(select(AdminKey).where(AdminKey.key_hash == key_hash))
+        if admin is not None:
+            return admin
+        if session.scalar(select(ApiKey.id).where(ApiKey.key_hash == key_hash)) is not None:
+            raise Forbidden(
+                "a tenant's API key cannot use the operator routes; "
+                "create an operator key with `luminal-cloud admin create-key --admin`"
+            )
+    raise Unauthorized("invalid API key")
+
+
+def authenticate(db: Database, authorization: str | None) -> Tenant:
+    key = bearer_key(authorization)
     with db.session() as session:
         tenant = session.scalar(
-            select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(ApiKey.key_hash == hash_key(key.strip()))
+            select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(ApiKey.key_hash == hash_key(key))
         )
         if tenant is None:
             raise Unauthorized("invalid API key")

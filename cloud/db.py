@@ -50,6 +50,20 @@ class ApiKey(Base):
     tenant: Mapped[Tenant] = relationship()
 
 
+class AdminKey(Base):
+    """An operator's key: reads across tenants (/v1/admin) and belongs to none, so a tenant's
+    key can never be one and an operator's key never acts as a tenant."""
+
+    __tablename__ = "admin_keys"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    # who holds it, for the operators' own records
+    name: Mapped[str] = mapped_column(String(128))
+    # sha256 of the key, as for tenant keys
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class Model(Base):
     __tablename__ = "models"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)

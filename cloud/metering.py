@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import Date, cast, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from cloud.db import Database, UsageRecord, utcnow
+from cloud.db import Database, Tenant, UsageRecord, utcnow
 
 
 def split_by_rows(batch_seconds: float, rows: Sequence[int]) -> list[float]:
@@ -55,6 +56,11 @@ class Usage:
         return self.billed_seconds * self.price_per_second
 
 
+# what usage can be grouped by: a tenant (by name), a model, a version (with its target and
+# price), a UTC calendar day
+DIMENSIONS = ("tenant", "model", "version", "day")
+
+
 class Ledger:
     """Writes usage records; a request id already recorded is left as it was."""
 
@@ -64,48 +70,82 @@ class Ledger:
         # one statement for every call, run with a list of rows: compiled once, not per batch
         self._insert = insert(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
 
-    def record(self, usages: Sequence[Usage]) -> None:
+    def record(self, usages: Sequence[Usage], at: datetime | None = None) -> None:
+        """Writes the records, stamped `at` (now unless given: backfills and tests)."""
         if not usages:
             return
-        now = utcnow()
-        rows = [{**u.__dict__, "cost": u.cost, "created_at": now} for u in usages]
+        stamp = utcnow() if at is None else at.astimezone(UTC)
+        rows = [{**u.__dict__, "cost": u.cost, "created_at": stamp} for u in usages]
         with self.db.engine.begin() as connection:
             connection.execute(self._insert, rows)
 
     def summary(self, tenant_id: int) -> list[dict]:
-        """Per model and version: requests, rows, billed seconds and cost."""
-        query = (
-            select(
-                UsageRecord.model_name,
-                UsageRecord.version,
-                UsageRecord.target,
-                UsageRecord.price_per_second,
-                func.count(UsageRecord.id),
-                func.sum(UsageRecord.rows),
-                func.sum(UsageRecord.billed_seconds),
-                func.sum(UsageRecord.cost),
-            )
-            .where(UsageRecord.tenant_id == tenant_id)
-            .group_by(
-                UsageRecord.model_name,
-                UsageRecord.version,
-                UsageRecord.target,
-                UsageRecord.price_per_second,
-            )
-            .order_by(UsageRecord.model_name, UsageRecord.version)
-        )
+        """Per model and version, all time: requests, rows, billed seconds and cost."""
+        return self.totals(("model", "version"), tenant_id=tenant_id)
+
+    def totals(
+        self,
+        group_by: Sequence[str],
+        *,
+        tenant_id: int | None = None,
+        start: datetime | None = None,
+        end: datetime | None = None,
+    ) -> list[dict]:
+        """Requests, rows, billed seconds and cost of the records made in [start, end), a row per
+        value of the `group_by` dimensions (DIMENSIONS), ordered by them. tenant_id None reads
+        every tenant (the operators' view)."""
+        unknown = [d for d in group_by if d not in DIMENSIONS]
+        if unknown:
+            raise ValueError(f"unknown usage dimension {unknown[0]!r}; known: {', '.join(DIMENSIONS)}")
+        keys = [column for d in group_by for column in self._dimension(d)]
+        query = select(
+            *keys,
+            func.count(UsageRecord.id).label("requests"),
+            func.sum(UsageRecord.rows).label("rows"),
+            func.sum(UsageRecord.billed_seconds).label("billed_seconds"),
+            func.sum(UsageRecord.cost).label("cost"),
+        ).select_from(UsageRecord)
+        if "tenant" in group_by:
+            query = query.outerjoin(Tenant, Tenant.id == UsageRecord.tenant_id)
+        if tenant_id is not None:
+            query = query.where(UsageRecord.tenant_id == tenant_id)
+        if start is not None:
+            query = query.where(UsageRecord.created_at >= start.astimezone(UTC))
+        if end is not None:
+            query = query.where(UsageRecord.created_at < end.astimezone(UTC))
+        query = query.group_by(*keys).order_by(*keys)
         with self.db.session() as session:
-            result = session.execute(query).all()
+            result = session.execute(query).mappings().all()
         return [
             {
-                "model": name,
-                "version": version,
-                "target": target,
-                "price_per_second": price,
-                "requests": count,
-                "rows": int(rows),
-                "billed_seconds": float(seconds),
-                "cost": float(cost),
+                **{key.name: row[key.name] for key in keys},
+                "requests": row["requests"],
+                "rows": int(row["rows"]),
+                "billed_seconds": float(row["billed_seconds"]),
+                "cost": float(row["cost"]),
             }
-            for name, version, target, price, count, rows, seconds, cost in result
+            for row in result
         ]
+
+    def _dimension(self, name: str) -> list:
+        if name == "tenant":
+            return [Tenant.name.label("tenant")]
+        if name == "model":
+            return [UsageRecord.model_name.label("model")]
+        if name == "version":
+            # a version runs on one target; its price is kept with each record, so a price
+            # change shows as a row of its own rather than a wrong cost
+            return [
+                UsageRecord.version.label("version"),
+                UsageRecord.target.label("target"),
+                UsageRecord.price_per_second.label("price_per_second"),
+            ]
+        return [self._utc_day().label("day")]
+
+    def _utc_day(self):
+        """The UTC calendar day of a record, as a date, in this database's dialect."""
+        if self.db.engine.dialect.name == "postgresql":
+            # timestamptz: take the day in UTC, whatever the session's time zone
+            return cast(func.timezone("UTC", UsageRecord.created_at), Date)
+        # SQLite keeps the UTC time as ISO text; date() reads its day
+        return func.date(UsageRecord.created_at, type_=Date)
