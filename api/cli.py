@@ -12,8 +12,8 @@ from cloud.settings import Settings
 
 def register(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the server (embedded defaults)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser(
@@ -71,9 +71,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     create_key.add_argument("--name", default="operator", help="who holds the operator key (with --admin)")
     create_key.set_defaults(run=_create_key)
 
-    demo = commands.add_parser("demo", help="start a server, deploy a sample model, batch, bill")
+    demo = commands.add_parser(
+        "demo", help="start a server, deploy a sample model, batch, bill (in a temporary data directory)"
+    )
     demo.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    demo.add_argument("--requests", type=int, default=24)
+    demo.add_argument("--requests", type=int, default=24, help="concurrent sample requests to send (default: 24)")
+    demo.add_argument(
+        "--data-dir", type=Path, help="keep the demo's key, model and bill in this directory (default: a temporary "
+        "one, removed at the end, with the embedded database and store whatever LUMINAL_* says)"
+    )
     demo.set_defaults(run=_demo)
 
 
@@ -166,6 +172,18 @@ def _create_key(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
+    import tempfile
+
     from api.demo import run_demo
 
-    run_demo(Settings(), port=args.port, requests=args.requests)
+    if args.data_dir is not None:
+        run_demo(Settings(data_dir=args.data_dir), port=args.port, requests=args.requests)
+        return
+    # the user's own data directory, database and bucket gain no demo key or model on each run
+    with tempfile.TemporaryDirectory(prefix="luminal-cloud-demo-") as data_dir:
+        settings = Settings(
+            data_dir=Path(data_dir), database_url="", object_store="local", compile_backend="embedded",
+            request_queue="embedded",
+        )
+        run_demo(settings, port=args.port, requests=args.requests)
+    print(f"\n(the demo's data directory {data_dir} is removed; --data-dir DIR keeps one)")

@@ -53,10 +53,11 @@ async def serve[Decoded: DecodedInputs](
     tenant: Tenant,
     request: Request,
     name: str,
-    version: int | None,
+    version: int | str | None,
     decode: Decoder[Decoded],
 ) -> Served[Decoded]:
-    """Runs the request's body through the model `name` (its newest ready version, or `version`)."""
+    """Runs the request's body through the model `name`: its newest ready version, or `version`
+    (a number, or an alias that names one)."""
     started = time.perf_counter()
     outcome = "error"
     model_label = metrics.UNKNOWN_MODEL  # until the name resolves to a model of this tenant

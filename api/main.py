@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import error_response, install_error_handlers
-from api.routes import admin, health, infer, kserve_v2, models, usage
+from api.routes import admin, health, infer, kserve_v2, models, usage, versions
 from api.services import build_engine, build_services
 from cloud.errors import PayloadTooLarge, Unauthorized
 from cloud.settings import Settings, get_settings
@@ -93,7 +93,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Luminal Cloud", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    for router in (models.router, infer.router, usage.router, admin.router, health.router, kserve_v2.router):
+    routers = (models, versions, infer, usage, admin, health, kserve_v2)
+    for router in (module.router for module in routers):
         app.include_router(router)
     app.add_middleware(GuardedBody, settings=settings)
     return app

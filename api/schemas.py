@@ -80,6 +80,60 @@ class InferUsage(BaseModel):
     batch_rows: int
     # waiting time, reported but not billed
     queue_ms: float
+# -- versions and aliases (api.routes.versions) --
+
+
+class VersionSummary(BaseModel):
+    version: int
+    status: str
+    target: str
+    created_at: datetime
+    # the aliases pointing at this version
+    aliases: list[str]
+    error: str | None = None
+
+
+class AliasEventPublic(BaseModel):
+    # "set" (a promote) or "rollback"
+    action: str
+    version: int
+    at: datetime
+
+
+class AliasPublic(BaseModel):
+    model: str
+    alias: str
+    # the version the alias points at
+    version: int
+    # the version a rollback would move it to, if any
+    previous: int | None
+    # every move, oldest first
+    history: list[AliasEventPublic]
+
+
+class VersionList(BaseModel):
+    name: str
+    versions: list[VersionSummary]
+    aliases: list[AliasPublic]
+
+
+class AliasUpdate(BaseModel):
+    # the ready version the alias points at from now on
+    version: int = Field(ge=1)
+
+
+class AliasDeleted(BaseModel):
+    model: str
+    alias: str
+    deleted: bool
+
+
+class VersionDeleted(BaseModel):
+    model: str
+    version: int
+    deleted: bool
+
+
 
 
 class InferResponse(BaseModel):

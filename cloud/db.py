@@ -71,9 +71,13 @@ class Model(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the highest version number ever given: a deleted version's number is never given again, so
+    # an alias's history and the bill never mistake a new version for a deleted one
+    last_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     versions: Mapped[list[ModelVersion]] = relationship(
         back_populates="model", cascade="all, delete-orphan", order_by="ModelVersion.number"
     )
+    aliases: Mapped[list[ModelAlias]] = relationship(cascade="all, delete-orphan", order_by="ModelAlias.name")
 
 
 class ModelVersion(Base):
@@ -96,6 +100,37 @@ class ModelVersion(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
     model: Mapped[Model] = relationship(back_populates="versions")
+
+
+class ModelAlias(Base):
+    """A name (prod, canary) that inference resolves to one ready version of the model."""
+
+    __tablename__ = "model_aliases"
+    __table_args__ = (UniqueConstraint("model_id", "name"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    # the registry refuses to delete a version an alias points at; the cascade is for the model's own deletion
+    version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    version: Mapped[ModelVersion] = relationship()
+    history: Mapped[list[AliasEvent]] = relationship(cascade="all, delete-orphan", order_by="AliasEvent.id")
+
+
+class AliasEvent(Base):
+    """One move of an alias, kept so that a rollback knows where the alias was before."""
+
+    __tablename__ = "model_alias_events"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    alias_id: Mapped[int] = mapped_column(ForeignKey("model_aliases.id", ondelete="CASCADE"), index=True)
+    # "set" (a promote) or "rollback" (back to the version before the last set)
+    action: Mapped[str] = mapped_column(String(16))
+    # the version moved to; NULL once that version is deleted (its number stays, for the record)
+    version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="SET NULL"), index=True, default=None
+    )
+    version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class UsageRecord(Base):

@@ -8,6 +8,8 @@
     ├── Forbidden (403)              an operator-only endpoint asked from elsewhere
     ├── NotFound (404)
     ├── NotReady (409)               the version has not compiled (yet, or ever)
+    ├── Conflict (409)               the change would break a rule: an alias on a version not ready,
+    │                                deleting a version an alias points at
     ├── PayloadTooLarge (413)
     ├── Overloaded (429)             a queue is full; carries retry_after seconds
     ├── Unavailable (503)
@@ -72,6 +74,11 @@ class NotFound(LuminalError):
 class NotReady(LuminalError):
     status = 409
     code = "not_ready"
+
+
+class Conflict(LuminalError):
+    status = 409
+    code = "conflict"
 
 
 class PayloadTooLarge(LuminalError):

@@ -12,25 +12,61 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
-from cloud.db import Database, Model, ModelVersion
-from cloud.errors import InvalidModelFile, InvalidRequest, NotFound, NotReady
+from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion
+from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady
 from cloud.storage import ObjectStore, artifacts_prefix, graph_key, spool
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 STATUSES = ("queued", "compiling", "ready", "failed")
+# an alias starts with a letter, so it never reads as a version number
+ALIAS_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 # the note on a version whose compile a server stop interrupted once
 INTERRUPTED = "the compile was interrupted by a server stop and resumed"
+# while a version compiles, its report column holds {PROGRESS: the latest progress event and the
+# compile's start (epoch seconds) as "started_at"}; the final report (which never has this key)
+# or a failure replaces it
+PROGRESS = "progress"
 
 
 _INSERT_ATTEMPTS = 6
 # how long a resolved version is served from memory before the database is asked again
 RESOLVE_CACHE_S = 1.0
+
+
+def version_ref(text: str) -> int | str:
+    """What a request's `version` names: a number (1, 2, ...) or an alias (prod, canary)."""
+    if text.isascii() and text.isdigit():
+        if int(text) < 1:
+            raise InvalidRequest(f"version {text!r} is invalid: versions are numbered from 1")
+        return int(text)
+    if not ALIAS_PATTERN.match(text):
+        raise InvalidRequest(f"version {text!r} is neither a version number nor an alias name")
+    return text
+
+
+def _check_alias_name(alias: str) -> None:
+    if not ALIAS_PATTERN.match(alias):
+        raise InvalidRequest(
+            f"alias {alias!r} is invalid: use a lowercase letter, then up to 63 lowercase letters, digits, '_' or '-'"
+        )
+
+
+def alias_stack(history: list[AliasEvent]) -> list[AliasEvent]:
+    """The alias's moves still in force, oldest first: a set pushes, a rollback pops (the last
+    entry is where the alias points; the one before it, where a rollback takes it)."""
+    stack: list[AliasEvent] = []
+    for event in history:
+        if event.action == "rollback":
+            stack.pop()
+        else:
+            stack.append(event)
+    return stack
 
 
 class ServedVersion(NamedTuple):
@@ -58,8 +94,8 @@ class Registry:
         self.store = store
         self.targets = targets
         self._insert_lock = threading.Lock()
-        # (tenant id, model name, version number or None) -> (expires at, the version to serve)
-        self._served: dict[tuple[int, str, int | None], tuple[float, ServedVersion]] = {}
+        # (tenant id, model name, version number, alias or None) -> (expires at, the version to serve)
+        self._served: dict[tuple[int, str, int | str | None], tuple[float, ServedVersion]] = {}
 
     # -- uploads --
     def create_version(
@@ -104,9 +140,10 @@ class Registry:
                 session.add(model)
                 session.flush()
             last = session.scalar(select(func.max(ModelVersion.number)).where(ModelVersion.model_id == model.id))
+            model.last_version = max(model.last_version or 0, last or 0) + 1
             version = ModelVersion(
                 model_id=model.id,
-                number=(last or 0) + 1,
+                number=model.last_version,
                 status="queued",
                 target=target,
                 graph_key=key,
@@ -142,13 +179,16 @@ class Registry:
             raise NotFound(f"model {name!r} not found")
         return model
 
-    def resolve(self, tenant_id: int, name: str, number: int | None) -> ServedVersion:
-        """The version to serve: the one asked for, else the newest ready one. Every inference
-        request asks, so a ready answer is kept for RESOLVE_CACHE_S (a version's served fields
-        never change once ready; a new or deleted version shows within that time)."""
-        served = self.resolve_cached(tenant_id, name, number)
+    def resolve(self, tenant_id: int, name: str, ref: int | str | None) -> ServedVersion:
+        """The version to serve: the one asked for (by number, or the one an alias points at),
+        else the newest ready one. Every inference request asks, so a ready answer is kept for
+        RESOLVE_CACHE_S (a version's served fields never change once ready; a new or deleted
+        version, or an alias moved by another process, shows within that time; a change made
+        through this registry clears the model's answers at once)."""
+        served = self.resolve_cached(tenant_id, name, ref)
         if served is not None:
             return served
+        number = ref if isinstance(ref, int) else None
         with self.db.session() as session:
             rows = session.execute(
                 select(*(getattr(ModelVersion, f) for f in ServedVersion._fields), ModelVersion.status, ModelVersion.error)
@@ -156,6 +196,15 @@ class Registry:
                 .where(Model.tenant_id == tenant_id, Model.name == name)
                 .order_by(ModelVersion.number)
             ).all()
+            if rows and isinstance(ref, str):
+                number = session.scalar(
+                    select(ModelVersion.number)
+                    .join(ModelAlias, ModelAlias.version_id == ModelVersion.id)
+                    .join(Model, ModelAlias.model_id == Model.id)
+                    .where(Model.tenant_id == tenant_id, Model.name == name, ModelAlias.name == ref)
+                )
+                if number is None:
+                    raise NotFound(f"model {name!r} has no alias {ref!r}")
         if not rows:
             raise NotFound(f"model {name!r} not found")
         if number is not None:
@@ -167,17 +216,19 @@ class Registry:
             row = ready[-1] if ready else rows[-1]
         if row.status != "ready":
             detail = f": {row.error}" if row.error else ""
+            through = f" (alias {ref!r})" if isinstance(ref, str) else ""
             raise NotReady(
-                f"model {name!r} version {row.number} is {row.status}{detail}",
+                f"model {name!r} version {row.number}{through} is {row.status}{detail}",
                 version_status=row.status,
+                version=row.number,
             )
         served = ServedVersion(*row[: len(ServedVersion._fields)])
-        self._served[(tenant_id, name, number)] = (time.monotonic() + RESOLVE_CACHE_S, served)
+        self._served[(tenant_id, name, ref)] = (time.monotonic() + RESOLVE_CACHE_S, served)
         return served
 
-    def resolve_cached(self, tenant_id: int, name: str, number: int | None) -> ServedVersion | None:
+    def resolve_cached(self, tenant_id: int, name: str, ref: int | str | None) -> ServedVersion | None:
         """resolve()'s recent answer, if any; no I/O, safe on the event loop."""
-        cached = self._served.get((tenant_id, name, number))
+        cached = self._served.get((tenant_id, name, ref))
         return cached[1] if cached is not None and cached[0] > time.monotonic() else None
 
     def _forget_served(self, tenant_id: int, name: str) -> None:
@@ -196,6 +247,124 @@ class Registry:
                 session.delete(model)
             self._free_unreferenced(keys)
         return ids
+
+    def delete_version(self, tenant_id: int, name: str, number: int) -> int:
+        """Deletes one version (and the model with its last one), and its stored graph and
+        artifact when no other version uses them; returns the version's id. Conflict while an
+        alias points at it: move or delete the alias first."""
+        with self._insert_lock:
+            with self.db.session() as session:
+                model = self._locked_model(session, tenant_id, name)
+                version = self._version(model, number)
+                pointing = sorted(a.name for a in model.aliases if a.version_id == version.id)
+                if pointing:
+                    raise Conflict(
+                        f"version {number} of model {name!r} is what alias {', '.join(map(repr, pointing))} "
+                        f"points at: move or delete the alias first",
+                        version=number,
+                        aliases=pointing,
+                    )
+                self._forget_served(tenant_id, name)
+                version_id, key = version.id, version.graph_key
+                session.delete(model if len(model.versions) == 1 else version)
+            self._free_unreferenced({key})
+        return version_id
+
+    # -- aliases --
+    def model_with_aliases(self, tenant_id: int, name: str) -> Model:
+        """The model, its versions, and its aliases with their histories."""
+        with self.db.session() as session:
+            model = session.scalar(
+                select(Model)
+                .where(Model.tenant_id == tenant_id, Model.name == name)
+                .options(
+                    selectinload(Model.versions),
+                    selectinload(Model.aliases).selectinload(ModelAlias.version),
+                    selectinload(Model.aliases).selectinload(ModelAlias.history),
+                )
+            )
+            if model is None:
+                raise NotFound(f"model {name!r} not found")
+            return model
+
+    def set_alias(self, tenant_id: int, name: str, alias: str, number: int) -> ModelAlias:
+        """Points `alias` at version `number` (a promote), noting the move in its history.
+        Only a ready version takes an alias: one still compiling might yet fail (Conflict)."""
+        _check_alias_name(alias)
+        with self.db.session() as session:
+            model = self._locked_model(session, tenant_id, name)
+            version = self._version(model, number)
+            _check_aliasable(name, version, alias)
+            found = next((a for a in model.aliases if a.name == alias), None)
+            if found is None:
+                found = ModelAlias(name=alias, version_id=version.id)
+                model.aliases.append(found)
+            elif found.version_id == version.id:
+                return self._loaded_alias(session, found)
+            found.version_id = version.id
+            found.history.append(AliasEvent(action="set", version_id=version.id, version=version.number))
+            self._forget_served(tenant_id, name)
+            return self._loaded_alias(session, found)
+
+    def rollback_alias(self, tenant_id: int, name: str, alias: str) -> ModelAlias:
+        """Moves `alias` back to the version it pointed at before its last promote (the history
+        is kept: the rollback is one more event). Conflict when there is none, or that version
+        was deleted or is no longer ready."""
+        with self.db.session() as session:
+            model = self._locked_model(session, tenant_id, name)
+            found = self._alias(model, alias)
+            stack = alias_stack(found.history)
+            if len(stack) < 2:
+                raise Conflict(f"alias {alias!r} of model {name!r} has no earlier version to roll back to")
+            previous = stack[-2]
+            version = next((v for v in model.versions if v.id == previous.version_id), None)
+            if version is None:
+                raise Conflict(
+                    f"alias {alias!r} of model {name!r} pointed at version {previous.version} before, "
+                    f"which was deleted",
+                    version=previous.version,
+                )
+            _check_aliasable(name, version, alias)
+            found.version_id = version.id
+            found.history.append(AliasEvent(action="rollback", version_id=version.id, version=version.number))
+            self._forget_served(tenant_id, name)
+            return self._loaded_alias(session, found)
+
+    def delete_alias(self, tenant_id: int, name: str, alias: str) -> None:
+        with self.db.session() as session:
+            model = self._locked_model(session, tenant_id, name)
+            session.delete(self._alias(model, alias))
+            self._forget_served(tenant_id, name)
+
+    def _locked_model(self, session: Session, tenant_id: int, name: str) -> Model:
+        """The model, locked against concurrent alias moves and deletions (SQLite: its writes
+        take turns anyway)."""
+        model = session.scalar(
+            select(Model)
+            .where(Model.tenant_id == tenant_id, Model.name == name)
+            .with_for_update()
+        )
+        if model is None:
+            raise NotFound(f"model {name!r} not found")
+        return model
+
+    def _version(self, model: Model, number: int) -> ModelVersion:
+        version = next((v for v in model.versions if v.number == number), None)
+        if version is None:
+            raise NotFound(f"model {model.name!r} has no version {number}")
+        return version
+
+    def _alias(self, model: Model, alias: str) -> ModelAlias:
+        found = next((a for a in model.aliases if a.name == alias), None)
+        if found is None:
+            raise NotFound(f"model {model.name!r} has no alias {alias!r}")
+        return found
+
+    def _loaded_alias(self, session: Session, alias: ModelAlias) -> ModelAlias:
+        """The alias with what a response shows of it, readable after the session closes."""
+        session.flush()
+        session.refresh(alias, ["version", "history"])
+        return alias
 
     def _free_unreferenced(self, keys: set[str]) -> None:
         with self.db.session() as session:
@@ -241,6 +410,13 @@ class Registry:
             return [(version_id, tenant_id) for version_id, tenant_id in session.execute(query)]
 
     # -- status transitions (the compile worker) --
+    def set_progress(self, version_id: int, progress: dict[str, Any]) -> None:
+        """Stores a compile's progress on its version; one step, and only while the version is
+        compiling, so a late write never covers the final report."""
+        compiling = update(ModelVersion).where(ModelVersion.id == version_id, ModelVersion.status == "compiling")
+        with self.db.session() as session:
+            session.execute(compiling.values(report={PROGRESS: progress}))
+
     def set_status(self, version_id: int, status: str, **fields: Any) -> None:
         assert status in STATUSES
         with self.db.session() as session:
@@ -250,3 +426,34 @@ class Registry:
             version.status = status
             for name, value in fields.items():
                 setattr(version, name, value)
+
+
+type _Json = dict[str, Any]
+
+
+def report_and_progress(version: ModelVersion) -> tuple[_Json | None, _Json | None]:
+    """A version's compile report (None until ready) and its compile's progress (None unless it
+    is compiling), with the seconds elapsed since the compile began in place of its start."""
+    stored = version.report
+    if stored is None or PROGRESS not in stored:
+        return stored, None
+    if version.status != "compiling":
+        return None, None
+    progress = dict(stored[PROGRESS])
+    started_at = progress.pop("started_at", None)
+    if started_at is not None:
+        progress["elapsed_seconds"] = round(max(0.0, time.time() - started_at), 1)
+    return None, progress
+
+
+def _check_aliasable(name: str, version: ModelVersion, alias: str) -> None:
+    """Conflict unless the version is ready: a failed version never takes traffic through an
+    alias, and one still queued or compiling may yet fail."""
+    if version.status != "ready":
+        detail = f" ({version.error})" if version.status == "failed" and version.error else ""
+        raise Conflict(
+            f"alias {alias!r} cannot point at version {version.number} of model {name!r}: "
+            f"it is {version.status}{detail}; only a ready version takes an alias",
+            version=version.number,
+            version_status=version.status,
+        )

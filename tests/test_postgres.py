@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -22,9 +23,12 @@ from sqlalchemy import create_engine, text
 
 from api.services import open_database
 from cloud.db import Base
+from cloud.errors import Conflict
 from cloud.metering import Ledger, Usage
 from cloud.migrations import alembic_config
+from cloud.registry import Registry
 from cloud.settings import Settings
+from cloud.storage import LocalObjectStore
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 
@@ -124,6 +128,46 @@ def test_the_api_uploads_compiles_serves_and_bills_on_postgresql(client, keys, s
     assert [row.request_id for row in rows] == request_ids
     assert all(row.name == "alice" and row.model_name == "mlp" and row.rows == 3 for row in rows)
     assert all(row.billed_seconds > 0 for row in rows)
+
+
+def test_the_aliases_revision_keeps_existing_versions_and_numbers_on(settings: Settings) -> None:
+    """A database at 0002 with models gains aliases and models.last_version (from the versions it
+    has), then takes aliases, promote, rollback and deletions on PostgreSQL."""
+    config = alembic_config(settings.database_url)
+    command.upgrade(config, "0002")
+    engine = create_engine(settings.database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO tenants (name, created_at) VALUES ('alice', now())"))
+            connection.execute(text("INSERT INTO models (tenant_id, name, created_at) VALUES (1, 'm', now())"))
+            for number in (1, 2, 4):
+                connection.execute(
+                    text(
+                        "INSERT INTO model_versions (model_id, number, status, target, graph_key, graph_bytes,"
+                        " created_at, updated_at) VALUES (1, :n, 'ready', 'cpu', :key, 1, now(), now())"
+                    ),
+                    {"n": number, "key": f"graphs/{number}"},
+                )
+    finally:
+        engine.dispose()
+    db = open_database(settings)  # to head, as a server's start does
+    try:
+        registry = Registry(db, LocalObjectStore(settings.objects_dir), settings.targets)
+        assert registry.get_model(1, "m").last_version == 4
+        registry.set_alias(1, "m", "prod", 1)
+        assert registry.set_alias(1, "m", "prod", 4).version.number == 4
+        assert registry.resolve(1, "m", "prod").number == 4
+        with pytest.raises(Conflict, match="alias 'prod'"):
+            registry.delete_version(1, "m", 4)
+        assert registry.rollback_alias(1, "m", "prod").version.number == 1
+        registry.delete_version(1, "m", 4)
+        registry.set_alias(1, "m", "prod", 2)
+        registry.delete_version(1, "m", 1)
+        with pytest.raises(Conflict, match="version 1 before, which was deleted"):
+            registry.rollback_alias(1, "m", "prod")
+        assert [v.number for v in registry.get_model(1, "m").versions] == [2]
+    finally:
+        db.dispose()
 
 
 def test_racing_writers_of_the_same_requests_leave_one_record_each(settings: Settings) -> None:

@@ -10,6 +10,7 @@ from api.codec import render_infer_response, rendered_size
 from api.deps import CurrentTenant, ServicesDep
 from api.inference import serve
 from api.schemas import InferRequest, InferResponse
+from cloud.registry import version_ref
 from cloud.validation import decode_body
 
 router = APIRouter(prefix="/v1/models", tags=["inference"])
@@ -31,9 +32,12 @@ async def infer(
     request: Request,
     tenant: CurrentTenant,
     services: ServicesDep,
-    version: Annotated[int | None, Query(ge=1)] = None,
+    version: Annotated[
+        str | None, Query(description="a version number, or an alias (prod); default: the newest ready version")
+    ] = None,
 ) -> Response:
-    served = await serve(services, tenant, request, name, version, decode_body)
+    ref = None if version is None else version_ref(version)
+    served = await serve(services, tenant, request, name, ref, decode_body)
     outputs = served.result.outputs
     # large outputs take a while to write as JSON: not on the event loop, which answers /healthz
     body = await services.codec.run(

@@ -21,6 +21,7 @@ from api.schemas import V2InferRequest, V2InferResponse, V2ModelMetadata, V2Serv
 from api.services import Services
 from cloud.db import Tenant
 from cloud.errors import InvalidRequest, NotFound, NotReady
+from cloud.registry import version_ref
 from compiler import Signature
 
 router = APIRouter(prefix="/v2", tags=["kserve v2"])
@@ -56,13 +57,14 @@ async def server_ready(services: ServicesDep) -> Response:
     return Response()
 
 
-def _number(name: str, version: str | None) -> int | None:
-    """The version number a path names; the protocol's versions are strings."""
+def _number(name: str, version: str | None) -> int | str | None:
+    """The version a path names, by number or alias (prod); the protocol's versions are strings."""
     if version is None:
         return None
-    if not (version.isascii() and version.isdigit()) or int(version) < 1:
-        raise NotFound(f"model {name!r} has no version {version!r}")
-    return int(version)
+    try:
+        return version_ref(version)
+    except InvalidRequest:
+        raise NotFound(f"model {name!r} has no version {version!r}") from None
 
 
 async def _model_metadata(services: Services, tenant: Tenant, name: str, version: str | None) -> V2ModelMetadata:

@@ -16,6 +16,7 @@ from typing import Any
 from luminal_cloud.client import AsyncClient, Client
 from luminal_cloud.errors import (
     APIError,
+    Conflict,
     DeadlineExceeded,
     DeployFailed,
     Forbidden,
@@ -37,6 +38,7 @@ __all__ = [
     "APIError",
     "AsyncClient",
     "Client",
+    "Conflict",
     "DeadlineExceeded",
     "DeployFailed",
     "Forbidden",

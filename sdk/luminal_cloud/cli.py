@@ -1,8 +1,11 @@
 """The `luminal-cloud` command.
 
-The SDK's own commands talk to a server over HTTP (deploy, predict, models, usage). Commands
-that run the server itself (serve, demo, admin) come from the server distribution through the
-entry-point group `luminal_cloud.commands`, so this module imports nothing from the server.
+The SDK's own commands talk to a server over HTTP (deploy, predict, models, status, versions,
+promote, rollback, delete, usage). Commands that run the server itself (serve, demo, admin) come
+from the server distribution through the entry-point group `luminal_cloud.commands`, so this
+module imports nothing from the server.
+
+Every failure is one line on stderr and an exit code (EXIT_CODES below), never a traceback.
 """
 
 from __future__ import annotations
@@ -11,45 +14,91 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from luminal_cloud import _table
 from luminal_cloud.client import Client
-from luminal_cloud.errors import LuminalCloudError
+from luminal_cloud.errors import LuminalCloudError, ServerUnreachable, Unauthorized
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  success
+  {EXIT_API}  the server answered with an error (a refused API key, an unknown model, a failed compile, ...)
+  {EXIT_USAGE}  usage error: bad arguments, a missing file, an unreadable .npy input
+  {EXIT_UNREACHABLE}  the server cannot be reached (down, or a wrong --url)
+
+environment: LUMINAL_URL (default {DEFAULT_URL}) and LUMINAL_API_KEY stand in for --url and --api-key"""
+
+
+class UsageError(Exception):
+    """The command cannot run as given (exit code 2): no key, a missing or unreadable file."""
 
 
 def _client(args: argparse.Namespace) -> Client:
     if not args.api_key:
-        raise SystemExit("no API key: pass --api-key or set LUMINAL_API_KEY")
+        raise UsageError("no API key: pass --api-key or set LUMINAL_API_KEY")
     return Client(args.url, args.api_key)
 
 
-def _add_connection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("LUMINAL_URL", DEFAULT_URL))
-    parser.add_argument("--api-key", default=os.environ.get("LUMINAL_API_KEY"))
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def _say(args: argparse.Namespace, answer: Any, line: str) -> None:
+    """The server's answer as JSON with --json, else one line for a person."""
+    if args.json:
+        _print_json(answer)
+    else:
+        print(line)
+
+
+# -- the verbs
 
 
 def _deploy(args: argparse.Namespace) -> None:
+    path = Path(args.file)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
     with _client(args) as client:
-        version = client.deploy(args.file, args.name, target=args.target, wait=not args.no_wait)
-    print(json.dumps(version, indent=2, default=str))
+        version = client.deploy(path, args.name, target=args.target, wait=not args.no_wait, progress=not args.json)
+    if args.json:
+        _print_json(version)
+    else:
+        number = version.get("version")
+        print(f"{args.name} v{number}: {version['status']} (target {version.get('target', args.target)})")
 
 
 def _load_input(spec: str) -> tuple[str, np.ndarray]:
     name, sep, path = spec.partition("=")
-    if not sep:
-        raise SystemExit(f"--input takes name=file.npy, got {spec!r}")
-    return name, np.load(Path(path), allow_pickle=False)
+    if not sep or not name:
+        raise UsageError(f"--input takes NAME=FILE.npy, got {spec!r}")
+    if not Path(path).is_file():
+        raise UsageError(f"no such file: {path} (input {name!r})")
+    try:
+        return name, np.load(Path(path), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise UsageError(f"cannot read {path} (input {name!r}) as a .npy array: {reason}") from None
 
 
 def _predict(args: argparse.Namespace) -> None:
     inputs = dict(_load_input(s) for s in args.input)
+    if not inputs:
+        raise UsageError("no inputs: give --input NAME=FILE.npy for each input of the model")
+    if args.output_dir and not Path(args.output_dir).is_dir():
+        raise UsageError(f"no such directory: {args.output_dir}")
     with _client(args) as client:
-        outputs = client.predict(args.name, inputs, version=args.version)
+        outputs = client.predict(args.name, inputs, version=_version_ref(args.version))
+    if args.json:
+        _print_json({k: {"dtype": str(v.dtype), "shape": list(v.shape), "data": v.tolist()} for k, v in outputs.items()})
+        return
     for name, value in outputs.items():
         if args.output_dir:
             path = Path(args.output_dir) / f"{name}.npy"
@@ -59,40 +108,205 @@ def _predict(args: argparse.Namespace) -> None:
             print(f"{name}: {value.dtype}{list(value.shape)}\n{value}")
 
 
+def _version_ref(text: str | None) -> int | str | None:
+    return int(text) if text is not None and text.isdigit() else text
+
+
 def _models(args: argparse.Namespace) -> None:
     with _client(args) as client:
-        print(json.dumps(client.models(), indent=2, default=str))
+        models = client.models()
+    if args.json:
+        _print_json(models)
+        return
+    if not models:
+        print("no models yet: luminal-cloud deploy FILE --name NAME")
+        return
+    rows = [[m["name"], m["versions"], m["latest_version"], m["latest_status"], m["created_at"]] for m in models]
+    print(_table.render(["name", "versions", "latest", "status", "created"], rows))
+
+
+def _status(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        model = client.versions(args.name)
+        detail = client.model(args.name)
+    versions = model["versions"]
+    ref = _version_ref(args.version)
+    if ref is None:
+        chosen = versions[-1]
+    else:
+        number = ref if isinstance(ref, int) else next((a["version"] for a in model["aliases"] if a["alias"] == ref), None)
+        chosen = next((v for v in versions if v["version"] == number), None)
+        if chosen is None:
+            raise UsageError(f"model {args.name!r} has no version {args.version}")
+    full = next((v for v in detail["versions"] if v["version"] == chosen["version"]), {})
+    if args.json:
+        _print_json({**full, "aliases": chosen["aliases"]})
+        return
+    report = full.get("report") or {}
+    fields: list[tuple[str, object]] = [
+        ("model", args.name),
+        ("version", f"{chosen['version']}" + ("" if ref is not None else " (newest)")),
+        ("status", chosen["status"]),
+        ("target", chosen["target"]),
+        ("created", _table.cell(chosen["created_at"])),
+        ("aliases", ", ".join(chosen["aliases"]) or "-"),
+    ]
+    if full.get("progress"):
+        fields.append(("progress", _progress_text(full["progress"])))
+    if report:
+        compiled = f"{report.get('seconds', '?')} s, chosen {report.get('chosen', '?')}"
+        fields.append(("compiled", f"{compiled}, {report.get('kernels', '?')} kernels"))
+    if chosen.get("error"):
+        fields.append(("error", " ".join(str(chosen["error"]).split())))
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        print(f"{key:<{width}}  {value}")
+
+
+def _progress_text(progress: dict[str, Any]) -> str:
+    text = str(progress.get("phase", ""))
+    if progress.get("candidate"):
+        text += f" {progress['candidate']}"
+    if progress.get("candidates_total"):
+        text += f", {progress.get('candidates_measured', 0)}/{progress['candidates_total']} candidates measured"
+    return text
+
+
+def _versions(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        model = client.versions(args.name)
+    if args.json:
+        _print_json(model)
+        return
+    rows = [
+        [v["version"], v["status"], v["target"], v["created_at"], v["aliases"] or None, v.get("error")]
+        for v in model["versions"]
+    ]
+    print(_table.render(["version", "status", "target", "created", "aliases", "error"], rows))
+
+
+def _alias_line(alias: dict[str, Any]) -> str:
+    before = f" (rollback goes to v{alias['previous']})" if alias.get("previous") else ""
+    return f"{alias['model']}: {alias['alias']} -> v{alias['version']}{before}"
+
+
+def _promote(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        alias = client.promote(args.name, args.alias, args.version)
+    _say(args, alias, _alias_line(alias))
+
+
+def _rollback(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        alias = client.rollback(args.name, args.alias)
+    _say(args, alias, _alias_line(alias))
+
+
+def _delete(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        if args.alias:
+            result = client.delete_alias(args.name, args.alias)
+            said = f"{args.name}: alias {args.alias} deleted"
+        elif args.version is not None:
+            result = client.delete_version(args.name, args.version)
+            said = f"{args.name}: v{args.version} deleted"
+        else:
+            result = client.delete(args.name)
+            said = f"{args.name}: deleted with its {result.get('versions', 0)} version(s)"
+    _say(args, result, said)
 
 
 def _usage(args: argparse.Namespace) -> None:
     with _client(args) as client:
-        print(json.dumps(client.usage(), indent=2))
+        bill = client.usage(start=args.start, end=args.end, group_by=args.group_by)
+    if args.json:
+        _print_json(bill)
+        return
+    items = bill.get("items", [])
+    groups = [k for k in ("tenant", "model", "version", "target", "day") if any(k in i for i in items)]
+    headers = [*groups, "requests", "rows", "billed_seconds", "cost"]
+    print(_table.render(headers, [[item.get(h) for h in headers] for item in items]))
+    print(f"total: {bill.get('total_billed_seconds', 0):.6g} s billed, "
+          f"{bill.get('total_cost', 0):.6g} {bill.get('currency', 'USD')}")
+
+
+# -- the parser
+
+
+def _add_connection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default=os.environ.get("LUMINAL_URL", DEFAULT_URL),
+        help=f"the server's address (default: LUMINAL_URL, else {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("LUMINAL_API_KEY"), help="your API key (default: LUMINAL_API_KEY)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the server's answer as JSON, for scripts")
+
+
+def _verb(
+    commands: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], None], help_text: str
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        name, help=help_text, description=help_text, epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="luminal-cloud", description="Luminal Cloud")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="luminal-cloud", description="Luminal Cloud: deploy models, run them, read the bill.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    deploy = commands.add_parser("deploy", help="upload an ONNX model and wait until it is ready")
-    deploy.add_argument("file")
-    deploy.add_argument("--name", required=True)
-    deploy.add_argument("--target", default="cpu")
-    deploy.add_argument("--no-wait", action="store_true")
-    _add_connection(deploy)
-    deploy.set_defaults(run=_deploy)
+    deploy = _verb(commands, "deploy", _deploy, "upload an ONNX model and wait until it is ready")
+    deploy.add_argument("file", help="the ONNX file to upload")
+    deploy.add_argument("--name", required=True, help="the model's name (a new version when it exists)")
+    deploy.add_argument("--target", default="cpu", help="the device type to compile for (default: cpu)")
+    deploy.add_argument("--no-wait", action="store_true", help="return once uploaded, without waiting for the compile")
 
-    predict = commands.add_parser("predict", help="run a model on inputs from .npy files")
-    predict.add_argument("name")
-    predict.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
-    predict.add_argument("--version", type=int)
-    predict.add_argument("--output-dir", help="write each output to DIR/NAME.npy")
-    _add_connection(predict)
-    predict.set_defaults(run=_predict)
+    predict = _verb(commands, "predict", _predict, "run a model on inputs from .npy files")
+    predict.add_argument("name", help="the model's name")
+    predict.add_argument(
+        "--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input's array (repeat for each input)"
+    )
+    predict.add_argument("--version", help="a version number or an alias such as prod (default: the newest ready)")
+    predict.add_argument("--output-dir", help="write each output to DIR/NAME.npy instead of printing it")
 
-    for name, run, help_text in (("models", _models, "list models"), ("usage", _usage, "show the bill")):
-        sub = commands.add_parser(name, help=help_text)
-        _add_connection(sub)
-        sub.set_defaults(run=run)
+    _verb(commands, "models", _models, "list your models")
+
+    status = _verb(commands, "status", _status, "show one version: status, compile progress or report, error")
+    status.add_argument("name", help="the model's name")
+    status.add_argument("--version", help="a version number or an alias (default: the newest version)")
+
+    versions = _verb(commands, "versions", _versions, "list a model's versions with their status and aliases")
+    versions.add_argument("name", help="the model's name")
+
+    promote = _verb(commands, "promote", _promote, "point an alias (prod, canary) at a ready version")
+    promote.add_argument("name", help="the model's name")
+    promote.add_argument("alias", help="the alias: a lowercase letter, then letters, digits, '_' or '-'")
+    promote.add_argument("version", type=int, help="the version number it points at from now on")
+
+    rollback = _verb(commands, "rollback", _rollback, "move an alias back to the version it pointed at before")
+    rollback.add_argument("name", help="the model's name")
+    rollback.add_argument("alias", help="the alias to move back")
+
+    delete = _verb(commands, "delete", _delete, "delete a model, one version of it (--version) or an alias (--alias)")
+    delete.add_argument("name", help="the model's name")
+    which = delete.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, help="delete only this version (refused while an alias points at it)")
+    which.add_argument("--alias", help="delete only this alias (the versions stay)")
+
+    usage = _verb(commands, "usage", _usage, "show the bill: requests, billed seconds and cost")
+    usage.add_argument("--from", dest="start", help="from this UTC date or time (ISO 8601), inclusive")
+    usage.add_argument("--to", dest="end", help="up to this UTC date or time (ISO 8601), exclusive")
+    usage.add_argument("--group-by", choices=("model", "version", "day"), help="one row per model, version or day")
+
+    for verb in (deploy, predict, commands.choices["models"], status, versions, promote, rollback, delete, usage):
+        _add_connection(verb)
 
     for plugin in entry_points(group="luminal_cloud.commands"):
         plugin.load()(commands)
@@ -101,12 +315,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    where = f"luminal-cloud {args.command}"
     try:
         args.run(args)
+    except UsageError as exc:
+        print(f"{where}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ServerUnreachable as exc:
+        print(f"{where}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except Unauthorized as exc:
+        print(f"{where}: the server refused the API key ({exc.message}); check --api-key or LUMINAL_API_KEY",
+              file=sys.stderr)
+        return EXIT_API
     except LuminalCloudError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        print(f"{where}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_API
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ class Calls(Driven):
         self._output_dtypes: dict[tuple[str, int], dict[str, str]] = {}
         # whether the server speaks KServe v2 with binary tensors; asked once (GET /v2)
         self._binary_v2: bool | None = None
-        # (name, version or None) -> (the version it describes, input name -> v2 datatype)
-        self._v2_inputs: dict[tuple[str, int | None], tuple[int, dict[str, str]]] = {}
+        # (name, version, alias or None) -> (the version it describes, None for an alias not yet
+        # answered; input name -> v2 datatype)
+        self._v2_inputs: dict[tuple[str, int | str | None], tuple[int | None, dict[str, str]]] = {}
 
     # -- requests and responses
 
@@ -271,20 +272,63 @@ class Calls(Driven):
     def delete(self, name: str) -> Steps[dict[str, Any]]:
         return (yield from self._json("DELETE", f"/v1/models/{quote(name, safe='')}"))
 
+    # -- versions and aliases
+
     @operation
-    def usage(self) -> Steps[dict[str, Any]]:
-        return (yield from self._json("GET", "/v1/usage"))
+    def versions(self, name: str) -> Steps[dict[str, Any]]:
+        """The model's versions (status, created_at, the aliases pointing at each) and its
+        aliases with their histories."""
+        return (yield from self._json("GET", f"/v1/models/{quote(name, safe='')}/versions"))
+
+    @operation
+    def set_alias(self, name: str, alias: str, version: int) -> Steps[dict[str, Any]]:
+        """Points `alias` (prod, canary) at a ready version; Conflict for one that is not ready."""
+        return (yield from self._set_alias(name, alias, version))
+
+    @operation
+    def promote(self, name: str, alias: str, version: int) -> Steps[dict[str, Any]]:
+        """Moves `alias` to `version`, as set_alias does: a rollback brings it back."""
+        return (yield from self._set_alias(name, alias, version))
+
+    def _set_alias(self, name: str, alias: str, version: int) -> Steps[dict[str, Any]]:
+        path = f"/v1/models/{quote(name, safe='')}/aliases/{quote(alias, safe='')}"
+        return (yield from self._json("PUT", path, json={"version": version}))
+
+    @operation
+    def rollback(self, name: str, alias: str) -> Steps[dict[str, Any]]:
+        """Moves `alias` back to the version it pointed at before its last promote."""
+        path = f"/v1/models/{quote(name, safe='')}/aliases/{quote(alias, safe='')}/rollback"
+        return (yield from self._json("POST", path))
+
+    @operation
+    def delete_alias(self, name: str, alias: str) -> Steps[dict[str, Any]]:
+        return (yield from self._json("DELETE", f"/v1/models/{quote(name, safe='')}/aliases/{quote(alias, safe='')}"))
+
+    @operation
+    def delete_version(self, name: str, version: int) -> Steps[dict[str, Any]]:
+        """Deletes one version (the model, with its last one); Conflict while an alias points at it."""
+        return (yield from self._json("DELETE", f"/v1/models/{quote(name, safe='')}/versions/{int(version)}"))
+
+    @operation
+    def usage(
+        self, start: str | None = None, end: str | None = None, group_by: str | None = None
+    ) -> Steps[dict[str, Any]]:
+        """The bill: requests, billed seconds and cost per version (group_by: model, version or
+        day), from `start` (inclusive) to `end` (exclusive), ISO 8601 dates or times in UTC."""
+        wanted = {"from": start, "to": end, "group_by": group_by}
+        return (yield from self._json("GET", "/v1/usage", params={k: v for k, v in wanted.items() if v is not None}))
 
     # -- inference
 
     @operation
     def infer(
-        self, name: str, inputs: Mapping[str, Any], version: int | None = None
+        self, name: str, inputs: Mapping[str, Any], version: int | str | None = None
     ) -> Steps[dict[str, Any]]:
-        """/v1's raw response: outputs as nested lists, plus model, version and usage."""
+        """/v1's raw response: outputs as nested lists, plus model, version and usage. `version`:
+        a number, an alias (prod), or None for the newest ready version."""
         return (yield from self._infer_v1(name, inputs, version))
 
-    def _infer_v1(self, name: str, inputs: Mapping[str, Any], version: int | None) -> Steps[dict[str, Any]]:
+    def _infer_v1(self, name: str, inputs: Mapping[str, Any], version: int | str | None) -> Steps[dict[str, Any]]:
         body = {"inputs": {k: np.asarray(v).tolist() for k, v in inputs.items()}}
         params = {"version": version} if version is not None else None
         return (
@@ -295,10 +339,10 @@ class Calls(Driven):
 
     @operation
     def predict(
-        self, name: str, inputs: Mapping[str, Any], version: int | None = None
+        self, name: str, inputs: Mapping[str, Any], version: int | str | None = None
     ) -> Steps[dict[str, np.ndarray]]:
-        """Outputs as numpy arrays in the model's dtypes. Tensors travel as raw bytes (KServe v2's
-        binary extension) where the server has it, as /v1 JSON otherwise."""
+        """Outputs as numpy arrays in the model's dtypes (`version` as for infer). Tensors travel
+        as raw bytes (KServe v2's binary extension) where the server has it, as /v1 JSON otherwise."""
         if (yield from self._speaks_binary_v2()):
             outputs = yield from self._predict_v2(name, inputs, version)
             if outputs is not None:
@@ -320,11 +364,13 @@ class Calls(Driven):
         return self._binary_v2
 
     def _predict_v2(
-        self, name: str, inputs: Mapping[str, Any], version: int | None
+        self, name: str, inputs: Mapping[str, Any], version: int | str | None
     ) -> Steps[dict[str, np.ndarray] | None]:
         """The outputs over v2, or None for a model that /v1 serves instead."""
         key = (name, version)
-        path = f"/v2/models/{quote(name, safe='')}" + (f"/versions/{version}" if version is not None else "")
+        path = f"/v2/models/{quote(name, safe='')}" + (
+            f"/versions/{quote(str(version), safe='')}" if version is not None else ""
+        )
         for fresh in (key not in self._v2_inputs, True):
             described = yield from self._v2_input_datatypes(key, path)
             if described is None:
@@ -343,14 +389,17 @@ class Calls(Driven):
             header, outputs = _tensors.v2_response(
                 response.content, response.headers.get(_tensors.HEADER_LENGTH)
             )
-            if int(header["model_version"]) != described[0]:
-                self._v2_inputs.pop(key, None)  # a newer version serves now: its datatypes next time
+            served = int(header["model_version"])
+            if described[0] is None:  # an alias: the version it names now is learnt from the answer
+                self._v2_inputs[key] = (served, described[1])
+            elif served != described[0]:
+                self._v2_inputs.pop(key, None)  # another version serves now: its datatypes next time
             return outputs
         raise AssertionError("unreachable")  # for type checkers: the second round returns or raises
 
     def _v2_input_datatypes(
-        self, key: tuple[str, int | None], path: str
-    ) -> Steps[tuple[int, dict[str, str]] | None]:
+        self, key: tuple[str, int | str | None], path: str
+    ) -> Steps[tuple[int | None, dict[str, str]] | None]:
         """The version that `path` (a model, or one version of it) describes, and its inputs'
         datatypes; None where v2 cannot serve it."""
         if key not in self._v2_inputs:
@@ -363,7 +412,10 @@ class Calls(Driven):
                 raise error_of(response)
             metadata = response.json()
             # the version the service picks when none is named is the newest ready one
-            described = key[1] if key[1] is not None else max(int(v) for v in metadata["versions"])
+            if isinstance(key[1], str):
+                described = None
+            else:
+                described = key[1] if key[1] is not None else max(int(v) for v in metadata["versions"])
             self._v2_inputs[key] = (described, {t["name"]: t["datatype"] for t in metadata["inputs"]})
         return self._v2_inputs[key]
 

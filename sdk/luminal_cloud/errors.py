@@ -11,6 +11,7 @@ LuminalCloudError at the boundary (luminal_cloud._calls).
     │   ├── Forbidden          403
     │   ├── NotFound           404
     │   ├── NotReady           409 the version has not compiled (yet, or ever)
+    │   ├── Conflict           409 an alias on a version not ready, deleting a version an alias points at
     │   ├── PayloadTooLarge    413
     │   ├── Overloaded         429 still, after the client's retries; carries retry_after
     │   ├── Unavailable        503 still, after the client's retries
@@ -74,6 +75,10 @@ class NotReady(APIError):
     status, code = 409, "not_ready"
 
 
+class Conflict(APIError):
+    status, code = 409, "conflict"
+
+
 class PayloadTooLarge(APIError):
     status, code = 413, "payload_too_large"
 
@@ -110,7 +115,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
     )
 }
 _BY_CODE: dict[str, type[APIError]] = {
-    cls.code: cls for cls in (*_BY_STATUS.values(), InvalidModel, InvalidInput)
+    cls.code: cls for cls in (*_BY_STATUS.values(), InvalidModel, InvalidInput, Conflict)
 }
 # the server's database or object store being down: unavailability, as far as a client can act on it
 _BY_CODE["backend_unreachable"] = Unavailable
