@@ -66,20 +66,6 @@ class ModelDeleted(BaseModel):
     versions: int
 
 
-class InferRequest(BaseModel):
-    # input name -> nested list matching the input's shape
-    inputs: dict[str, Any] = Field(min_length=1)
-
-
-class InferUsage(BaseModel):
-    request_id: str
-    # this request's billed share of its batch's device time
-    exec_ms: float
-    # requests and rows in that batch
-    batch_size: int
-    batch_rows: int
-    # waiting time, reported but not billed
-    queue_ms: float
 # -- versions and aliases (api.routes.versions) --
 
 
@@ -134,6 +120,20 @@ class VersionDeleted(BaseModel):
     deleted: bool
 
 
+class InferRequest(BaseModel):
+    # input name -> nested list matching the input's shape
+    inputs: dict[str, Any] = Field(min_length=1)
+
+
+class InferUsage(BaseModel):
+    request_id: str
+    # this request's billed share of its batch's device time
+    exec_ms: float
+    # requests and rows in that batch
+    batch_size: int
+    batch_rows: int
+    # waiting time, reported but not billed
+    queue_ms: float
 
 
 class InferResponse(BaseModel):
