@@ -33,6 +33,10 @@ from scheduler.policy import BatchPolicy, BatchQueue, Pending
 
 log = logging.getLogger(__name__)
 
+# how often a runtime looks for versions newly placed on it: the wait of a new version's first
+# request, and the longest an idle runtime blocks reading
+ASSIGNMENT_CHECK_S = 0.2
+
 
 @dataclass
 class Taken:
@@ -70,6 +74,7 @@ class RuntimeProcess:
         self._streams: list[str] = []
         self._stopping = threading.Event()
         self._last_claim = 0.0
+        self._last_assignment_check = 0.0
 
     # -- announcing --
     def announce(self) -> None:
@@ -180,11 +185,13 @@ class RuntimeProcess:
         """One turn: read what arrived (waiting at most until a batch is due), run due batches."""
         now = time.monotonic()
         wake = [w for q in self._queues.values() if (w := q.wake_at(now)) is not None]
-        block_s = min([self.config.heartbeat_s, *(max(0.0, w - now) for w in wake)])
+        block_s = min([ASSIGNMENT_CHECK_S, *(max(0.0, w - now) for w in wake)])
         entries = self._read(block_s) if block_s > 0 or not wake else []
+        if now - self._last_assignment_check >= ASSIGNMENT_CHECK_S:
+            self._last_assignment_check = now
+            self.refresh_streams()
         if now - self._last_claim >= self.config.claim_idle_s / 2:
             self._last_claim = now
-            self.refresh_streams()
             entries += self._claim_orphans()
         for stream, message_id, fields in entries:
             self._accept(stream, message_id, fields)
