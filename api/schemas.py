@@ -32,6 +32,18 @@ class VersionCreated(BaseModel):
     target: str
 
 
+class CompileProgress(BaseModel):
+    # the compiler's phase: parse, reference, search, lower, build, verify or measure
+    phase: str
+    # candidate programs asked for, and how many of them have been timed so far
+    candidates_total: int
+    candidates_measured: int
+    # the candidate being lowered, built, verified or timed, when there is one
+    candidate: str | None = None
+    # since the compile began
+    elapsed_seconds: float | None = None
+
+
 class VersionPublic(BaseModel):
     version: int
     status: str
@@ -40,6 +52,8 @@ class VersionPublic(BaseModel):
     signature: SignaturePublic | None = None
     report: dict[str, Any] | None = None
     error: str | None = None
+    # while the status is compiling (when the compiler has said something yet)
+    progress: CompileProgress | None = None
 
 
 class ModelSummary(BaseModel):

@@ -9,7 +9,8 @@ candidate is checked against the reference interpreter run on the graph as parse
 rewrite is caught; when no candidate of the optimized graph is correct, the parsed graph's are
 built instead. The NumPy lowering of the parsed graph is the candidate that needs nothing but
 NumPy. The artifact keeps the parsed graph (its signature, its hash, the NumPy program's nodes)
-and the chosen program's own constants beside its weights.
+and the chosen program's own constants beside its weights. A caller may follow a compile as it
+goes through a `progress` callback (see PHASES).
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ FAR_BEHIND = 4.0
 MAX_LARGE_RUN_S = 0.25
 # the NumPy lowering is chosen over generated C only when it is this many times faster
 NUMPY_MARGIN = 1.25
+# the phases a compile tells its `progress` callback as each begins (lower, build and verify
+# come once per candidate): reading the ONNX graph, running the reference on the verification
+# inputs, the e-graph search, lowering to kernels, building generated C, checking a candidate
+# against the reference, timing the candidates
+PHASES = ("parse", "reference", "search", "lower", "build", "verify", "measure")
+# called with {"phase": one of PHASES, "candidates_total": candidates asked for,
+# "candidates_measured": candidates timed so far, "candidate": the one worked on, when there is
+# one}; it runs in the compile's thread, so it should return at once and must not raise
+Progress = Callable[[dict[str, Any]], None]
 
 
 class VerificationFailed(CompilerError):
@@ -79,9 +89,40 @@ class VerificationFailed(CompilerError):
 
 
 def compile_onnx(
-    data: bytes, target: str = "cpu", candidates: Sequence[str] | None = None, search: bool | None = None
+    data: bytes,
+    target: str = "cpu",
+    candidates: Sequence[str] | None = None,
+    search: bool | None = None,
+    progress: Progress | None = None,
 ) -> Artifact:
-    return compile_graph(load_graph(data), target, candidates, search)
+    _Tracker(progress, _wanted(candidates)).phase("parse")
+    return compile_graph(load_graph(data), target, candidates, search, progress)
+
+
+def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
+    return CANDIDATES if candidates is None else tuple(candidates)
+
+
+class _Tracker:
+    """Tells `progress` (when there is one) what the compile is doing: see Progress."""
+
+    def __init__(self, progress: Progress | None, wanted: Sequence[str]) -> None:
+        self._progress = progress
+        self._state: dict[str, Any] = {"phase": None, "candidates_total": len(wanted), "candidates_measured": 0}
+        self._timed: set[str] = set()
+
+    def phase(self, phase: str, candidate: str | None = None) -> None:
+        self._state["phase"] = phase
+        self._state.pop("candidate", None)
+        if candidate is not None:
+            self._state["candidate"] = candidate
+        if self._progress is not None:
+            self._progress(dict(self._state))
+
+    def timed(self, candidate: str) -> None:
+        self._timed.add(candidate)
+        self._state["candidates_measured"] = len(self._timed)
+        self.phase("measure", candidate)
 
 
 # a loop-nest candidate doing more multiply-adds than this at the measuring size is not timed:
@@ -121,21 +162,29 @@ class _Built:
 
 
 def compile_graph(
-    graph: Graph, target: str = "cpu", candidates: Sequence[str] | None = None, search: bool | None = None
+    graph: Graph,
+    target: str = "cpu",
+    candidates: Sequence[str] | None = None,
+    search: bool | None = None,
+    progress: Progress | None = None,
 ) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
     rejected, not the compile; the NumPy lowering needs nothing but NumPy and is always a
-    candidate. `search` turns the search on or off (None: SEARCH)."""
+    candidate. `search` turns the search on or off (None: SEARCH); `progress` is told each
+    phase as it begins (see Progress)."""
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(sorted(CODEGENS))})"])
     started = time.perf_counter()
-    wanted = CANDIDATES if candidates is None else tuple(candidates)
+    wanted = _wanted(candidates)
     unknown = sorted(set(wanted) - set(KNOWN_CANDIDATES))
     if unknown:
         raise ValueError(f"unknown compile candidates {unknown}; known: {list(KNOWN_CANDIDATES)}")
+    tracker = _Tracker(progress, wanted)
     native = target == "cpu" and any(name.startswith("native") for name in wanted)
+    tracker.phase("lower", "numpy")
     numpy_kernels = CODEGENS[target].generate(graph)
+    tracker.phase("reference")
     verify_inputs, expected = verification_case(graph)
     cases = _measure_cases(graph, verify_inputs) if len(wanted) > 1 else []
     found: list[_Candidate] = []
@@ -143,25 +192,30 @@ def compile_graph(
     measuring: dict[str, Any] = {}
     search_report: dict[str, Any] = {"skipped": "no native candidate"}
     if "numpy" in wanted or not native:
+        tracker.phase("verify", "numpy")
         found.append(_numpy_candidate(graph, numpy_kernels, target, verify_inputs, expected))
     if native:
-        program_graph, search_report = _search(graph, SEARCH if search is None else search)
+        searching = SEARCH if search is None else search
+        if searching:
+            tracker.phase("search")
+        program_graph, search_report = _search(graph, searching)
         loop_inputs = cases[0][1] if cases else verify_inputs
-        built, rejected = _build_native(program_graph, wanted, loop_inputs)
+        built, rejected = _build_native(program_graph, wanted, loop_inputs, tracker)
         with measure.session() as runner:  # (one compile at a time uses the helper process)
             runner.put_inputs("verify", verify_inputs)
-            natives = _verify_native(runner, built, expected, rejected)
+            natives = _verify_native(runner, built, expected, rejected, tracker)
             if not natives and program_graph is not graph:
                 search_report["used"] = "parsed graph"
                 search_report["why"] = "no candidate of the optimized graph passed: " + "; ".join(
                     f"{name}: {why}" for name, why in rejected.items()
                 )
-                built, rejected = _build_native(graph, wanted, loop_inputs)
-                natives = _verify_native(runner, built, expected, rejected)
+                built, rejected = _build_native(graph, wanted, loop_inputs, tracker)
+                natives = _verify_native(runner, built, expected, rejected, tracker)
             found = natives + found
             if len(found) > 1 and cases:
-                measuring = _measure(runner, found, cases, rejected)
+                measuring = _measure(runner, found, cases, rejected, tracker)
     if not found:  # every native candidate failed and NumPy was not asked for: it is the fallback
+        tracker.phase("verify", "numpy")
         found.append(_numpy_candidate(graph, numpy_kernels, target, verify_inputs, expected))
     best = _choose(found)
     program_weights = {k: v for k, v in best.weights.items() if k not in graph.weights}
@@ -269,7 +323,7 @@ def _timed(run: Callable[[dict[str, np.ndarray]], Any], inputs: dict[str, np.nda
 
 
 def _build_native(
-    graph: Graph, wanted: Sequence[str], measure_inputs: dict[str, np.ndarray]
+    graph: Graph, wanted: Sequence[str], measure_inputs: dict[str, np.ndarray], tracker: _Tracker
 ) -> tuple[list[_Built], dict[str, str]]:
     """Generated C with contractions as OpenBLAS calls ("native-blas"), with convolutions' products
     generated, wide ones reading their windows in place ("native-mixed"), with every product the generated tiled one
@@ -287,6 +341,8 @@ def _build_native(
         if name not in wanted:
             continue
         began = time.perf_counter()
+        if use_gemm not in lowered:
+            tracker.phase("lower", name)
         try:
             program = lowered[use_gemm] if use_gemm in lowered else lower(graph, use_gemm=use_gemm)
         except NotNative as exc:
@@ -301,6 +357,7 @@ def _build_native(
         if any(b.source == source for b in built):
             continue  # the same program as one already built (no contraction, or no convolution's panels)
         measure.prestart()  # the helper process imports while the C compiler runs
+        tracker.phase("build", name)
         try:
             library = native_cpu.build(source)
         except CompilerError as exc:
@@ -317,12 +374,17 @@ def _build_native(
 
 
 def _verify_native(
-    runner: measure.Runner, built: list[_Built], expected: dict[str, np.ndarray], rejected: dict[str, str]
+    runner: measure.Runner,
+    built: list[_Built],
+    expected: dict[str, np.ndarray],
+    rejected: dict[str, str],
+    tracker: _Tracker,
 ) -> list[_Candidate]:
     """The built candidates that load and match the reference (run on the inputs stored as
     "verify"), each in the helper process; the others go to `rejected` with the reason."""
     found = []
     for b in built:
+        tracker.phase("verify", b.name)
         try:
             runner.load(b.name, b.layout, b.weights, b.library)
             outputs = runner.run(b.name, "verify")
@@ -379,6 +441,7 @@ def _measure(
     found: list[_Candidate],
     cases: list[tuple[str, dict[str, np.ndarray]]],
     rejected: dict[str, str],
+    tracker: _Tracker | None = None,
 ) -> dict[str, Any]:
     """Times the candidates in turns at each size (see compiler/search/measure.round_robin) and
     gives each its score: the geometric mean of its medians. A candidate that crashes or hangs is
@@ -389,6 +452,14 @@ def _measure(
     notes: list[str] = []
     sizes: list[str] = []
     by_name = {c.name: c for c in found}
+    tracker = tracker or _Tracker(None, ())
+
+    def run_timed(c: _Candidate, label: str, inputs: dict[str, np.ndarray]) -> float:
+        seconds = c.timer(label, inputs)
+        tracker.timed(c.name)
+        return seconds
+
+    tracker.phase("measure")
 
     def failed(name: str, exc: CandidateFailed) -> None:
         if exc.crashed or not sizes:  # (sizes is empty while the small size is being timed)
@@ -410,7 +481,7 @@ def _measure(
         runner.put_inputs(label, inputs)
         errors: dict[str, str] = {}
         times = measure.round_robin(
-            {c.name: (lambda c=c, label=label, inputs=inputs: c.timer(label, inputs)) for c in racing},
+            {c.name: (lambda c=c, label=label, inputs=inputs: run_timed(c, label, inputs)) for c in racing},
             MEASURE_BUDGET_S * len(racing),
             MEASURE_MIN_REPEATS,
             MEASURE_REPEATS,

@@ -94,12 +94,17 @@ def upload(client: TestClient, key: str, name: str, data: bytes, **form) -> dict
     return response.json()
 
 
-def wait_for(client: TestClient, key: str, name: str, version: int, timeout: float = 60) -> dict:
+def wait_for(
+    client: TestClient, key: str, name: str, version: int, timeout: float = 60, progress: list | None = None
+) -> dict:
+    """The version once compiled or failed; `progress` collects what it showed while compiling."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         model = client.get(f"/v1/models/{name}", headers=auth(key)).json()
         found = next(v for v in model["versions"] if v["version"] == version)
         if found["status"] in ("ready", "failed"):
             return found
+        if progress is not None and found["status"] == "compiling" and found.get("progress"):
+            progress.append(found["progress"])
         time.sleep(0.02)
     raise AssertionError(f"{name} v{version} did not finish compiling in {timeout}s")

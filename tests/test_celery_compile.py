@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from cloud.settings import Settings
+from compiler.pipeline import PHASES
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
 from tests.processes import ServiceProcess, free_port
@@ -94,8 +95,12 @@ def test_an_upload_compiles_on_a_celery_worker_and_serves(settings, keys, start_
     with TestClient(create_app(settings)) as client:
         assert type(client.app.state.services.compiler).__name__ == "CeleryCompileQueue"
         upload(client, keys["alice"], "mlp", model.SerializeToString())
-        version = wait_for(client, keys["alice"], "mlp", 1)
+        progress: list[dict] = []
+        version = wait_for(client, keys["alice"], "mlp", 1, progress=progress)
         assert version["status"] == "ready", version
+        # the worker's compile showed its progress while it ran, and shows none once ready
+        assert progress and {p["phase"] for p in progress} <= set(PHASES), progress
+        assert version["progress"] is None
         x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
         reply = client.post("/v1/models/mlp/infer", headers=auth(keys["alice"]), json={"inputs": {"x": x.tolist()}})
         assert reply.status_code == 200, reply.text

@@ -1,6 +1,7 @@
 """Compiles cannot starve or take down the server: each runs in a child process under time and
 memory limits, tenants are served round-robin, DELETE stops a compile, and a compile that keeps
-interrupting the server is failed instead of resumed forever."""
+interrupting the server is failed instead of resumed forever. While one runs, its progress shows
+on its version, written at most once a second and never at the compile's expense."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy.exc import OperationalError
 
 from api.main import create_app
 from api.services import build_services
 from cloud.auth import authenticate, create_key
 from cloud.errors import Unavailable
 from cloud.registry import INTERRUPTED
+from compiler.pipeline import PHASES
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
 from worker import pool
+from worker.compile import ProgressWriter, compile_version
 from worker.pool import FairQueue
 
 # eight passes over 1.6 GB: about half a minute of compiling here; one pass needs 1.6 GB at once
@@ -133,3 +137,89 @@ def test_a_compile_that_meets_a_storage_outage_is_tried_again(tmp_path: Path, mo
         version = wait_for(client, keys["alice"], "mlp", 1)
         assert version["status"] == "ready", version
         assert len(calls) >= 2
+
+
+# -- progress while compiling
+
+
+def test_progress_shows_while_compiling_and_is_gone_once_ready(tmp_path: Path) -> None:
+    client, keys = serve(tmp_path, compile_candidates=("native-blas", "native-loops", "numpy"))
+    seen: list[dict] = []
+    with client:
+        upload(client, keys["alice"], "mlp", mlp(hidden=256).SerializeToString())
+        version = wait_for(client, keys["alice"], "mlp", 1, progress=seen)
+    assert version["status"] == "ready", version
+    assert version["progress"] is None and version["report"]["chosen"]
+    assert seen, "no progress was shown while the version compiled"
+    assert {p["phase"] for p in seen} <= set(PHASES)
+    assert all(p["candidates_total"] == 3 and 0 <= p["candidates_measured"] <= 3 for p in seen), seen
+    assert all(p["elapsed_seconds"] >= 0 for p in seen), seen
+
+
+class _Registry:
+    """set_progress calls, with their times; optionally failing like a database that is down."""
+
+    def __init__(self, failing: bool = False) -> None:
+        self.failing = failing
+        self.written: list[tuple[float, dict]] = []
+
+    def set_progress(self, version_id: int, progress: dict) -> None:
+        self.written.append((time.monotonic(), progress))
+        if self.failing:
+            raise OperationalError("UPDATE model_versions", {}, Exception("could not connect to server"))
+
+
+def test_progress_is_written_at_most_once_a_second_and_the_latest_last() -> None:
+    registry = _Registry()
+    writer = ProgressWriter(registry, version_id=7, interval_s=1.0)
+
+    def written(count: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(registry.written) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    writer({"phase": "measure", "candidates_total": 100, "candidates_measured": 0})
+    written(1)  # the first at once
+    for k in range(1, 100):
+        writer({"phase": "measure", "candidates_total": 100, "candidates_measured": k})
+    written(2)
+    time.sleep(0.2)
+    writer.close()
+    (first_at, first), (then_at, then) = registry.written
+    assert first["candidates_measured"] == 0 and then["candidates_measured"] == 99
+    assert then_at - first_at >= 0.99 and then["started_at"] == first["started_at"]
+    writer({"phase": "measure", "candidates_total": 100, "candidates_measured": 100})
+    time.sleep(1.2)
+    assert len(registry.written) == 2, "a closed writer wrote"
+
+
+def test_a_failing_progress_write_does_not_fail_the_compile(tmp_path: Path, monkeypatch, caplog) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        version = registry.create_version(tenant, "mlp", io.BytesIO(mlp().SerializeToString()), "cpu")
+        failing = _Registry(failing=True)
+        monkeypatch.setattr(registry, "set_progress", failing.set_progress)
+        assert compile_version(version.id, registry) == "ready"
+        stored = registry.get_version(version.id)
+        assert stored.status == "ready" and stored.report["chosen"] == "native-blas"
+        assert failing.written, "the compile reported no progress"
+        assert "could not store the progress of version" in caplog.text
+    finally:
+        services.close()
+
+
+def test_a_late_progress_write_does_not_cover_the_final_report(tmp_path: Path) -> None:
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        version = registry.create_version(tenant, "mlp", io.BytesIO(mlp().SerializeToString()), "cpu")
+        registry.set_status(version.id, "compiling")
+        registry.set_progress(version.id, {"phase": "build", "candidates_total": 1, "candidates_measured": 0})
+        registry.set_status(version.id, "ready", report={"chosen": "native-blas"})
+        registry.set_progress(version.id, {"phase": "measure", "candidates_total": 1, "candidates_measured": 1})
+        assert registry.get_version(version.id).report == {"chosen": "native-blas"}
+    finally:
+        services.close()

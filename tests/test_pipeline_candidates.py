@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -257,12 +258,45 @@ def test_candidates_are_isolated_inside_the_compile_sandbox() -> None:
     from worker.sandbox import Sandbox
 
     sandbox = Sandbox(timeout_s=120, memory_bytes=4 * 1024**3, candidates=("native-blas", "numpy"), search=False)
-    artifact = sandbox.compile(1, mlp().SerializeToString(), "cpu")
+    events: list[dict] = []
+    artifact = sandbox.compile(1, mlp().SerializeToString(), "cpu", progress=events.append)
     report = artifact.report
     assert report["search"] == {"skipped": "turned off"}
     assert {c["name"] for c in report["candidates"]} == {"native-blas", "numpy"}, report["rejected"]
     assert all(c["ms_by_size"] for c in report["candidates"])
     assert report["chosen"] == "native-blas"
+    # the child's progress reaches the parent's callback: every phase but the search, which is
+    # off (each new phase is sent at once)
+    assert events[0]["phase"] == "parse" and events[-1]["phase"] == "measure"
+    assert {e["phase"] for e in events} == set(pipeline.PHASES) - {"search"}
+    assert all(e["candidates_total"] == 2 for e in events)
+
+
+def test_the_compile_tells_its_progress_phase_by_phase() -> None:
+    events: list[dict] = []
+    wanted = ("native-blas", "native-loops", "numpy")
+    artifact = compile_onnx(mlp().SerializeToString(), "cpu", wanted, search=True, progress=events.append)
+    firsts = list(dict.fromkeys(e["phase"] for e in events))
+    assert firsts == ["parse", "lower", "reference", "verify", "search", "build", "measure"]
+    built = [e["candidate"] for e in events if e["phase"] == "build"]
+    assert built == ["native-blas", "native-loops"]
+    measured = [e for e in events if e["phase"] == "measure"]
+    assert [e["candidates_measured"] for e in measured] == sorted(e["candidates_measured"] for e in measured)
+    assert measured[-1]["candidates_measured"] == len(artifact.report["candidates"]) == 3
+    assert all(e["candidates_total"] == 3 for e in events)
+
+
+def test_the_sandbox_child_sends_a_new_phase_at_once_and_the_rest_at_most_every_interval(monkeypatch) -> None:
+    from worker import sandbox
+
+    sent: list[tuple] = []
+    clock = [100.0]
+    monkeypatch.setattr(sandbox.time, "monotonic", lambda: clock[0])
+    child = sandbox._ProgressSender(types.SimpleNamespace(send=sent.append))
+    for phase, at in (("build", 0.0), ("build", 0.1), ("verify", 0.15), ("verify", 0.3), ("verify", 0.45)):
+        clock[0] = 100.0 + at
+        child({"phase": phase, "at": at})
+    assert sent == [("progress", {"phase": p, "at": at}) for p, at in (("build", 0.0), ("verify", 0.15), ("verify", 0.45))]
 
 
 # ---- timing and choice -----------------------------------------------------------------------

@@ -154,6 +154,52 @@ def test_deploy_raises_deploy_failed_with_the_compile_error(server, keys, tmp_pa
         asyncio.run(deploy_async())
 
 
+def compiling_server() -> httpx.MockTransport:
+    """A server on which an upload is queued, compiles through two progress reports, then is
+    ready."""
+    polls = [
+        {"status": "queued", "progress": None},
+        {
+            "status": "compiling",
+            "progress": {"phase": "build", "candidate": "native-blas", "candidates_total": 3, "candidates_measured": 0},
+        },
+        {
+            "status": "compiling",
+            "progress": {"phase": "measure", "candidate": "numpy", "candidates_total": 3, "candidates_measured": 2},
+        },
+        {"status": "ready", "progress": None, "report": {"chosen": "native-blas", "candidates": []}},
+    ]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"name": "mlp", "version": 1, "status": "queued", "target": "cpu"})
+        version = polls.pop(0) if len(polls) > 1 else polls[0]
+        return httpx.Response(200, json={"name": "mlp", "versions": [{"version": 1, **version}]})
+
+    return httpx.MockTransport(handle)
+
+
+def test_deploy_shows_the_compile_phase_and_candidates_measured_while_compiling() -> None:
+    async def deploy_async(terminal: Terminal) -> dict:
+        async with AsyncClient(
+            "http://luminal.test", "lc_x", transport=compiling_server(), progress_stream=terminal
+        ) as client:
+            return await client.deploy(b"onnx", name="mlp")
+
+    sync_terminal, async_terminal = Terminal(), Terminal()
+    with Client("http://luminal.test", "lc_x", transport=compiling_server(), progress_stream=sync_terminal) as client:
+        assert client.deploy(b"onnx", name="mlp")["status"] == "ready"
+    assert asyncio.run(deploy_async(async_terminal))["status"] == "ready"
+    for terminal in (sync_terminal, async_terminal):
+        compiling = [line for line in lines(terminal) if line.startswith("Compiling mlp v1")]
+        assert [line.split("  ")[1][2:] for line in compiling] == [
+            "queued",
+            "compiling: build native-blas, 0/3 candidates measured",
+            "compiling: measure numpy, 2/3 candidates measured",
+        ], compiling
+        assert lines(terminal)[-1].startswith("mlp v1 ready in ")
+
+
 # -- predict
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -16,11 +18,13 @@ from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifac
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
-from compiler.pipeline import CANDIDATES, SEARCH
+from compiler.pipeline import CANDIDATES, SEARCH, Progress
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
 
+# a compile's progress is written to its version at most this often
+PROGRESS_WRITE_INTERVAL_S = 1.0
 
 # outages of the database, the object store or Redis: a compile that meets one is tried again
 # later, never failed for it
@@ -33,12 +37,68 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-# (version id, graph bytes, target) -> artifact: in this process, or in a sandbox's child
-CompileFn = Callable[[int, bytes, str], Artifact]
+class CompileFn(Protocol):
+    """(version id, graph bytes, target) -> artifact, in this process or in a sandbox's child,
+    telling `progress` what the compile is doing as it goes."""
+
+    def __call__(self, version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact: ...
 
 
-def compile_here(version_id: int, data: bytes, target: str) -> Artifact:
-    return compile_onnx(data, target)
+def compile_here(version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact:
+    return compile_onnx(data, target, progress=progress)
+
+
+class ProgressWriter:
+    """A compile's progress callback that stores the latest event on its version, from a timer
+    thread and at most once per `interval_s`: a slow or unreachable database delays or loses
+    progress (logged), never the compile."""
+
+    def __init__(self, registry: Registry, version_id: int, interval_s: float = PROGRESS_WRITE_INTERVAL_S) -> None:
+        self._registry = registry
+        self._version_id = version_id
+        self._interval_s = interval_s
+        self._started_at = time.time()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Any] | None = None
+        # the write scheduled or under way; None when there is none
+        self._timer: threading.Timer | None = None
+        self._written_at = -interval_s
+        self._closed = False
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending = event
+            if self._timer is None and not self._closed:
+                self._schedule()
+
+    def _schedule(self) -> None:
+        delay = max(0.0, self._written_at + self._interval_s - time.monotonic())
+        self._timer = threading.Timer(delay, self._write)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _write(self) -> None:
+        with self._lock:
+            event, self._pending = self._pending, None
+            if self._closed or event is None:
+                self._timer = None
+                return
+            self._written_at = time.monotonic()
+        try:
+            self._registry.set_progress(self._version_id, {**event, "started_at": self._started_at})
+        except Exception as exc:  # noqa: BLE001 - progress is a courtesy: the compile goes on without it
+            log.warning("could not store the progress of version %s: %s", self._version_id, exc)
+        with self._lock:
+            self._timer = None
+            if self._pending is not None and not self._closed:
+                self._schedule()
+
+    def close(self) -> None:
+        """No more writes; one under way cannot overwrite the final status (see set_progress)."""
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
 
 
 def compile_options(candidates: Sequence[str] = CANDIDATES, search: bool = SEARCH) -> dict[str, object]:
@@ -66,15 +126,16 @@ def compile_version(
         return None
     if version.status in ("ready", "failed"):
         return version.status
-    registry.set_status(version_id, "compiling")
+    registry.set_status(version_id, "compiling", report=None)
     started = time.perf_counter()
     store = registry.store
     key = cache_key(version.graph_key, version.target, compile_options() if options is None else options)
+    progress = ProgressWriter(registry, version_id)
     try:
         artifact = _cached_artifact(store, key)
         cached = artifact is not None
         if artifact is None:
-            artifact = compile_fn(version_id, store.get(version.graph_key), version.target)
+            artifact = compile_fn(version_id, store.get(version.graph_key), version.target, progress=progress)
             save_artifact(store, key, artifact)
     except CompileCancelled:
         return None
@@ -90,6 +151,8 @@ def compile_version(
         # the exception's text may name storage keys and paths: it stays in the operators' log
         message = f"internal compiler error ({type(exc).__name__}); operators can find version {version_id} in the log"
         return _fail(registry, version_id, message, started)
+    finally:
+        progress.close()
     seconds = time.perf_counter() - started
     # the report is the artifact's own, the same for every uploader of these bytes: whether this
     # compile hit the shared cache would tell a tenant what another tenant uploaded
@@ -119,7 +182,8 @@ def _cached_artifact(store: ObjectStore, key: str) -> Artifact | None:
 
 
 def _fail(registry: Registry, version_id: int, message: str, started: float) -> str:
-    registry.set_status(version_id, "failed", error=message)
+    # (the report held the compile's progress)
+    registry.set_status(version_id, "failed", error=message, report=None)
     metrics.COMPILES.labels("failed").inc()
     metrics.COMPILE_SECONDS.observe(time.perf_counter() - started)
     return "failed"

@@ -3,7 +3,8 @@
 A graph may ask the compiler for unbounded time or memory (twenty nested If levels, a constant
 expanded to 10^12 elements): in a child, that costs the child only. Children fork from a
 forkserver that has the compiler imported, so each starts in milliseconds without inheriting
-the server's threads.
+the server's threads. A child sends its compile's progress over its pipe before the answer;
+the parent hands it to the caller's callback.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import os
 import resource
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+from compiler.pipeline import Progress
+
+# a child sends a progress message at most this often within one phase (a new phase at once)
+PROGRESS_INTERVAL_S = 0.25
 
 
 class CompileTimeout(CompilerError):
@@ -34,6 +41,23 @@ class CompileCancelled(CompilerError):
     """The version was deleted while it compiled."""
 
 
+class _ProgressSender:
+    """The child's progress callback: ("progress", event) on the pipe, at once for a new phase,
+    else at most every PROGRESS_INTERVAL_S (a later event carries what a dropped one said)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._phase: str | None = None
+        self._sent_at = -PROGRESS_INTERVAL_S
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if event.get("phase") == self._phase and now - self._sent_at < PROGRESS_INTERVAL_S:
+            return
+        self._phase, self._sent_at = event.get("phase"), now
+        self._conn.send(("progress", event))
+
+
 def _compile_child(
     conn: Connection,
     data: bytes,
@@ -46,7 +70,8 @@ def _compile_child(
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        conn.send(("ok", compile_onnx(data, target, candidates, search).to_files()))
+        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn))
+        conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
     except CompilerError as exc:
@@ -88,7 +113,9 @@ class Sandbox:
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
 
-    def compile(self, version_id: int, data: bytes, target: str) -> Artifact:
+    def compile(self, version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact:
+        """The artifact, compiled in a child; `progress` is called (in this thread) with each
+        progress event the child sends while it compiles."""
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
             target=_compile_child,
@@ -103,7 +130,7 @@ class Sandbox:
             self._running[version_id] = child
         sender.close()
         try:
-            return self._answer(version_id, child, receiver)
+            return self._answer(version_id, child, receiver, progress)
         finally:
             with self._lock:
                 self._running.pop(version_id, None)
@@ -112,16 +139,24 @@ class Sandbox:
             child.join()
             receiver.close()
 
-    def _answer(self, version_id: int, child: multiprocessing.Process, receiver: Connection) -> Artifact:
-        if not receiver.poll(self.timeout_s):
-            raise CompileTimeout(f"it ran longer than the limit of {self.timeout_s:g} s")
-        try:
-            kind, payload = receiver.recv()
-        except EOFError:
-            child.join()
-            if version_id in self._cancelled:
-                raise CompileCancelled(f"version {version_id} was deleted") from None
-            raise CompileCrashed(f"the compiler's process died (exit code {child.exitcode})") from None
+    def _answer(
+        self, version_id: int, child: multiprocessing.Process, receiver: Connection, progress: Progress | None
+    ) -> Artifact:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if not receiver.poll(max(0.0, deadline - time.monotonic())):
+                raise CompileTimeout(f"it ran longer than the limit of {self.timeout_s:g} s")
+            try:
+                kind, payload = receiver.recv()
+            except EOFError:
+                child.join()
+                if version_id in self._cancelled:
+                    raise CompileCancelled(f"version {version_id} was deleted") from None
+                raise CompileCrashed(f"the compiler's process died (exit code {child.exitcode})") from None
+            if kind != "progress":
+                break
+            if progress is not None:
+                progress(payload)
         if kind == "ok":
             return Artifact.from_files(payload.__getitem__)
         if kind == "unsupported":

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentTenant, ServicesDep
 from api.schemas import (
+    CompileProgress,
     ModelDeleted,
     ModelList,
     ModelPublic,
@@ -17,7 +18,8 @@ from api.schemas import (
     VersionCreated,
     VersionPublic,
 )
-from cloud.db import Model
+from cloud.db import Model, ModelVersion
+from cloud.registry import report_and_progress
 from cloud.settings import Settings
 from cloud.validation import symbol_limits
 from compiler import Signature
@@ -66,19 +68,22 @@ def _signature(stored: dict[str, Any] | None, settings: Settings) -> SignaturePu
 @router.get("/{name}", response_model=ModelPublic)
 async def get_model(name: str, tenant: CurrentTenant, services: ServicesDep) -> ModelPublic:
     model = await run_in_threadpool(services.registry.get_model, tenant.id, name)
-    versions = [
-        VersionPublic(
-            version=v.number,
-            status=v.status,
-            target=v.target,
-            created_at=v.created_at,
-            signature=_signature(v.signature, services.settings),
-            report=v.report,
-            error=v.error,
-        )
-        for v in model.versions
-    ]
+    versions = [_version(v, services.settings) for v in model.versions]
     return ModelPublic(name=model.name, created_at=model.created_at, versions=versions)
+
+
+def _version(version: ModelVersion, settings: Settings) -> VersionPublic:
+    report, progress = report_and_progress(version)
+    return VersionPublic(
+        version=version.number,
+        status=version.status,
+        target=version.target,
+        created_at=version.created_at,
+        signature=_signature(version.signature, settings),
+        report=report,
+        error=version.error,
+        progress=None if progress is None else CompileProgress(**progress),
+    )
 
 
 @router.delete("/{name}", response_model=ModelDeleted)

@@ -1,6 +1,7 @@
-"""What `deploy` shows on a terminal: the upload's bytes, then the compile's phase and elapsed
-time, then the candidates the compiler measured. One line, redrawn; nothing when the stream is
-not a terminal."""
+"""What `deploy` shows on a terminal: the upload's bytes, then the compile's status and elapsed
+time (with the compiler's phase and the candidates measured so far, when the server says them),
+then the candidates the compiler measured. One line, redrawn; nothing when the stream is not a
+terminal."""
 
 from __future__ import annotations
 
@@ -20,8 +21,24 @@ def upload_line(filename: str, sent: int, total: int) -> str:
     return f"Uploading {filename}  [{'#' * done}{'-' * (_BAR - done)}]  {_size(sent)} / {_size(total)}"
 
 
-def compile_line(name: str, version: int, status: str, elapsed: float, tick: int) -> str:
-    return f"Compiling {name} v{version}  {_SPINNER[tick % len(_SPINNER)]} {status}  {_clock(elapsed)}"
+def compile_line(
+    name: str, version: int, status: str, elapsed: float, tick: int, progress: dict[str, Any] | None = None
+) -> str:
+    spinner = _SPINNER[tick % len(_SPINNER)]
+    return f"Compiling {name} v{version}  {spinner} {status}{_phase(progress)}  {_clock(elapsed)}"
+
+
+def _phase(progress: dict[str, Any] | None) -> str:
+    """': measure native-loops, 2/3 candidates measured', or what of it the server sent."""
+    if not progress or not progress.get("phase"):
+        return ""
+    text = f": {progress['phase']}"
+    if progress.get("candidate"):
+        text += f" {progress['candidate']}"
+    total = progress.get("candidates_total")
+    if total and total > 1:
+        text += f", {progress.get('candidates_measured', 0)}/{total} candidates measured"
+    return text
 
 
 def done_line(name: str, version: int, elapsed: float, report: dict[str, Any] | None) -> str:

@@ -177,7 +177,7 @@ class Calls(Driven):
         """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph); with
         wait=True, return the version once it is ready, or raise DeployFailed with the compile
         error. On a terminal (and unless progress=False) a progress bar shows the upload, then
-        the compile's phase and elapsed time."""
+        the compile's status, phase and candidates measured, and elapsed time."""
         filename, data = _model_file(model, name)
         return (yield from self._deploy(filename, data, name, target, wait, timeout, progress))
 
@@ -250,10 +250,11 @@ class Calls(Driven):
             if found["status"] == "failed":
                 shown.finish(_progress.failed_line(name, version, elapsed))
                 raise DeployFailed(name, version, found.get("error") or "unknown error")
+            line = _progress.compile_line(name, version, found["status"], elapsed, tick, found.get("progress"))
             if elapsed > timeout:
-                shown.finish(_progress.compile_line(name, version, found["status"], elapsed, tick))
+                shown.finish(line)
                 raise LuminalCloudError(f"model {name!r} v{version} still {found['status']} after {timeout}s")
-            shown.show(_progress.compile_line(name, version, found["status"], elapsed, tick))
+            shown.show(line)
             yield Sleep(delay)
             # at most half a second between looks, so the elapsed time on the bar keeps moving
             delay = min(delay * 1.5, 0.5)
@@ -261,7 +262,8 @@ class Calls(Driven):
 
     @operation
     def model(self, name: str) -> Steps[dict[str, Any]]:
-        """The model and its versions: status (queued, compiling, ready, failed), error, report."""
+        """The model and its versions: status (queued, compiling, ready, failed), error, report,
+        and progress while compiling."""
         return (yield from self._json("GET", f"/v1/models/{quote(name, safe='')}"))
 
     @operation
