@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+import redis
 
 from api.server import free_port
 from cloud.settings import Settings
 
-__all__ = ["ServiceProcess", "free_port", "settings_env"]
+__all__ = ["ServiceProcess", "flushed_redis", "free_port", "settings_env"]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -80,3 +84,17 @@ class ServiceProcess:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def flushed_redis(db: int) -> Iterator[str]:
+    """For a fixture: the URL of the local Redis's database `db`, emptied before and after (a
+    test module's own database, so queues, leases and streams start empty)."""
+    url = f"redis://127.0.0.1:6379/{db}"
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        client.flushdb()
+    except redis.exceptions.ConnectionError as exc:
+        pytest.fail(f"these tests need the local Redis at {url}, which is unreachable: {exc}")
+    yield url
+    client.flushdb()
+    client.close()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from cloud.settings import Settings
 from compiler.pipeline import PHASES
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
-from tests.processes import ServiceProcess, free_port
+from tests.processes import ServiceProcess, flushed_redis, free_port
 from worker.celery_app import (
     COMPILE_TASK,
     WorkerContext,
@@ -38,16 +39,8 @@ COMPILE_TIMEOUT_S = 8.0
 
 
 @pytest.fixture
-def redis_url() -> str:
-    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    client = redis.Redis.from_url(url, socket_connect_timeout=2)
-    try:
-        client.flushdb()
-    except redis.exceptions.ConnectionError as exc:
-        pytest.fail(f"these tests need the local Redis at {url}, which is unreachable: {exc}")
-    yield url
-    client.flushdb()
-    client.close()
+def redis_url() -> Iterator[str]:
+    yield from flushed_redis(REDIS_DB)
 
 
 def celery_settings(data_dir: Path, redis_url: str, **overrides) -> Settings:

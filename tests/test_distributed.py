@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,23 +28,15 @@ from luminal_cloud import Client
 from scheduler import wire
 from tests.conftest import make_settings
 from tests.onnx_models import mlp
-from tests.processes import ServiceProcess, free_port
+from tests.processes import ServiceProcess, flushed_redis, free_port
 
 REDIS_DB = 12
 MODEL = mlp()
 
 
 @pytest.fixture
-def redis_url() -> str:
-    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    client = redis.Redis.from_url(url, socket_connect_timeout=2)
-    try:
-        client.flushdb()
-    except redis.exceptions.ConnectionError as exc:
-        pytest.fail(f"these tests need the local Redis at {url}, which is unreachable: {exc}")
-    yield url
-    client.flushdb()
-    client.close()
+def redis_url() -> Iterator[str]:
+    yield from flushed_redis(REDIS_DB)
 
 
 def distributed_settings(data_dir: Path, redis_url: str, **overrides) -> Settings:
