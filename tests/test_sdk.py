@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import sys
+import threading
 import time
 import types
 
@@ -18,6 +19,8 @@ import onnxruntime
 import pytest
 
 from api.server import BackgroundServer, free_port
+from api.services import open_database
+from cloud.auth import create_key
 from luminal_cloud import (
     APIError,
     AsyncClient,
@@ -38,6 +41,7 @@ from luminal_cloud import (
     Unavailable,
 )
 from luminal_cloud import client as client_module
+from tests.conftest import make_settings
 from tests.onnx_models import int_input_model, mlp, unsupported_model
 
 
@@ -537,3 +541,43 @@ def test_predict_on_a_version_not_ready_raises_not_ready_at_once(server, keys, t
             client.predict("later", x)
         # v2 says 503 for "not yet" (it has no 409): not retried, /v1 names it
         assert time.monotonic() - started < 1
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """A real transport that remembers each answer's status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[tuple[str, int]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        self.statuses.append((request.url.path, response.status_code))
+        return response
+
+
+def test_the_client_retries_a_live_servers_429_after_its_retry_after(tmp_path) -> None:
+    # a queue of one request, and a fixed window that holds the first one for 1.5 s
+    settings = make_settings(
+        tmp_path / "data", max_queue_requests=1, max_queue_delay_ms=1500, max_batch_rows=64, adaptive_batching=False
+    )
+    db = open_database(settings)
+    key = create_key(db, "carol")
+    db.dispose()
+    x = np.ones((1, 8), np.float32)
+    with BackgroundServer(settings) as live, Client(live.url, key) as client:
+        client.deploy(mlp().SerializeToString(), name="mlp", progress=False)
+        holder = threading.Thread(target=client.infer, args=("mlp", {"x": x}))
+        holder.start()
+        time.sleep(0.3)  # the first request waits in the queue, which is now full
+        counting = CountingTransport()
+        with Client(live.url, key, transport=counting) as retrying:
+            started = time.monotonic()
+            reply = retrying.infer("mlp", {"x": x})
+            waited = time.monotonic() - started
+        holder.join()
+    infers = [status for path, status in counting.statuses if path.endswith("/infer")]
+    assert infers[0] == 429 and infers[-1] == 200, counting.statuses
+    assert waited >= settings.retry_after_s  # it honoured Retry-After
+    expected = onnxruntime.InferenceSession(mlp().SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(np.asarray(reply["outputs"]["y"], np.float32), expected, rtol=1e-5, atol=1e-6)
