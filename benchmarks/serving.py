@@ -60,11 +60,12 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple[list[float], list[float], list[int], float]:
-    """(latencies s, overheads s, batch sizes, wall s) of `concurrency` clients sending back to back."""
+async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple:
+    """(latencies s, overheads s, batch sizes, failed requests, wall s) of `concurrency` clients
+    sending back to back."""
     x = np.random.default_rng(0).standard_normal((1, WIDTHS[0])).astype(np.float32).tolist()
     body = {"inputs": {"features": x}}
-    latencies, overheads, batches = [], [], []
+    latencies, overheads, batches, errors = [], [], [], []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers={"Authorization": f"Bearer {key}"}) as http:
         for _ in range(3):  # warm: the model loads, connections open
@@ -74,9 +75,15 @@ async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple[li
         async def client() -> None:
             while time.perf_counter() < stop_at:
                 started = time.perf_counter()
-                reply = await http.post("/v1/models/mlp/infer", json=body)
+                try:
+                    reply = await http.post("/v1/models/mlp/infer", json=body)
+                except httpx.TransportError:
+                    errors.append(1)  # a dropped connection: counted, the client goes on
+                    continue
                 elapsed = time.perf_counter() - started
-                reply.raise_for_status()
+                if reply.status_code != 200:
+                    errors.append(reply.status_code)
+                    continue
                 usage = reply.json()["usage"]
                 latencies.append(elapsed)
                 # each request is one row: the batch ran for its share times the batch's rows
@@ -86,7 +93,7 @@ async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple[li
         began = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - began
-    return latencies, overheads, batches, wall
+    return latencies, overheads, batches, errors, wall
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,7 +138,7 @@ def main() -> None:
                 with Client(url, key) as client:
                     client.deploy(mlp(WIDTHS), name="mlp")
                 for concurrency in CONCURRENCY:
-                    latencies, overheads, batches, wall = asyncio.run(load(url, key, concurrency, args.seconds))
+                    latencies, overheads, batches, errors, wall = asyncio.run(load(url, key, concurrency, args.seconds))
                     rows.append(
                         (
                             mode,
@@ -142,6 +149,7 @@ def main() -> None:
                             len(latencies) / wall,
                             statistics.mean(batches),
                             percentile(overheads, 0.5) * 1000,
+                            len(errors),
                         )
                     )
                     print(_row(rows[-1]), flush=True)
@@ -152,12 +160,15 @@ def main() -> None:
     print(_table(rows))
 
 
-HEADER = ("path", "batching", "concurrency", "p50 ms", "p99 ms", "req/s", "mean batch", "p50 overhead ms")
+HEADER = ("path", "batching", "concurrency", "p50 ms", "p99 ms", "req/s", "mean batch", "p50 overhead ms", "failed")
 
 
 def _row(row: tuple) -> str:
-    mode, batching, concurrency, p50, p99, rate, batch, overhead = row
-    return f"| {mode} | {batching} | {concurrency} | {p50:.2f} | {p99:.2f} | {rate:.0f} | {batch:.1f} | {overhead:.2f} |"
+    mode, batching, concurrency, p50, p99, rate, batch, overhead, failed = row
+    return (
+        f"| {mode} | {batching} | {concurrency} | {p50:.2f} | {p99:.2f} | {rate:.0f} | {batch:.1f} | {overhead:.2f} "
+        f"| {failed} |"
+    )
 
 
 def _table(rows: list[tuple]) -> str:
