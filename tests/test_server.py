@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -110,7 +111,8 @@ def test_cli_create_key_deploy_and_predict(settings, tmp_path) -> None:
     np.save(tmp_path / "x.npy", x)
     with BackgroundServer(settings) as server:
         env = {**env, "LUMINAL_URL": server.url, "LUMINAL_API_KEY": key}
-        assert '"status": "ready"' in run_cli("deploy", str(FIXTURES / "torch_mlp.onnx"), "--name", "m", env=env)
+        deployed = run_cli("deploy", str(FIXTURES / "torch_mlp.onnx"), "--name", "m", "--json", env=env)
+        assert json.loads(deployed)["status"] == "ready"
         out = run_cli("predict", "m", "--input", f"input={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path), env=env)
     assert "output: float32[2, 5]" in out
     np.testing.assert_allclose(np.load(tmp_path / "output.npy"), ort(FIXTURES / "torch_mlp.onnx", {"input": x}), rtol=1e-4)
