@@ -21,6 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from cloud import metrics
+from cloud.db import masked_url
 from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
 from cloud.metering import Ledger, Usage
 from scheduler import wire
@@ -179,7 +180,7 @@ class StreamEngine:
         ]
 
     def _unreachable(self, exc: Exception) -> Unavailable:
-        return Unavailable(f"the request queue (Redis at {wire.redact(self.redis_url)}) is unreachable: {exc}")
+        return Unavailable(f"the request queue (Redis at {masked_url(self.redis_url)}) is unreachable: {exc}")
 
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str

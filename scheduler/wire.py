@@ -7,7 +7,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -116,11 +115,3 @@ class ReplyMessage:
 def _meta(message: Any, tensors: str) -> dict[str, Any]:
     return {f.name: getattr(message, f.name) for f in fields(message) if f.name != tensors}
 
-
-def redact(url: str) -> str:
-    """The URL with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -250,6 +250,7 @@ class CeleryCompileQueue:
 
 def wait_for_broker(settings: Settings, timeout_s: float = 5.0) -> None:
     """Raises Unavailable naming the URL when Redis does not answer within `timeout_s`."""
+    from cloud.db import masked_url
     from cloud.errors import Unavailable
 
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
@@ -260,7 +261,7 @@ def wait_for_broker(settings: Settings, timeout_s: float = 5.0) -> None:
             return
         except redis.exceptions.RedisError as exc:
             if time.monotonic() > deadline:
-                raise Unavailable(f"Redis at {settings.redis_url} is unreachable: {exc}") from None
+                raise Unavailable(f"Redis at {masked_url(settings.redis_url)} is unreachable: {exc}") from None
             time.sleep(0.5)
         finally:
             client.close()
