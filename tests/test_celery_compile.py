@@ -5,6 +5,7 @@ they share PostgreSQL and S3 in a deployment."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -106,6 +107,8 @@ def test_an_upload_compiles_on_a_celery_worker_and_serves(settings, keys, start_
     try:
         result = app.send_task(COMPILE_TASK, args=[1], queue=compile_queue("cpu"))
         assert result.get(timeout=30) == "ready"
+        del result  # it unsubscribes from its result as it goes, which needs the app still open
+        gc.collect()
     finally:
         app.close()
     assert ready_lines(worker, version_id=1) == 1

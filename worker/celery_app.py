@@ -224,6 +224,8 @@ class CeleryCompileQueue:
                     args=[version_id],
                     queue=compile_queue(target),
                     retry=False,
+                    # the version's row says how it went: no subscription to a result nobody reads
+                    ignore_result=True,
                 )
             except (KombuError, redis.exceptions.RedisError, OSError):  # the broker is down: keep the job
                 log.warning("could not send the compile of version %s; retrying in %.1f s", version_id, delay)
