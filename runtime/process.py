@@ -60,7 +60,6 @@ class RuntimeConfig:
     max_batch_rows: int
     max_delay_s: float
     adaptive_batching: bool
-    idle_unload_s: float
     prices: dict[str, float]
 
 
@@ -308,7 +307,6 @@ def run_runtime(settings, device: str) -> None:
         max_batch_rows=settings.max_batch_rows,
         max_delay_s=settings.max_queue_delay_ms / 1000.0,
         adaptive_batching=settings.adaptive_batching,
-        idle_unload_s=settings.idle_unload_s,
         prices=dict(settings.price_per_second),
     )
     process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config)

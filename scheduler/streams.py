@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -142,7 +142,6 @@ class _Waiter:
     future: asyncio.Future
     # when a runtime said its batch started (loop time), or None while queued
     started: float | None = None
-    enqueued: float = field(default=0.0)
 
 
 class StreamEngine:
@@ -186,7 +185,7 @@ class StreamEngine:
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
     ) -> InferenceResult:
         stream = wire.request_stream(route.version_id)
-        waiter = _Waiter(self._loop.create_future(), enqueued=self._loop.time())
+        waiter = _Waiter(self._loop.create_future())
         deadline = time.time() + self.request_timeout_s
         try:
             backlog = await self.redis.xlen(stream)
