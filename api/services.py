@@ -15,10 +15,10 @@ from cloud.db import Database, masked_url
 from cloud.errors import Unreachable
 from cloud.metering import Ledger
 from cloud.migrations import upgrade_to_head
-from cloud.registry import Registry
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
 from compiler import Artifact
+from registry import Registry
 from runtime import CpuDevice, Runtime
 from scheduler.engine import Engine, InProcessEngine
 from worker.queue import CompileQueue, make_compile_queue

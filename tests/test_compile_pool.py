@@ -17,8 +17,8 @@ from api.main import create_app
 from api.services import build_services
 from cloud.auth import authenticate, create_key
 from cloud.errors import Unavailable
-from cloud.registry import INTERRUPTED
 from compiler.pipeline import PHASES
+from registry import INTERRUPTED
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
 from worker import pool

@@ -26,9 +26,9 @@ from cloud.db import Base
 from cloud.errors import Conflict
 from cloud.metering import Ledger, Usage
 from cloud.migrations import alembic_config
-from cloud.registry import Registry
 from cloud.settings import Settings
 from cloud.storage import LocalObjectStore
+from registry import Registry
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 

@@ -16,9 +16,9 @@ import pytest
 from api.server import BackgroundServer
 from api.services import open_database
 from cloud.db import Database, ModelVersion, Tenant
-from cloud.registry import RESOLVE_CACHE_S, Registry
 from cloud.storage import artifacts_prefix, make_object_store
 from luminal_cloud import AsyncClient, Client, Conflict, InvalidRequest, NotFound
+from registry import RESOLVE_CACHE_S, Registry
 from tests.onnx_models import mlp, unsupported_model
 
 V1, V2 = mlp(seed=0).SerializeToString(), mlp(seed=1).SerializeToString()

@@ -23,8 +23,8 @@ import redis
 from celery import Celery
 from kombu.exceptions import KombuError
 
-from cloud.registry import Registry
 from cloud.settings import Settings, get_settings
+from registry import Registry
 from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
 from worker.sandbox import Sandbox
 

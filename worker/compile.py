@@ -13,12 +13,12 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from cloud import metrics
 from cloud.errors import Unavailable
-from cloud.registry import Registry
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
 from compiler.pipeline import CANDIDATES, SEARCH, Progress
+from registry import Registry
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)

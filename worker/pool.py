@@ -7,7 +7,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 
-from cloud.registry import Registry
+from registry import Registry
 from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
 from worker.sandbox import Sandbox
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from cloud.registry import Registry
 from cloud.settings import Settings
+from registry import Registry
 
 
 class CompileQueue(Protocol):

@@ -21,8 +21,8 @@ from api.schemas import V2InferRequest, V2InferResponse, V2ModelMetadata, V2Serv
 from api.services import Services
 from cloud.db import Tenant
 from cloud.errors import InvalidRequest, NotFound, NotReady
-from cloud.registry import version_ref
 from compiler import Signature
+from registry import version_ref
 
 router = APIRouter(prefix="/v2", tags=["kserve v2"])
 

@@ -19,10 +19,10 @@ from api.schemas import (
     VersionPublic,
 )
 from cloud.db import Model, ModelVersion
-from cloud.registry import report_and_progress
 from cloud.settings import Settings
 from cloud.validation import symbol_limits
 from compiler import Signature
+from registry import report_and_progress
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -17,7 +17,7 @@ from api.schemas import (
     VersionSummary,
 )
 from cloud.db import ModelAlias
-from cloud.registry import alias_stack
+from registry import alias_stack
 
 router = APIRouter(prefix="/v1/models", tags=["versions"])
 
