@@ -123,9 +123,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _runtime(args: argparse.Namespace) -> None:
+    from api.services import run_runtime_process
     from cloud.errors import LuminalError
     from cloud.storage import make_object_store
-    from runtime.process import run_runtime
     from worker.celery_app import wait_for_broker
 
     logging.basicConfig(level=args.loglevel.upper())
@@ -133,7 +133,7 @@ def _runtime(args: argparse.Namespace) -> None:
     try:  # fail at start, with a message, when Redis or the object store is missing
         wait_for_broker(settings)
         make_object_store(settings)
-        run_runtime(settings, args.device)
+        run_runtime_process(settings, args.device)
     except LuminalError as exc:
         sys.exit(f"luminal-cloud runtime: {exc.message}")
 

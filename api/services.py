@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import fcntl
+import signal
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import start_http_server
 from sqlalchemy.exc import ArgumentError, OperationalError
 
 from api.codec import Codec
 from cloud.auth import Authenticator
 from cloud.db import Database, masked_url
-from cloud.errors import Unreachable
+from cloud.errors import LuminalError, Unreachable
 from cloud.metering import Ledger
+from cloud.metrics import REGISTRY, PrometheusObserver
 from cloud.migrations import upgrade_to_head
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
@@ -131,16 +134,11 @@ def build_engine(services: Services) -> Engine:
             request_timeout_s=settings.request_timeout_s,
             retry_after_s=settings.retry_after_s,
             claim_idle_s=settings.runtime_claim_idle_s,
+            masked_redis_url=masked_url(settings.redis_url),
+            observer=PrometheusObserver(),
         )
-
-    def fetch(key: str) -> Artifact:
-        return load_artifact(store, key)
-
-    runtime = Runtime(
-        CpuDevice(), fetch, settings.max_loaded_models, settings.idle_unload_s, settings.runtime_memory_bytes
-    )
     return InProcessEngine(
-        runtimes={"cpu": runtime},
+        runtimes={"cpu": build_runtime(settings, store)},
         ledger=services.ledger,
         prices=settings.price_per_second,
         max_batch_rows=settings.max_batch_rows,
@@ -151,4 +149,51 @@ def build_engine(services: Services) -> Engine:
         adaptive_batching=settings.adaptive_batching,
         # a model leaves memory within a quarter of idle_unload_s after it goes idle
         idle_check_s=max(0.05, min(30.0, settings.idle_unload_s / 4)),
+        observer=PrometheusObserver(),
     )
+
+
+def build_runtime(settings: Settings, store: ObjectStore) -> Runtime:
+    """The CPU runtime, in the gateway (embedded) or a runtime process: artifacts from the object
+    store, at most max_loaded_models within runtime_memory_bytes, idle ones gone after idle_unload_s
+    (the engine's janitor or the runtime process's heartbeat calls unload_idle)."""
+
+    def fetch(key: str) -> Artifact:
+        return load_artifact(store, key)
+
+    return Runtime(
+        CpuDevice(),
+        fetch,
+        settings.max_loaded_models,
+        settings.idle_unload_s,
+        settings.runtime_memory_bytes,
+        observer=PrometheusObserver(),
+    )
+
+
+def run_runtime_process(settings: Settings, device: str) -> None:
+    """`luminal-cloud runtime`: a runtime process built from settings, serving until SIGTERM or
+    SIGINT; its /metrics on runtime_metrics_port when one is set."""
+    # Redis's client only where the distributed mode runs (as StreamEngine in build_engine)
+    import redis
+
+    from scheduler.runtime_process import RuntimeConfig, RuntimeProcess
+
+    if device != "cpu":
+        raise LuminalError(f"device {device!r} is not supported by this build; available: cpu")
+    config = RuntimeConfig(
+        device=device,
+        heartbeat_s=settings.runtime_heartbeat_s,
+        claim_idle_s=settings.runtime_claim_idle_s,
+        max_batch_rows=settings.max_batch_rows,
+        max_delay_s=settings.max_queue_delay_ms / 1000.0,
+        adaptive_batching=settings.adaptive_batching,
+        prices=dict(settings.price_per_second),
+    )
+    runtime = build_runtime(settings, make_object_store(settings))
+    process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config, PrometheusObserver())
+    signal.signal(signal.SIGTERM, process.stop)
+    signal.signal(signal.SIGINT, process.stop)
+    if settings.runtime_metrics_port:
+        start_http_server(settings.runtime_metrics_port, registry=REGISTRY)
+    process.serve()

@@ -1,13 +1,12 @@
-"""Metering: the pure pricing core and the ledger that records usage once per request.
+"""The usage ledger: records usage once per request in the metadata database, and sums it.
 
-A batch's measured device time is split across its requests in proportion to their rows.
-Queue time, model loading and compilation never enter these numbers.
+The pricing it records (Usage, the split of a batch's time by rows) is the scheduler's pure
+core, scheduler/pricing.py; the ledger is the UsageSink the engines are given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from sqlalchemy import Date, cast, func, select
@@ -15,46 +14,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from cloud.db import Database, Tenant, UsageRecord, utcnow
-
-
-def split_by_rows(batch_seconds: float, rows: Sequence[int]) -> list[float]:
-    """Each request's share of a batch's device time, proportional to its rows."""
-    total = sum(rows)
-    if total <= 0:
-        raise ValueError("a batch has at least one row")
-    return [batch_seconds * r / total for r in rows]
-
-
-def price_for(target: str, prices: Mapping[str, float]) -> float:
-    if target not in prices:
-        raise ValueError(f"no price configured for device type {target!r}")
-    return prices[target]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What one request consumed: the record the ledger writes."""
-
-    request_id: str
-    tenant_id: int
-    model_name: str
-    version: int
-    target: str
-    # rows this request contributed to its batch
-    rows: int
-    # requests and rows in the batch it ran in
-    batch_size: int
-    batch_rows: int
-    # measured device time of the whole batch
-    batch_exec_seconds: float
-    # this request's share of it
-    billed_seconds: float
-    price_per_second: float
-
-    @property
-    def cost(self) -> float:
-        return self.billed_seconds * self.price_per_second
-
+from scheduler.pricing import Usage
 
 # what usage can be grouped by: a tenant (by name), a model, a version (with its target and
 # price), a UTC calendar day

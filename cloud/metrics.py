@@ -75,3 +75,27 @@ QUEUE_REJECTIONS = Counter(
     "luminal_queue_rejections_total", "Requests refused because a queue was full", ["tenant", "model"],
     registry=REGISTRY,
 )
+
+
+class PrometheusObserver:
+    """The runtime's and the scheduler's observer (runtime.runtime.RuntimeObserver,
+    scheduler.observer.SchedulerObserver) as the series above; built where they are wired."""
+
+    def model_loaded(self, target: str, seconds: float) -> None:
+        MODEL_LOAD_SECONDS.labels(target).observe(seconds)
+
+    def models_loaded_now(self, target: str, count: int) -> None:
+        LOADED_MODELS.labels(target).set(count)
+
+    def batch_executed(
+        self, tenant: str, model: str, target: str, requests: int, exec_seconds: float, billed_seconds: float
+    ) -> None:
+        BATCH_SIZE.labels(tenant, model).observe(requests)
+        EXECUTION_SECONDS.labels(tenant, model, target).inc(exec_seconds)
+        BILLED_SECONDS.labels(tenant).inc(billed_seconds)
+
+    def queue_waited(self, tenant: str, model: str, seconds: float) -> None:
+        QUEUE_WAIT.labels(tenant, model).observe(seconds)
+
+    def request_rejected(self, tenant: str, model: str) -> None:
+        QUEUE_REJECTIONS.labels(tenant, model).inc()

@@ -7,12 +7,33 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from cloud import metrics
 from compiler import Artifact
 from runtime.batching import concat_requests, split_outputs
+
+
+class RuntimeObserver(Protocol):
+    """What a runtime reports for operators' metrics (cloud/metrics.py holds the Prometheus one)."""
+
+    def model_loaded(self, target: str, seconds: float) -> None:
+        """An artifact was loaded onto a device of this type: a cold start, never billed."""
+
+    def models_loaded_now(self, target: str, count: int) -> None:
+        """How many artifacts this runtime holds after a load or an unload."""
+
+
+class _NoObserver:
+    def model_loaded(self, target: str, seconds: float) -> None:
+        pass
+
+    def models_loaded_now(self, target: str, count: int) -> None:
+        pass
+
+
+NO_OBSERVER: RuntimeObserver = _NoObserver()
 
 
 @dataclass
@@ -33,8 +54,10 @@ class Runtime:
         max_loaded: int = 8,
         idle_unload_s: float = 600.0,
         memory_budget_bytes: int | None = None,
+        observer: RuntimeObserver = NO_OBSERVER,
     ) -> None:
         self.device = device
+        self.observer = observer
         self._fetch = fetch_artifact
         self._max_loaded = max_loaded
         self._idle_unload_s = idle_unload_s
@@ -73,8 +96,8 @@ class Runtime:
             ):
                 evicted, _ = self._loaded.popitem(last=False)
                 self._sizes.pop(evicted, None)
-            metrics.MODEL_LOAD_SECONDS.labels(self.device.target).observe(load_seconds)
-            metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
+            self.observer.model_loaded(self.device.target, load_seconds)
+            self.observer.models_loaded_now(self.device.target, len(self._loaded))
             return program, load_seconds
 
     def unload_idle(self, now: float | None = None) -> list[str]:
@@ -84,13 +107,14 @@ class Runtime:
             for key in idle:
                 del self._loaded[key]
                 self._sizes.pop(key, None)
-            metrics.LOADED_MODELS.labels(self.device.target).set(len(self._loaded))
+            self.observer.models_loaded_now(self.device.target, len(self._loaded))
         return idle
 
     def unload(self, key: str) -> None:
         with self._load_lock:
             self._loaded.pop(key, None)
             self._sizes.pop(key, None)
+            self.observer.models_loaded_now(self.device.target, len(self._loaded))
 
     def run_batch(
         self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]

@@ -17,7 +17,6 @@ from typing import Protocol
 
 import numpy as np
 
-from cloud import metrics
 from cloud.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -26,10 +25,11 @@ from cloud.errors import (
     PayloadTooLarge,
     Unavailable,
 )
-from cloud.metering import Ledger, Usage, price_for, split_by_rows
 from compiler.shape import ShapeError
 from runtime import Runtime
+from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
+from scheduler.pricing import Usage, UsageSink, price_for, split_by_rows
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class InProcessEngine:
     def __init__(
         self,
         runtimes: Mapping[str, Runtime],
-        ledger: Ledger,
+        ledger: UsageSink,
         prices: Mapping[str, float],
         max_batch_rows: int,
         max_delay_s: float,
@@ -96,9 +96,11 @@ class InProcessEngine:
         retry_after_s: int,
         idle_check_s: float = 30.0,
         adaptive_batching: bool = True,
+        observer: SchedulerObserver = NO_OBSERVER,
     ) -> None:
         self.runtimes = runtimes
         self.ledger = ledger
+        self.observer = observer
         self.prices = prices
         self._policy = {
             "max_batch_rows": max_batch_rows,
@@ -144,16 +146,20 @@ class InProcessEngine:
 
     def run_and_meter(self, route: Route, batch: list[Pending]) -> list[InferenceResult]:
         """Runs in a worker thread: execute the batch, then write its usage records."""
-        results, usages = run_priced(self.runtimes[route.target], self.prices, route, batch)
+        results, usages = run_priced(self.runtimes[route.target], self.prices, route, batch, self.observer)
         self.ledger.record(usages)
         return results
 
 
 def run_priced(
-    runtime: Runtime, prices: Mapping[str, float], route: Route, batch: list[Pending]
+    runtime: Runtime,
+    prices: Mapping[str, float],
+    route: Route,
+    batch: list[Pending],
+    observer: SchedulerObserver,
 ) -> tuple[list[InferenceResult], list[Usage]]:
     """Executes a batch (each Pending's payload has `.inputs`) and prices each request's share
-    of its device time; counts the batch in the metrics."""
+    of its device time; reports the batch to the observer."""
     rows = [p.rows for p in batch]
     result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows)
     shares = split_by_rows(result.exec_seconds, rows)
@@ -174,9 +180,9 @@ def run_priced(
         )
         for p, share in zip(batch, shares)
     ]
-    metrics.BATCH_SIZE.labels(route.tenant_name, route.model_name).observe(len(batch))
-    metrics.EXECUTION_SECONDS.labels(route.tenant_name, route.model_name, route.target).inc(result.exec_seconds)
-    metrics.BILLED_SECONDS.labels(route.tenant_name).inc(sum(shares))
+    observer.batch_executed(
+        route.tenant_name, route.model_name, route.target, len(batch), result.exec_seconds, sum(shares)
+    )
     results = [
         InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
         for out, share in zip(result.outputs, shares)
@@ -226,7 +232,7 @@ class Batcher:
         try:
             self.queue.submit(pending, now)
         except QueueFull as exc:
-            metrics.QUEUE_REJECTIONS.labels(self.route.tenant_name, self.route.model_name).inc()
+            self.engine.observer.request_rejected(self.route.tenant_name, self.route.model_name)
             raise Overloaded(
                 f"the queue for {self.route.model_name} v{self.route.version} is full ({exc})",
                 retry_after=self.engine.retry_after_s,
@@ -258,9 +264,7 @@ class Batcher:
 
     async def _execute(self, batch: list[Pending], started: float) -> None:
         for pending in batch:
-            metrics.QUEUE_WAIT.labels(self.route.tenant_name, self.route.model_name).observe(
-                started - pending.enqueued_at
-            )
+            self.engine.observer.queue_waited(self.route.tenant_name, self.route.model_name, started - pending.enqueued_at)
         await self._run_batch(batch, started)
 
     async def _run_batch(self, batch: list[Pending], started: float) -> None:

@@ -1,6 +1,6 @@
 """The distributed engine (settings.request_queue="redis"): the gateway queues each request on
 its model version's Redis stream and waits for the answer on its own reply stream; runtime
-processes (runtime/process.py) do the batching and the running. The gateway runs no model.
+processes (scheduler/runtime_process.py) do the batching and the running. The gateway runs no model.
 
 Also here, since only gateways run them: the placement of versions on runtimes, and the ledger
 consumer that turns the runtimes' usage events into usage records.
@@ -20,12 +20,11 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from cloud import metrics
-from cloud.db import masked_url
 from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
-from cloud.metering import Ledger, Usage
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route
+from scheduler.observer import NO_OBSERVER, SchedulerObserver
+from scheduler.pricing import Usage, UsageSink
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +149,21 @@ class StreamEngine:
     def __init__(
         self,
         redis_url: str,
-        ledger: Ledger,
+        ledger: UsageSink,
         max_queue_requests: int,
         max_batch_rows: int,
         request_timeout_s: float,
         retry_after_s: int,
         claim_idle_s: float,
+        *,
+        masked_redis_url: str,
+        observer: SchedulerObserver = NO_OBSERVER,
     ) -> None:
-        self.redis_url = redis_url
+        # messages name Redis by this URL, its password masked by the caller (one masker, in cloud.db)
+        self.masked_redis_url = masked_redis_url
         self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=10)
         self.ledger = ledger
+        self.observer = observer
         self.max_queue_requests = max_queue_requests
         self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
@@ -179,7 +183,7 @@ class StreamEngine:
         ]
 
     def _unreachable(self, exc: Exception) -> Unavailable:
-        return Unavailable(f"the request queue (Redis at {masked_url(self.redis_url)}) is unreachable: {exc}")
+        return Unavailable(f"the request queue (Redis at {self.masked_redis_url}) is unreachable: {exc}")
 
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
@@ -196,7 +200,7 @@ class StreamEngine:
             # the bound holds across gateways: the length check and the append are one step
             if await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields]) is None:
                 self._waiting.pop(request_id, None)
-                metrics.QUEUE_REJECTIONS.labels(route.tenant_name, route.model_name).inc()
+                self.observer.request_rejected(route.tenant_name, route.model_name)
                 raise Overloaded(
                     f"the queue for {route.model_name} v{route.version} is full ({self.max_queue_requests} requests)",
                     retry_after=self.retry_after_s,

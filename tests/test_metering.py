@@ -9,8 +9,9 @@ from sqlalchemy import select
 
 from api.services import open_database
 from cloud.db import Database, UsageRecord
-from cloud.metering import Ledger, Usage, split_by_rows
+from cloud.metering import Ledger
 from cloud.settings import Settings
+from scheduler.pricing import Usage, split_by_rows
 
 
 def test_split_is_proportional_to_rows_and_sums_to_the_batch() -> None:

@@ -24,11 +24,12 @@ from sqlalchemy import create_engine, text
 from api.services import open_database
 from cloud.db import Base
 from cloud.errors import Conflict
-from cloud.metering import Ledger, Usage
+from cloud.metering import Ledger
 from cloud.migrations import alembic_config
 from cloud.settings import Settings
 from cloud.storage import LocalObjectStore
 from registry import Registry
+from scheduler.pricing import Usage
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 

@@ -20,7 +20,8 @@ from api.main import create_app
 from api.services import open_database
 from cloud.auth import create_admin_key, create_key
 from cloud.db import Tenant
-from cloud.metering import Ledger, Usage
+from cloud.metering import Ledger
+from scheduler.pricing import Usage
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 

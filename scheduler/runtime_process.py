@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -25,11 +24,12 @@ from dataclasses import asdict, dataclass
 import redis
 
 from cloud.errors import DeadlineExceeded, LuminalError
-from cloud.metering import Usage
 from runtime.runtime import Runtime
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
+from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending
+from scheduler.pricing import Usage
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ class Taken:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str
-    memory_budget_bytes: int
     heartbeat_s: float
     claim_idle_s: float
     max_batch_rows: int
@@ -64,10 +63,19 @@ class RuntimeConfig:
 
 
 class RuntimeProcess:
-    def __init__(self, client: redis.Redis, runtime: Runtime, config: RuntimeConfig) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        runtime: Runtime,
+        config: RuntimeConfig,
+        observer: SchedulerObserver = NO_OBSERVER,
+    ) -> None:
+        if runtime.memory_budget_bytes is None:
+            raise ValueError("a runtime process needs a memory budget: placement reads it from the heartbeat")
         self.redis = client
         self.runtime = runtime
         self.config = config
+        self.observer = observer
         self.runtime_id = f"{config.device}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._queues: dict[str, BatchQueue] = {}  # stream -> the requests taken from it
         self._streams: list[str] = []
@@ -79,7 +87,8 @@ class RuntimeProcess:
     def announce(self) -> None:
         info = {
             "device": self.config.device,
-            "memory_budget_bytes": self.config.memory_budget_bytes,
+            # the budget the runtime evicts by is the one gateways place by
+            "memory_budget_bytes": self.runtime.memory_budget_bytes,
             "loaded_bytes": self.runtime.loaded_bytes,
             "loaded": json.dumps(self.runtime.loaded_keys),
             "streams": len(self._streams),
@@ -91,11 +100,16 @@ class RuntimeProcess:
             pipe.sadd(wire.RUNTIMES, self.runtime_id)
             pipe.execute()
 
+    def beat(self) -> None:
+        """Scale to zero, then announce: models idle past the runtime's idle_unload_s leave device
+        memory first, so the heartbeat names only what is still loaded."""
+        self.runtime.unload_idle()
+        self.announce()
+
     def _heartbeat_loop(self) -> None:
         while not self._stopping.wait(self.config.heartbeat_s):
             try:
-                self.announce()
-                self.runtime.unload_idle()
+                self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -212,7 +226,7 @@ class RuntimeProcess:
             pipe.execute()
 
         def run(part: list[Pending]) -> list[tuple[InferenceResult, Usage]]:
-            results, usages = run_priced(self.runtime, self.config.prices, route, part)
+            results, usages = run_priced(self.runtime, self.config.prices, route, part, self.observer)
             return list(zip(results, usages))
 
         outcomes = run_isolating(run, batch, route.model_name)
@@ -283,39 +297,3 @@ class RuntimeProcess:
     def stop(self, *_: object) -> None:
         self._stopping.set()
 
-
-def run_runtime(settings, device: str) -> None:
-    """Builds a runtime process from settings and serves until SIGTERM or SIGINT."""
-    from cloud.storage import load_artifact, make_object_store
-    from runtime import CpuDevice
-
-    if device != "cpu":
-        raise LuminalError(f"device {device!r} is not supported by this build; available: cpu")
-    store = make_object_store(settings)
-    runtime = Runtime(
-        CpuDevice(),
-        lambda key: load_artifact(store, key),
-        settings.max_loaded_models,
-        settings.idle_unload_s,
-        settings.runtime_memory_bytes,
-    )
-    config = RuntimeConfig(
-        device=device,
-        memory_budget_bytes=settings.runtime_memory_bytes,
-        heartbeat_s=settings.runtime_heartbeat_s,
-        claim_idle_s=settings.runtime_claim_idle_s,
-        max_batch_rows=settings.max_batch_rows,
-        max_delay_s=settings.max_queue_delay_ms / 1000.0,
-        adaptive_batching=settings.adaptive_batching,
-        prices=dict(settings.price_per_second),
-    )
-    process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config)
-    signal.signal(signal.SIGTERM, process.stop)
-    signal.signal(signal.SIGINT, process.stop)
-    if settings.runtime_metrics_port:
-        from prometheus_client import start_http_server
-
-        from cloud.metrics import REGISTRY
-
-        start_http_server(settings.runtime_metrics_port, registry=REGISTRY)
-    process.serve()
