@@ -1,15 +1,32 @@
 """The runtime's memory: programs load on first use, the least recently used leave when the
-loaded ones pass the memory budget, and idle ones leave after idle_unload_s."""
+loaded ones pass the memory budget, and idle ones leave after idle_unload_s; what drives the
+unloading in each mode (the engine's janitor is tested in test_api.py, the runtime process's
+heartbeat here, against the local Redis)."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
+import redis
 
+from api.services import build_runtime
+from cloud.metrics import PrometheusObserver
+from cloud.storage import make_object_store
 from compiler import Artifact, compile_onnx
 from runtime import CpuDevice, Runtime
 from runtime.runtime import artifact_bytes
+from scheduler import wire
+from scheduler.runtime_process import RuntimeConfig, RuntimeProcess
+from tests.conftest import make_settings
 from tests.onnx_models import mlp
+from tests.processes import flushed_redis
+
+REDIS_DB = 13
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +72,88 @@ def test_idle_programs_leave_after_idle_unload_s(artifacts) -> None:
     assert runtime.unload_idle(now=0.0) == []
     assert sorted(runtime.unload_idle(now=float("inf"))) == ["medium", "small"]
     assert runtime.loaded_keys == [] and runtime.loaded_bytes == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def model_loaded(self, target: str, seconds: float) -> None:
+        self.events.append(("loaded", target, seconds > 0))
+
+    def models_loaded_now(self, target: str, count: int) -> None:
+        self.events.append(("count", target, count))
+
+
+def test_the_observer_hears_each_load_and_unload(artifacts) -> None:
+    observer = Recorder()
+    runtime = Runtime(CpuDevice(), artifacts.__getitem__, idle_unload_s=10.0, observer=observer)
+    run(runtime, "small")
+    run(runtime, "small")  # warm: nothing to report
+    run(runtime, "medium")
+    runtime.unload("medium")
+    runtime.unload_idle(now=float("inf"))
+    assert observer.events == [
+        ("loaded", "cpu", True),
+        ("count", "cpu", 1),
+        ("loaded", "cpu", True),
+        ("count", "cpu", 2),
+        ("count", "cpu", 1),
+        ("count", "cpu", 0),
+    ]
+
+
+def test_the_built_runtime_takes_its_budget_and_metrics_from_settings(tmp_path) -> None:
+    settings = make_settings(tmp_path / "data", runtime_memory_bytes=123_456, idle_unload_s=7.0)
+    runtime = build_runtime(settings, make_object_store(settings))
+    assert runtime.memory_budget_bytes == 123_456
+    assert isinstance(runtime.observer, PrometheusObserver)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    yield from flushed_redis(REDIS_DB)
+
+
+def runtime_process(client: redis.Redis, runtime: Runtime) -> RuntimeProcess:
+    config = RuntimeConfig(
+        device="cpu",
+        heartbeat_s=0.05,
+        claim_idle_s=1.0,
+        max_batch_rows=4,
+        max_delay_s=0.0,
+        adaptive_batching=True,
+        prices={"cpu": 1.0},
+    )
+    return RuntimeProcess(client, runtime, config)
+
+
+def test_a_runtime_process_heartbeat_unloads_idle_models_and_announces_it(artifacts, redis_url) -> None:
+    budget = artifact_bytes(artifacts["large"])
+    runtime = Runtime(CpuDevice(), artifacts.__getitem__, idle_unload_s=1.0, memory_budget_bytes=budget)
+    client = redis.Redis.from_url(redis_url)
+    process = runtime_process(client, runtime)
+    run(runtime, "small")
+    serving = threading.Thread(target=process.serve, daemon=True)
+    serving.start()
+    try:
+        announced = wire.heartbeat_key(process.runtime_id)
+        deadline = time.monotonic() + 10
+        while json.loads(client.hget(announced, "loaded") or b"null") != ["small"]:
+            assert time.monotonic() < deadline, "the heartbeat never announced the loaded model"
+            time.sleep(0.01)
+        # placement reads the budget the runtime evicts by
+        assert int(client.hget(announced, "memory_budget_bytes")) == budget
+        while runtime.loaded_keys or json.loads(client.hget(announced, "loaded")) != []:
+            assert time.monotonic() < deadline, "the idle model was never unloaded, or never announced so"
+            time.sleep(0.01)
+        assert int(client.hget(announced, "loaded_bytes")) == 0
+    finally:
+        process.stop()
+        serving.join(timeout=5)
+        client.close()
+
+
+def test_a_runtime_process_needs_a_memory_budget(artifacts) -> None:
+    with pytest.raises(ValueError, match="memory budget"):
+        runtime_process(redis.Redis(), Runtime(CpuDevice(), artifacts.__getitem__))
