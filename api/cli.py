@@ -100,7 +100,9 @@ def _serve(args: argparse.Namespace) -> None:
     except (DataDirInUse, LuminalError) as exc:
         sys.exit(f"luminal-cloud serve: {exc}")
     print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        create_app(settings), host=args.host, port=args.port, log_level="info", access_log=settings.access_log
+    )
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -12,7 +12,8 @@ from cloud.auth import authenticate_admin
 from cloud.db import AdminKey, Tenant
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    # async: FastAPI runs a plain def dependency in a worker thread, a hand-off per request
     return request.app.state.services
 
 

@@ -18,6 +18,7 @@ from api.services import Services
 from cloud import metrics
 from cloud.db import ModelVersion, Tenant
 from cloud.errors import LuminalError
+from cloud.settings import Settings
 from cloud.validation import DecodedInputs, symbol_limits
 from compiler import Signature
 from scheduler.engine import InferenceResult, Route
@@ -48,6 +49,24 @@ class Served[Decoded: DecodedInputs]:
         )
 
 
+# version id -> (its signature as stored, the settings, the parsed signature, its symbol limits):
+# parsing and fitting limits to the memory budget cost more than the rest of a small request
+_PREPARED: dict[int, tuple[dict, Settings, Signature, dict[str, int]]] = {}
+_PREPARED_MAX = 1024
+
+
+def _prepared(version_id: int, stored: dict, settings: Settings) -> tuple[Signature, dict[str, int]]:
+    entry = _PREPARED.get(version_id)
+    # by identity: the registry's cached answer keeps its dict, and servers with other settings
+    # or databases in one process (tests) never share an entry
+    if entry is None or entry[0] is not stored or entry[1] is not settings:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        signature = Signature.from_json(stored)
+        entry = _PREPARED[version_id] = (stored, settings, signature, symbol_limits(signature, settings))
+    return entry[2], entry[3]
+
+
 async def serve[Decoded: DecodedInputs](
     services: Services,
     tenant: Tenant,
@@ -67,15 +86,15 @@ async def serve[Decoded: DecodedInputs](
             services.registry.resolve, tenant.id, name, version
         )
         model_label = name
-        signature = Signature.from_json(found.signature)
         settings = services.settings
+        signature, limits = _prepared(found.id, found.signature, settings)
         decoded = await services.codec.run(
             len(raw),
             decode,
             raw,
             signature,
             settings.max_request_elements,
-            symbol_limits(signature, settings),
+            limits,
             settings.max_request_memory_bytes,
         )
         route = Route(

@@ -93,7 +93,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Luminal Cloud", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    routers = (models, versions, infer, usage, admin, health, kserve_v2)
+    # inference first: a request is matched against routes in this order
+    routers = (infer, kserve_v2, models, versions, usage, admin, health)
     for router in (module.router for module in routers):
         app.include_router(router)
     app.add_middleware(GuardedBody, settings=settings)

@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     # bearer token an operator's scraper sends to /metrics; empty serves /metrics only to clients
     # on this machine (the metrics name tenants and their billed seconds)
     metrics_token: str = ""
+    # a log line per HTTP request from the gateway; off by default, as in Triton: at thousands of
+    # requests a second it costs a tenth of a small request, and /metrics already counts them
+    access_log: bool = False
 
     @property
     def resolved_database_url(self) -> str:

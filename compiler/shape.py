@@ -10,6 +10,7 @@ known about every symbol: it is at least 1.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -394,6 +395,7 @@ def _render_atom(atom: Atom) -> str:
 _TOKEN = re.compile(r"\s*(\d+|[A-Za-z_][A-Za-z0-9_]*|//|[-+*(),])")
 
 
+@functools.lru_cache(maxsize=4096)  # signatures parse the same few texts on every request
 def parse_dim(text: str) -> Dim:
     """The inverse of str() on a Dim: integers, symbols, + - * //, parentheses, max(), min(),
     floordiv() and mod()."""
