@@ -54,13 +54,15 @@ _MAX_INIT = {
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
 # below this much work (output elements times the operations each costs, by the lowering's
-# OP_COST) a loop nest runs on one thread: waking a team costs more than the loop (and on a busy
-# machine a descheduled thread stalls the whole region)
-PARALLEL_MIN_WORK = 1 << 18
-# likewise for a matrix product, in multiply-adds
-GEMM_PARALLEL_MIN_FLOPS = 1 << 21
-# a matrix-vector product is bound by reading the matrix, which two cores do faster from 1 MiB up
-GEMV_PARALLEL_MIN_FLOPS = 1 << 18
+# OP_COST) a loop nest runs on one thread: waking a team costs more than the loop (about 16 us a
+# region here when the partner sleeps), and on a busy machine a descheduled partner stalls the
+# whole region (an MLP at batch 1 ran 1.7-2x onnxruntime's time with its three small layers
+# parallel, 1.0-1.1x on one thread, beside another process)
+PARALLEL_MIN_WORK = 1 << 20
+# likewise for a matrix product, in multiply-adds (4M: about 50 us on one core)
+GEMM_PARALLEL_MIN_FLOPS = 1 << 22
+# a matrix-vector product is bound by reading the matrix, which two cores do faster from 2 MiB up
+GEMV_PARALLEL_MIN_FLOPS = 1 << 19
 # a panel of a convolution's windows is filled and multiplied while it stays in a core's L2
 PANEL_BYTES = 256 * 1024
 # and is at least this many columns wide
