@@ -79,6 +79,11 @@ class BatchQueue:
     def record_execution(self, seconds: float) -> None:
         self._batch_seconds = _smooth(self._batch_seconds, seconds)
 
+    @property
+    def batch_seconds(self) -> float | None:
+        """How long a batch has been running lately (None before the first)."""
+        return self._batch_seconds
+
     def __len__(self) -> int:
         return len(self._queue)
 

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # how often a runtime looks for versions newly placed on it: the wait of a new version's first
 # request, and the longest an idle runtime blocks reading
 ASSIGNMENT_CHECK_S = 0.2
+# a request is told its batch started only when its deadline is nearer than this (plus a few
+# batch times) or the batch may be slow (a cold start, a first run): its gateway then waits for
+# the run instead of answering 504 while it runs. Any other request's answer comes long before
+# its deadline, and a "started" message for each would cost a round trip on both sides.
+STARTED_NOTICE_S = 2.0
 
 
 @dataclass
@@ -219,11 +224,17 @@ class RuntimeProcess:
     def _execute(self, batch: list[Pending]) -> None:
         started = time.monotonic()
         route = Route(**batch[0].payload.message.route)
-        with self.redis.pipeline(transaction=False) as pipe:
-            for pending in batch:
-                reply = wire.ReplyMessage(pending.request_id, "started")
-                pipe.xadd(pending.payload.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
-            pipe.execute()
+        queue = self._queues[batch[0].payload.stream]
+        if queue.batch_seconds is None or route.artifact_key not in self.runtime.loaded_keys:
+            notify = batch
+        else:
+            notify = [p for p in batch if p.deadline - started < STARTED_NOTICE_S + 4 * queue.batch_seconds]
+        if notify:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for pending in notify:
+                    reply = wire.ReplyMessage(pending.request_id, "started")
+                    pipe.xadd(pending.payload.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
+                pipe.execute()
 
         def run(part: list[Pending]) -> list[tuple[InferenceResult, Usage]]:
             results, usages = run_priced(self.runtime, self.config.prices, route, part, self.observer)
@@ -232,13 +243,14 @@ class RuntimeProcess:
         outcomes = run_isolating(run, batch, route.model_name)
         ran = [o[0].batch_exec_seconds for _, o in outcomes if not isinstance(o, BaseException)]
         if ran:
-            self._queues[batch[0].payload.stream].record_execution(max(ran))
+            queue.record_execution(max(ran))
+        answers: list[tuple[Taken, wire.ReplyMessage, Usage | None]] = []
         for pending, outcome in outcomes:
             taken: Taken = pending.payload
             if isinstance(outcome, BaseException):
                 code = outcome.code if isinstance(outcome, LuminalError) else "internal_error"
                 message = outcome.message if isinstance(outcome, LuminalError) else f"internal error ({type(outcome).__name__})"
-                self._answer_error(taken, code, message)
+                answers.append((taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None))
                 continue
             result, usage = outcome
             reply = wire.ReplyMessage(
@@ -251,20 +263,23 @@ class RuntimeProcess:
                 queue_seconds=started - pending.enqueued_at,
                 outputs=result.outputs,
             )
-            self._finish(taken, reply, usage)
+            answers.append((taken, reply, usage))
+        self._finish(answers)
 
-    def _finish(self, taken: Taken, reply: wire.ReplyMessage, usage: Usage | None) -> None:
-        """The usage event, the reply and the acknowledgement, all or none."""
+    def _finish(self, answers: list[tuple[Taken, wire.ReplyMessage, Usage | None]]) -> None:
+        """Each request's usage event, reply and acknowledgement, all or none; a batch's in one
+        transaction, one round trip."""
         with self.redis.pipeline(transaction=True) as pipe:
-            if usage is not None:
-                pipe.xadd(wire.USAGE_STREAM, {"usage": json.dumps(asdict(usage))})
-            pipe.xadd(taken.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
-            pipe.xack(taken.stream, wire.RUNTIME_GROUP, taken.message_id)
-            pipe.xdel(taken.stream, taken.message_id)
+            for taken, reply, usage in answers:
+                if usage is not None:
+                    pipe.xadd(wire.USAGE_STREAM, {"usage": json.dumps(asdict(usage))})
+                pipe.xadd(taken.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
+                pipe.xack(taken.stream, wire.RUNTIME_GROUP, taken.message_id)
+                pipe.xdel(taken.stream, taken.message_id)
             pipe.execute()
 
     def _answer_error(self, taken: Taken, code: str, message: str) -> None:
-        self._finish(taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None)
+        self._finish([(taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None)])
 
     # -- running --
     def serve(self) -> None:

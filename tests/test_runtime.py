@@ -21,7 +21,9 @@ from compiler import Artifact, compile_onnx
 from runtime import CpuDevice, Runtime
 from runtime.runtime import artifact_bytes
 from scheduler import wire
-from scheduler.runtime_process import RuntimeConfig, RuntimeProcess
+from scheduler.engine import Route
+from scheduler.runtime_process import STARTED_NOTICE_S, RuntimeConfig, RuntimeProcess
+from scheduler.streams import route_fields
 from tests.conftest import make_settings
 from tests.onnx_models import mlp
 from tests.processes import flushed_redis
@@ -157,3 +159,45 @@ def test_a_runtime_process_heartbeat_unloads_idle_models_and_announces_it(artifa
 def test_a_runtime_process_needs_a_memory_budget(artifacts) -> None:
     with pytest.raises(ValueError, match="memory budget"):
         runtime_process(redis.Redis(), Runtime(CpuDevice(), artifacts.__getitem__))
+
+
+def test_a_request_is_told_its_batch_started_only_when_a_slow_run_could_pass_its_deadline(
+    artifacts, redis_url
+) -> None:
+    """"started" tells a gateway to wait for a running batch rather than answer 504 at the
+    deadline; it costs a round trip, so it goes only where that could happen: a batch that may
+    be slow (a first run, a cold start), or a deadline nearer than STARTED_NOTICE_S."""
+    runtime = Runtime(CpuDevice(), artifacts.__getitem__, memory_budget_bytes=1 << 30)
+    client = redis.Redis.from_url(redis_url)
+    process = runtime_process(client, runtime)
+    route = Route(1, 1, "t", "small", 1, "cpu", "small", batchable=True)
+    client.sadd(wire.assigned_key(process.runtime_id), route.version_id)
+    process.refresh_streams()
+    reply_to = wire.reply_stream("test-gateway")
+
+    def kinds_of_replies(request_id: str, seconds_to_deadline: float) -> list[str]:
+        message = wire.RequestMessage(
+            request_id, reply_to, time.time() + seconds_to_deadline, 1, route_fields(route),
+            {"x": np.ones((1, 8), np.float32)},
+        )
+        client.xadd(wire.request_stream(route.version_id), message.to_fields())
+        deadline = time.monotonic() + 10
+        replies: list[wire.ReplyMessage] = []
+        while not any(r.kind != "started" for r in replies):
+            assert time.monotonic() < deadline, "the runtime never answered"
+            process.step()
+            replies = [
+                reply
+                for _, fields in client.xrange(reply_to)
+                if (reply := wire.ReplyMessage.from_fields(fields)).request_id == request_id
+            ]
+        return [r.kind for r in replies]
+
+    try:
+        assert kinds_of_replies("first", 60) == ["started", "ok"]  # no batch time known yet
+        assert kinds_of_replies("far", 60) == ["ok"]
+        assert kinds_of_replies("near", STARTED_NOTICE_S / 2) == ["started", "ok"]
+        runtime.unload("small")
+        assert kinds_of_replies("cold", 60) == ["started", "ok"]
+    finally:
+        client.close()
