@@ -1,8 +1,9 @@
 """Serving latency and throughput of a small MLP through real HTTP, in one run: the embedded path
 against the distributed one (gateway + a runtime process over Redis Streams), with batching on
-and with a max batch size of 1, at concurrency 1, 16 and 64.
+and with a max batch size of 1, at concurrency 1, 16 and 64; and, on the embedded path at
+concurrency 64, a wide MLP whose device time dominates, where batching pays.
 
-    .venv/bin/python benchmarks/serving.py [--seconds 5] [--redis redis://127.0.0.1:6379/13]
+    .venv/bin/python benchmarks/serving.py [--seconds 5] [--redis redis://127.0.0.1:6379/13] [--no-wide]
 
 Each configuration starts `luminal-cloud serve` (and, distributed, one `luminal-cloud runtime`)
 as separate processes on one data directory, so the model compiles once. Latency is measured by
@@ -39,8 +40,14 @@ from cloud.auth import create_key
 from cloud.settings import Settings
 from luminal_cloud import Client
 
+# the issue's model: its device time (0.1-0.3 ms) is far below what the gateway spends on a
+# request, so Python in the gateway bounds its throughput, with or without batching
 WIDTHS = (256, 512, 512, 10)
 CONCURRENCY = (1, 16, 64)
+# a model whose device time dominates (a batch-1 run reads its 64 MiB of weights): where
+# batching pays, shown at the highest concurrency, on the embedded path
+WIDE_WIDTHS = (256, 4096, 4096, 10)
+WIDE_CONCURRENCY = (64,)
 
 
 def start(args: list[str], env: dict[str, str], log: Path, ready: str, timeout: float = 120) -> subprocess.Popen:
@@ -90,20 +97,20 @@ class Connection:
         self.writer.close()
 
 
-def infer_request(port: int, key: str) -> bytes:
+def infer_request(port: int, key: str, model: str) -> bytes:
     x = np.random.default_rng(0).standard_normal((1, WIDTHS[0])).astype(np.float32).tolist()
     body = json.dumps({"inputs": {"features": x}}).encode()
     head = (
-        f"POST /v1/models/mlp/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"POST /v1/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
 
-async def load(port: int, key: str, concurrency: int, seconds: float) -> tuple:
+async def load(port: int, key: str, model: str, concurrency: int, seconds: float) -> tuple:
     """(latencies s, overheads s, batch sizes, failed requests, wall s) of `concurrency` clients
     sending back to back, each on its own connection."""
-    request = infer_request(port, key)
+    request = infer_request(port, key, model)
     latencies, overheads, batches, errors = [], [], [], []
     connections = [await Connection.open("127.0.0.1", port) for _ in range(concurrency)]
     try:
@@ -159,6 +166,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="load per configuration and concurrency")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/13", help="a Redis database this run may empty")
     parser.add_argument("--modes", default="embedded,distributed")
+    parser.add_argument(
+        "--no-wide", dest="wide", action="store_false", help="skip the device-bound model's rows"
+    )
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="luminal-serving-"))
@@ -187,29 +197,34 @@ def main() -> None:
                 processes.append(
                     start(["serve", "--port", str(port)], env, workdir / f"{label}-serve.log", "Application startup complete")
                 )
-                with Client(f"http://127.0.0.1:{port}", key) as client:
-                    client.deploy(mlp(WIDTHS), name="mlp")
-                for concurrency in CONCURRENCY:
-                    cpu_before = cpu_seconds(processes)
-                    latencies, overheads, batches, errors, wall = asyncio.run(
-                        load(port, key, concurrency, args.seconds), loop_factory=uvloop.new_event_loop
-                    )
-                    cpu_per_request = (cpu_seconds(processes) - cpu_before) / max(1, len(latencies) + len(errors))
-                    rows.append(
-                        (
-                            mode,
-                            "on" if batching else "max 1",
-                            concurrency,
-                            percentile(latencies, 0.5) * 1000,
-                            percentile(latencies, 0.99) * 1000,
-                            len(latencies) / wall,
-                            statistics.mean(batches),
-                            percentile(overheads, 0.5) * 1000,
-                            cpu_per_request * 1000,
-                            len(errors),
+                models = [("mlp", WIDTHS, CONCURRENCY)]
+                if mode == "embedded" and args.wide:
+                    models.append(("wide-mlp", WIDE_WIDTHS, WIDE_CONCURRENCY))
+                for model, widths, concurrencies in models:
+                    with Client(f"http://127.0.0.1:{port}", key) as client:
+                        client.deploy(mlp(widths), name=model)
+                    for concurrency in concurrencies:
+                        cpu_before = cpu_seconds(processes)
+                        latencies, overheads, batches, errors, wall = asyncio.run(
+                            load(port, key, model, concurrency, args.seconds), loop_factory=uvloop.new_event_loop
                         )
-                    )
-                    print(_row(rows[-1]), flush=True)
+                        answered = max(1, len(latencies) + len(errors))
+                        rows.append(
+                            (
+                                "-".join(map(str, widths)),
+                                mode,
+                                "on" if batching else "max 1",
+                                concurrency,
+                                percentile(latencies, 0.5) * 1000,
+                                percentile(latencies, 0.99) * 1000,
+                                len(latencies) / wall,
+                                statistics.mean(batches),
+                                percentile(overheads, 0.5) * 1000,
+                                (cpu_seconds(processes) - cpu_before) / answered * 1000,
+                                len(errors),
+                            )
+                        )
+                        print(_row(rows[-1]), flush=True)
             finally:
                 for process in reversed(processes):
                     stop(process)
@@ -218,15 +233,15 @@ def main() -> None:
 
 
 HEADER = (
-    "path", "batching", "concurrency", "p50 ms", "p99 ms", "req/s", "mean batch", "p50 overhead ms",
+    "model", "path", "batching", "concurrency", "p50 ms", "p99 ms", "req/s", "mean batch", "p50 overhead ms",
     "server CPU ms/req", "failed",
 )
 
 
 def _row(row: tuple) -> str:
-    mode, batching, concurrency, p50, p99, rate, batch, overhead, cpu, failed = row
+    model, mode, batching, concurrency, p50, p99, rate, batch, overhead, cpu, failed = row
     return (
-        f"| {mode} | {batching} | {concurrency} | {p50:.2f} | {p99:.2f} | {rate:.0f} | {batch:.1f} | {overhead:.2f} "
+        f"| {model} | {mode} | {batching} | {concurrency} | {p50:.2f} | {p99:.2f} | {rate:.0f} | {batch:.1f} | {overhead:.2f} "
         f"| {cpu:.2f} | {failed} |"
     )
 
