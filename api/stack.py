@@ -270,9 +270,9 @@ def _start(stack: Stack, options: StackOptions, env: dict[str, str], s3_endpoint
     env["LUMINAL_S3_ENDPOINT_URL"] = s3_endpoint
 
     workers = [
-        Child(f"worker-{i}", "Celery compile worker", _command("worker"), env, log_dir / f"worker-{i}.log",
-              log_says(" ready."))
-        for i in range(1, options.workers + 1)
+        Child(f"worker-{i}", f"Celery compile worker, metrics http://127.0.0.1:{port}/metrics", _command("worker"),
+              {**env, "LUMINAL_WORKER_METRICS_PORT": str(port)}, log_dir / f"worker-{i}.log", log_says(" ready."))
+        for i, port in enumerate([free_port() for _ in range(options.workers)], start=1)
     ]
     runtimes = [
         Child(f"runtime-{i}", f"device cpu, metrics http://127.0.0.1:{port}/metrics",

@@ -99,6 +99,8 @@ class Settings(BaseSettings):
     runtime_claim_idle_s: float = 10.0
     # port of a runtime process's /metrics (0: none)
     runtime_metrics_port: int = 0
+    # port of a Celery compile worker's /metrics: its compile counts and times (0: none)
+    worker_metrics_port: int = 0
     # bearer token an operator's scraper sends to /metrics; empty serves /metrics only to clients
     # on this machine (the metrics name tenants and their billed seconds)
     metrics_token: str = ""

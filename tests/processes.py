@@ -37,6 +37,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "LUMINAL_RUNTIME_MEMORY_BYTES": str(settings.runtime_memory_bytes),
         "LUMINAL_RUNTIME_HEARTBEAT_S": str(settings.runtime_heartbeat_s),
         "LUMINAL_RUNTIME_CLAIM_IDLE_S": str(settings.runtime_claim_idle_s),
+        "LUMINAL_WORKER_METRICS_PORT": str(settings.worker_metrics_port),
     }
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnxruntime
 import pytest
@@ -84,7 +85,8 @@ def ready_lines(*workers: ServiceProcess, version_id: int) -> int:
 
 
 def test_an_upload_compiles_on_a_celery_worker_and_serves(settings, keys, start_worker) -> None:
-    worker = start_worker()
+    metrics_port = free_port()
+    worker = start_worker(settings=settings.model_copy(update={"worker_metrics_port": metrics_port}))
     model = mlp()
     with TestClient(create_app(settings)) as client:
         assert type(client.app.state.services.compiler).__name__ == "CeleryCompileQueue"
@@ -100,6 +102,10 @@ def test_an_upload_compiles_on_a_celery_worker_and_serves(settings, keys, start_
         assert reply.status_code == 200, reply.text
         np.testing.assert_allclose(np.asarray(reply.json()["outputs"]["y"], np.float32), ort(model, x), rtol=1e-5, atol=1e-6)
     assert ready_lines(worker, version_id=1) == 1
+    # the worker counts its compiles where Prometheus scrapes it (the gateway compiled nothing)
+    scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert 'luminal_compiles_total{status="ready"} 1.0' in scraped, scraped
+    assert "luminal_compile_seconds_count 1.0" in scraped
 
     # the task is idempotent: a second message for a compiled version changes nothing, and its
     # result reaches the result backend

@@ -163,7 +163,7 @@ def test_role_healthchecks_run_the_script_the_image_copies() -> None:
         assert test[test.index(script) + 1] == name
 
 
-def test_prometheus_scrapes_the_gateway_and_every_runtime() -> None:
+def test_prometheus_scrapes_the_gateway_and_every_runtime_and_worker() -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     gateway_port = SERVICES["gateway"]["command"][SERVICES["gateway"]["command"].index("--port") + 1]
@@ -173,6 +173,8 @@ def test_prometheus_scrapes_the_gateway_and_every_runtime() -> None:
     assert "LUMINAL_METRICS_TOKEN" in environment(SERVICES["gateway"])
     runtime_port = int(environment(SERVICES["runtime"])["LUMINAL_RUNTIME_METRICS_PORT"])
     assert jobs["runtime"]["dns_sd_configs"] == [{"names": ["runtime"], "type": "A", "port": runtime_port}]
+    worker_port = int(environment(SERVICES["worker"])["LUMINAL_WORKER_METRICS_PORT"])
+    assert jobs["worker"]["dns_sd_configs"] == [{"names": ["worker"], "type": "A", "port": worker_port}]
     mounted = dict(bind_mounts(SERVICES["prometheus"]))
     assert mounted["./deploy/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
 

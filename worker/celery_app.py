@@ -161,7 +161,14 @@ def _compile_task(task, version_id: int) -> str | None:
 
 
 def run_worker(settings: Settings, targets: tuple[str, ...], concurrency: int, loglevel: str = "INFO") -> None:
-    """Runs a Celery worker that takes the compiles of `targets` (blocks until stopped)."""
+    """Runs a Celery worker that takes the compiles of `targets` (blocks until stopped); its
+    /metrics on worker_metrics_port when one is set (the compile panels read them)."""
+    if settings.worker_metrics_port:
+        from prometheus_client import start_http_server
+
+        from cloud.metrics import REGISTRY
+
+        start_http_server(settings.worker_metrics_port, registry=REGISTRY)
     app = make_celery(settings)
     queues = ",".join(compile_queue(t) for t in targets)
     app.worker_main(
