@@ -104,6 +104,8 @@ class _Lowering:
         self.buffers: list[Buffer] = []
         self.kernels: list[Kernel] = []
         self.buffer_of: dict[int, int] = {}
+        # (dtype, shape, value) -> the temp a product's operand was computed into
+        self.packed: dict[tuple, int] = {}
         self.weights: dict[str, np.ndarray] = dict(graph.weights)
         self.symbols: set[str] = set()
         self.scalars = self.scalar_constants()
@@ -437,15 +439,22 @@ class _Lowering:
             buffer = self.new_buffer(array.dtype.name, array.shape, "weight", key)
         else:
             panels = right and bool(cols) and self.reads_windows(base)  # blocks split the leading n axis
-            buffer = self.new_buffer(dtype, packed_shape, "panel" if panels else "temp")
             extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
             idx = [Ix() if c is None else var_of[c] for c in axis_letter]
-            kernel = LoopKernel(buffer, packed_shape, self.expr(base, idx, extents), None, base)
+            value = self.expr(base, idx, extents)
+            key = (dtype, packed_shape, value)
+            if not panels and key in self.packed:
+                # the same operand of another product (a layer norm's output feeding the query, key
+                # and value projections): computed and stored once
+                return self.packed[key], False, self.batch_strides(batch, order, sizes), None
+            buffer = self.new_buffer(dtype, packed_shape, "panel" if panels else "temp")
+            kernel = LoopKernel(buffer, packed_shape, value, None, base)
             if panels:
                 axes = tuple(batch.index(c) for c in own_batch)
                 return buffer, False, self.batch_strides(batch, order, sizes), Panels(kernel, axes, len(rows))
             self.kernels.append(kernel)
+            self.packed[key] = buffer
         return buffer, False, self.batch_strides(batch, order, sizes), None
 
     def reads_windows(self, i: int) -> bool:

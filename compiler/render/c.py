@@ -54,14 +54,15 @@ _MAX_INIT = {
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
 # below this much work (output elements times the operations each costs, by the lowering's
-# OP_COST) a loop nest runs on one thread: waking a team costs more than the loop (about 16 us a
-# region here when the partner sleeps), and on a busy machine a descheduled partner stalls the
-# whole region (an MLP at batch 1 ran 1.7-2x onnxruntime's time with its three small layers
-# parallel, 1.0-1.1x on one thread, beside another process)
-PARALLEL_MIN_WORK = 1 << 20
-# likewise for a matrix product, in multiply-adds (4M: about 50 us on one core)
-GEMM_PARALLEL_MIN_FLOPS = 1 << 22
+# OP_COST; a reduction's reads, padding checks and accumulation count) a loop nest runs on one
+# thread: waking a team costs more than the loop (about 16 us a region here when the partner
+# sleeps), and on a busy machine a descheduled partner stalls the whole region
+PARALLEL_MIN_WORK = 1 << 18
+# likewise for a matrix product, in multiply-adds
+GEMM_PARALLEL_MIN_FLOPS = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores do faster from 2 MiB up
+# (an MLP at batch 1 ran 1.7-2x onnxruntime's time with its 784x512 layer split, 1.0-1.1x on one
+# thread, beside another process)
 GEMV_PARALLEL_MIN_FLOPS = 1 << 19
 # a panel of a convolution's windows is filled and multiplied while it stays in a core's L2
 PANEL_BYTES = 256 * 1024
@@ -240,7 +241,7 @@ class _Renderer:
         parallel = rank - 1 if across else rank
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
-            cost = max(1, _operations(kernel.value))
+            cost = max(1, _operations(kernel.value) + (kernel.reduce is not None))
             # a flat elementwise loop is both the threads' loop and the vector loop
             simd = " simd" if rank == 1 and kernel.reduce is None and not self.gathers(kernel.value) else ""
             lines.append(f"    #pragma omp parallel for{simd}{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
@@ -736,6 +737,8 @@ def _operations(expr: Expr) -> int:
             count += OP_COST.get(e.op, 1)
         elif isinstance(e, Load):
             count += 1
+        elif isinstance(e, Guarded):
+            count += len(e.guards)
     return count
 
 
