@@ -9,15 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import start_http_server
-from sqlalchemy.exc import ArgumentError, OperationalError
 
 from api.codec import Codec
 from cloud.auth import Authenticator
-from cloud.db import Database, masked_url
-from cloud.errors import LuminalError, Unreachable
+from cloud.db import Database, masked_url, open_database
+from cloud.errors import LuminalError
 from cloud.metering import Ledger
 from cloud.metrics import REGISTRY, PrometheusObserver
-from cloud.migrations import upgrade_to_head
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
 from compiler import Artifact
@@ -71,28 +69,6 @@ class Services:
         self.codec.close()
         self.db.dispose()
         self.lock.release()
-
-
-def open_database(settings: Settings) -> Database:
-    """The metadata database at the current schema: the embedded SQLite by create_all (nothing
-    to migrate from), any other by the Alembic migrations. Unreachable, naming the URL with its
-    password masked, when the database cannot be reached or the URL is not one."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    url = settings.resolved_database_url
-    try:
-        db = Database(url)
-    except ArgumentError as exc:
-        raise Unreachable(f"LUMINAL_DATABASE_URL is not a database URL SQLAlchemy can use: {exc}") from None
-    try:
-        if db.is_sqlite:
-            db.create_all()
-        else:
-            upgrade_to_head(db.engine)
-    except OperationalError as exc:
-        db.dispose()
-        reason = str(exc.orig or exc).strip().splitlines()[0]
-        raise Unreachable(f"cannot reach the database at {masked_url(url)}: {reason}") from None
-    return db
 
 
 def build_services(settings: Settings) -> Services:

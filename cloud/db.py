@@ -20,7 +20,11 @@ from sqlalchemy import (
     event,
     make_url,
 )
+from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+from cloud.errors import Unreachable
+from cloud.settings import Settings
 
 
 def utcnow() -> datetime:
@@ -203,3 +207,27 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def open_database(settings: Settings) -> Database:
+    """The metadata database at the current schema: the embedded SQLite by create_all (nothing
+    to migrate from), any other by the Alembic migrations. Unreachable, naming the URL with its
+    password masked, when the database cannot be reached or the URL is not one."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url
+    try:
+        db = Database(url)
+    except ArgumentError as exc:
+        raise Unreachable(f"LUMINAL_DATABASE_URL is not a database URL SQLAlchemy can use: {exc}") from None
+    try:
+        if db.is_sqlite:
+            db.create_all()
+        else:
+            from cloud.migrations import upgrade_to_head  # Alembic only where it runs
+
+            upgrade_to_head(db.engine)
+    except OperationalError as exc:
+        db.dispose()
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        raise Unreachable(f"cannot reach the database at {masked_url(url)}: {reason}") from None
+    return db

@@ -101,7 +101,7 @@ class WorkerContext:
 
 @cache
 def worker_context() -> WorkerContext:
-    from api.services import open_database
+    from cloud.db import open_database
     from cloud.storage import make_object_store
 
     settings = get_settings()
