@@ -392,7 +392,12 @@ class _Lowering:
         target = out
         if "".join(canonical) != out_letters:
             target = self.new_buffer(node.dtype, tuple(sizes[c] for c in canonical), "temp")
-        a_buf, trans_a, a_strides, _ = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
+        scaled = self.row_scaled_operand(a, batch, m_letters, k_letters, n_letters, sizes)
+        if scaled is not None:
+            a_buf, trans_a, a_strides, row_scale = scaled
+        else:
+            a_buf, trans_a, a_strides, _ = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
+            row_scale = None
         b_buf, trans_b, b_strides, panels = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype, True)
 
         def size(letters: Sequence[str]) -> Dim:
@@ -404,10 +409,47 @@ class _Lowering:
                 size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels,
             )
         )
+        if row_scale is not None:  # C[m, n] *= f[m], in place
+            shape = tuple(sizes[c] for c in canonical)
+            names = {c: f"o{j}" for j, c in enumerate(canonical)}
+            own = Load(target, linear([Ix.var(names[c]) for c in canonical], shape))
+            self.kernels.append(LoopKernel(target, shape, Apply("mul", (own, renamed(row_scale, names)), node.dtype), None, i))
         if target != out:
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_letters)}
             index = linear([var_of[c] for c in canonical], tuple(sizes[c] for c in canonical))
             self.kernels.append(LoopKernel(out, node.shape, Load(target, index), None, i))
+
+    def row_scaled_operand(
+        self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
+        n_letters: list[str], sizes: dict[str, Dim],
+    ) -> tuple[int, bool, tuple[Dim, ...], Expr] | None:
+        """A's buffer, transposition and batch strides, and f (over the batch and row letters), when A
+        is X * f[batch, row] with X stored as the call reads it: sum_k X[m, k] f[m] B[k, n] is
+        f[m] * (X B)[m, n], so X is multiplied where it lies and C is scaled after, instead of X * f
+        being stored first (a softmax's division by its row sums, ahead of attention's second
+        product: C has head-size columns, the probabilities sequence-length ones). None otherwise,
+        or where C has more columns than A (the scaling would cost more than the copy)."""
+        base, letters, squeezed = operand
+        if self.nodes[base].dtype not in ("float32", "float64"):
+            return None
+        probe = _probe_sizes([tuple(sizes[c] for c in rows + cols + n_letters)])
+        if _probe(numel(sizes[c] for c in n_letters), probe) > _probe(numel(sizes[c] for c in cols), probe):
+            return None
+        letter_iter = iter(letters)
+        axis_letter = [None if axis in squeezed else next(letter_iter) for axis in range(len(self.nodes[base].shape))]
+        own_batch = [c for c in batch if c in letters]
+        extents = {c: sizes[c] for c in letters}
+        value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], extents)
+        if not isinstance(value, Apply) or value.op != "mul":
+            return None
+        allowed = set(own_batch) | set(rows)
+        for x, f in (value.args, value.args[::-1]):
+            if not isinstance(x, Load) or not _variables(f) <= allowed:
+                continue
+            for trans, order in ((False, own_batch + rows + cols), (True, own_batch + cols + rows)):
+                if x.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
+                    return x.buffer, trans, self.batch_strides(batch, order, sizes), f
+        return None
 
     def gemm_operand(
         self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
@@ -545,6 +587,31 @@ def as_index(e: Expr, buffers: Sequence[Buffer]) -> Ix | None:
         if isinstance(a, Const) and isinstance(a.value, int) and rest is not None:
             return rest.scale(a.value)
     return None
+
+
+def _variables(expr: Expr) -> set[str]:
+    """The loop variables an expression's indices use (gathered and guarded ones included)."""
+    return {v for e in walk(expr) if isinstance(e, Ix) for v, _ in e.terms if isinstance(v, str)}
+
+
+def renamed(e, names: dict[str, str]):
+    """An expression (or index, or index atom) with its loop variables renamed."""
+    if isinstance(e, Ix):
+        total = Ix.of(e.const)
+        for var, coef in e.terms:
+            total = total + Ix(((names.get(var, var) if isinstance(var, str) else renamed(var, names), coef),), 0)
+        return total
+    if isinstance(e, Atom):
+        return Atom(e.op, tuple(renamed(a, names) if isinstance(a, (Ix, Atom, Load, Guarded, Apply, IndexValue, Const)) else a for a in e.args))
+    if isinstance(e, Load):
+        return Load(e.buffer, renamed(e.index, names))
+    if isinstance(e, Guarded):
+        return Guarded(tuple((renamed(g, names), n) for g, n in e.guards), renamed(e.value, names), e.fill, e.dtype)
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(renamed(a, names) for a in e.args), e.dtype)
+    if isinstance(e, IndexValue):
+        return IndexValue(renamed(e.index, names), e.dtype)
+    return e
 
 
 def strides_of(shape: Shape) -> list[Dim]:
