@@ -444,3 +444,58 @@ def test_the_mixed_candidate_is_built_only_where_convolutions_make_panels() -> N
     assert measured == set(wanted)
     dense = compile_onnx(mlp().SerializeToString(), candidates=wanted).report
     assert {c["name"] for c in dense["candidates"]} == {"native-blas"} and "native-mixed" not in dense["rejected"]
+
+
+def _attention_without_biases(hidden: int = 32, heads: int = 4) -> bytes:
+    """Multi-head self-attention whose projections have no bias (as in LLaMA-style models), x [batch, seq, hidden]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    size = hidden // heads
+    weights = [numpy_helper.from_array((rng.standard_normal((hidden, hidden)) / hidden**0.5).astype(np.float32), f"w{j}")
+               for j in range(4)]
+    shape = numpy_helper.from_array(np.array([0, -1, heads, size], np.int64), "heads")
+    merged = numpy_helper.from_array(np.array([0, -1, hidden], np.int64), "merged")
+    scale = numpy_helper.from_array(np.array(size**-0.5, np.float32), "scale")
+    node = helper.make_node
+    nodes = []
+    for name, weight, perm in (("q", "w0", [0, 2, 1, 3]), ("k", "w1", [0, 2, 3, 1]), ("v", "w2", [0, 2, 1, 3])):
+        nodes += [node("MatMul", ["x", weight], [f"{name}_flat"]), node("Reshape", [f"{name}_flat", "heads"], [f"{name}_split"]),
+                  node("Transpose", [f"{name}_split"], [name], perm=perm)]
+    nodes += [
+        node("MatMul", ["q", "k"], ["scores"]), node("Mul", ["scores", "scale"], ["scaled"]),
+        node("Softmax", ["scaled"], ["probs"], axis=-1), node("MatMul", ["probs", "v"], ["context"]),
+        node("Transpose", ["context"], ["context_t"], perm=[0, 2, 1, 3]), node("Reshape", ["context_t", "merged"], ["joined"]),
+        node("MatMul", ["joined", "w3"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", hidden])],
+        [*weights, shape, merged, scale],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("candidate", ["native-blas", "native-tiled"])
+def test_attention_reads_its_heads_in_place_and_divides_after_the_second_product(candidate: str) -> None:
+    data = _attention_without_biases()
+    program = lower(load_graph(data))
+    products = [k for k in program.kernels if type(k).__name__ == "GemmCall"]
+    scores, context = products[3], products[4]
+    # q, k and v are read as rows of the projections' [tokens, hidden] outputs, not transposed first
+    assert (scores.lda, scores.ldb, scores.trans_b, context.ldb) == (32, 32, True, 32)
+    assert scores.a == products[0].c and scores.b == products[1].c and context.b == products[2].c
+    # the softmax's exponentials go to the product as they are; its division scales the product's rows
+    exps = next(k for k in program.kernels if kernel_writes(k) == context.a)
+    assert type(exps).__name__ == "LoopKernel" and exps.reduce is None
+    scaled = program.kernels[program.kernels.index(context) + 1]
+    assert kernel_writes(scaled) == context.c and context.c in kernel_reads(scaled)
+    artifact = compile_onnx(data, candidates=(candidate,))
+    assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    run = executable(artifact)
+    rng = np.random.default_rng(1)
+    for batch, seq in ((1, 5), (3, 17)):
+        x = rng.standard_normal((batch, seq, 32)).astype(np.float32)
+        np.testing.assert_allclose(run.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)

@@ -255,6 +255,10 @@ class GemmCall:
     node: int = -1
     # B computed a block of columns at a time (buffer `b` is then a "panel": never allocated)
     b_panels: Panels | None = None
+    # row strides of A and B where they are not the packed ones (k or m for A, n or k for B): an
+    # operand read in place from rows of a wider buffer
+    lda: Dim | None = None
+    ldb: Dim | None = None
 
 
 Kernel = LoopKernel | GemmCall

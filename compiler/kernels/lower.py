@@ -395,10 +395,11 @@ class _Lowering:
         scaled = self.row_scaled_operand(a, batch, m_letters, k_letters, n_letters, sizes)
         if scaled is not None:
             a_buf, trans_a, a_strides, row_scale = scaled
+            lda = None
         else:
-            a_buf, trans_a, a_strides, _ = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
+            a_buf, trans_a, a_strides, _, lda = self.gemm_operand(a, batch, m_letters, k_letters, sizes, node.dtype)
             row_scale = None
-        b_buf, trans_b, b_strides, panels = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype, True)
+        b_buf, trans_b, b_strides, panels, ldb = self.gemm_operand(b, batch, k_letters, n_letters, sizes, node.dtype, True)
 
         def size(letters: Sequence[str]) -> Dim:
             return numel(sizes[c] for c in letters)
@@ -406,7 +407,7 @@ class _Lowering:
         self.kernels.append(
             GemmCall(
                 a_buf, b_buf, target, tuple(sizes[c] for c in batch), size(m_letters), size(n_letters),
-                size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels,
+                size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels, lda, ldb,
             )
         )
         if row_scale is not None:  # C[m, n] *= f[m], in place
@@ -454,11 +455,12 @@ class _Lowering:
     def gemm_operand(
         self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
         sizes: dict[str, Dim], dtype: str, right: bool = False,
-    ) -> tuple[int, bool, tuple[Dim, ...], Panels | None]:
+    ) -> tuple[int, bool, tuple[Dim, ...], Panels | None, Dim | None]:
         """A buffer holding the operand as [its batch letters, rows, cols] (or cols, rows when
-        transposed), whether it is transposed, its stride per batch letter, and, for the `right`
-        operand read through windows (a convolution's), the loop nest that computes it in panels
-        instead of a kernel that stores it whole."""
+        transposed), whether it is transposed, its stride per batch letter, for the `right`
+        operand read through windows (a convolution's) the loop nest that computes it in panels
+        instead of a kernel that stores it whole, and its row stride where that is not the
+        packed one (a head's slice of a [tokens, heads * size] projection, read in place)."""
         base, letters, squeezed = operand
         own_batch = [c for c in batch if c in letters]
         shape = self.nodes[base].shape
@@ -469,7 +471,12 @@ class _Lowering:
             idx = [Ix() if c is None else Ix.var(c) for c in axis_letter]
             value = self.expr(base, idx, extents)
             if isinstance(value, Load) and value.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
-                return value.buffer, trans, self.batch_strides(batch, order, sizes), None
+                return value.buffer, trans, self.batch_strides(batch, order, sizes), None, None
+            inner, outer = (cols, rows) if not trans else (rows, cols)
+            strided = _strided(value, own_batch, outer, inner, sizes) if len(outer) == 1 else None
+            if strided is not None:
+                strides, ld = strided
+                return value.buffer, trans, tuple(strides.get(c, 0) for c in batch), None, ld
         order = own_batch + rows + cols
         packed_shape = tuple(sizes[c] for c in order)
         folded = self.constant_value(base)
@@ -489,15 +496,15 @@ class _Lowering:
             if not panels and key in self.packed:
                 # the same operand of another product (a layer norm's output feeding the query, key
                 # and value projections): computed and stored once
-                return self.packed[key], False, self.batch_strides(batch, order, sizes), None
+                return self.packed[key], False, self.batch_strides(batch, order, sizes), None, None
             buffer = self.new_buffer(dtype, packed_shape, "panel" if panels else "temp")
             kernel = LoopKernel(buffer, packed_shape, value, None, base)
             if panels:
                 axes = tuple(batch.index(c) for c in own_batch)
-                return buffer, False, self.batch_strides(batch, order, sizes), Panels(kernel, axes, len(rows))
+                return buffer, False, self.batch_strides(batch, order, sizes), Panels(kernel, axes, len(rows)), None
             self.kernels.append(kernel)
             self.packed[key] = buffer
-        return buffer, False, self.batch_strides(batch, order, sizes), None
+        return buffer, False, self.batch_strides(batch, order, sizes), None, None
 
     def reads_windows(self, i: int) -> bool:
         """Whether a value is read through a sliding window (each element several times)."""
@@ -587,6 +594,26 @@ def as_index(e: Expr, buffers: Sequence[Buffer]) -> Ix | None:
         if isinstance(a, Const) and isinstance(a.value, int) and rest is not None:
             return rest.scale(a.value)
     return None
+
+
+def _strided(value: Expr, batch: list[str], outer: list[str], inner: list[str], sizes: dict[str, Dim]):
+    """({batch letter: stride}, row stride) when `value` loads a matrix whose inner letters are
+    contiguous and whose one outer letter steps by a stride of at least the inner extent (rows of a
+    wider buffer), batch letters anywhere; None otherwise."""
+    if not isinstance(value, Load) or value.index.const != 0:
+        return None
+    coefs: dict[str, Dim] = {}
+    for var, coef in value.index.terms:
+        if not isinstance(var, str) or var not in set(batch) | set(outer) | set(inner):
+            return None
+        coefs[var] = coef
+    inner_sizes = tuple(sizes[c] for c in inner)
+    if any(coefs.get(c, 0) != stride for c, stride in zip(inner, strides_of(inner_sizes))):
+        return None
+    ld = coefs.get(outer[0], 0)
+    if sizes[outer[0]] != 1 and (ld == 0 or not provably_le(numel(inner_sizes), ld)):
+        return None
+    return {c: coefs[c] for c in batch if c in coefs}, ld if sizes[outer[0]] != 1 else numel(inner_sizes)
 
 
 def _variables(expr: Expr) -> set[str]:

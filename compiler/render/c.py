@@ -452,8 +452,8 @@ class _Renderer:
             loops += "    "
         start, stop = ("lo", "hi") if first == rank - 1 else ("0", None)
         lines.append(self.row(producer, loops, lambda value: f"{target} = ({ctype})({value});", start, stop))
-        a_rows, a_cols = ("1", "m") if call.trans_a else ("k", "1")  # A's (row, column) strides
-        lda = "m" if call.trans_a else "k"
+        lda = self.lda(call)
+        a_rows, a_cols = ("1", lda) if call.trans_a else (lda, "1")  # A's (row, column) strides
         lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
         lines.append(f"{body}if (rows_m <= 0) continue;\n")
         lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows};\n")
@@ -517,7 +517,8 @@ class _Renderer:
         for j, axis in enumerate(call.b_panels.batch_axes):
             lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
-        a_rows, a_cols = ("1", "m") if call.trans_a else ("k", "1")  # A's (row, column) strides
+        lda = self.lda(call)
+        a_rows, a_cols = ("1", lda) if call.trans_a else (lda, "1")  # A's (row, column) strides
         lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
         lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
         lines.append(f"{body}if (rows_m <= 0 || r0 >= r1) continue;\n")
@@ -563,18 +564,17 @@ class _Renderer:
         b_off = self.batch_offset(call.batch, call.b_batch_strides)
         lines.append(f"{body}const int64_t lo = block * span, hi = (lo + span < (split_m ? m : n)) ? lo + span : (split_m ? m : n);\n")
         lines.append(f"{body}if (lo >= hi) continue;\n")
-        lda = "m" if call.trans_a else "k"
-        ldb = "k" if call.trans_b else "n"
-        a_row = "lo" if call.trans_a else "lo * k"  # where row lo of A starts
-        b_col = "lo * k" if call.trans_b else "lo"  # where column lo of B starts
+        lda, ldb = self.lda(call), self.ldb(call)
+        a_row = "lo" if call.trans_a else f"lo * {lda}"  # where row lo of A starts
+        b_col = f"lo * {ldb}" if call.trans_b else "lo"  # where column lo of B starts
         lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + (split_m ? {a_row} : 0);\n")
         lines.append(f"{body}const {ctype} *bm = b{call.b} + ({self.ix(b_off)}) + (split_m ? 0 : {b_col});\n")
         lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         trans_a = 112 if call.trans_a else 111
         trans_b = 112 if call.trans_b else 111
         if generated:
-            a_strides = "1, m" if call.trans_a else "k, 1"  # A's (row, column) strides
-            b_strides = "1, k" if call.trans_b else "n, 1"
+            a_strides = f"1, {lda}" if call.trans_a else f"{lda}, 1"  # A's (row, column) strides
+            b_strides = f"1, {ldb}" if call.trans_b else f"{ldb}, 1"
             lines.append(
                 f"{body}lc_sgemm(split_m ? hi - lo : m, split_m ? n : hi - lo, k, a, {a_strides}, bm, {b_strides}, c, n);\n"
             )
@@ -585,11 +585,11 @@ class _Renderer:
             lines.append(
                 f"{body}if (m == 1) scipy_cblas_{prefix}gemv(101, {111 if call.trans_b else 112}, "
                 + ("(int)(hi - lo), (int)k" if call.trans_b else "(int)k, (int)(hi - lo)")
-                + f", 1, bm, (int){ldb}, a, 1, 0, c, 1);\n"
+                + f", 1, bm, (int){ldb}, a, (int)({lda if call.trans_a else 1}), 0, c, 1);\n"
             )
             lines.append(
                 f"{body}else if (n == 1) scipy_cblas_{prefix}gemv(101, {112 if call.trans_a else 111}, "
-                f"(int)({rows}), (int)({cols}), 1, a, (int){lda}, bm, 1, 0, c, 1);\n"
+                f"(int)({rows}), (int)({cols}), 1, a, (int){lda}, bm, (int)({1 if call.trans_b else ldb}), 0, c, 1);\n"
             )
             lines.append(
                 f"{body}else scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
@@ -597,6 +597,16 @@ class _Renderer:
             )
         lines.append("        }\n")
         return "".join(lines)
+
+    @staticmethod
+    def lda(call: GemmCall) -> str:
+        """A's row stride: its own, or the packed one ([m, k], or [k, m] transposed)."""
+        return f"({dim(call.lda)})" if call.lda is not None else ("m" if call.trans_a else "k")
+
+    @staticmethod
+    def ldb(call: GemmCall) -> str:
+        """B's row stride: its own, or the packed one ([k, n], or [n, k] transposed)."""
+        return f"({dim(call.ldb)})" if call.ldb is not None else ("k" if call.trans_b else "n")
 
     def gemm_head(self, call: GemmCall, reads) -> list[str]:
         """A product's pointers, sizes, and its early exits (no output; an empty sum is zeros)."""
