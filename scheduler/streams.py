@@ -277,7 +277,7 @@ class StreamEngine:
                 pass
 
     async def _read_replies(self) -> None:
-        last = "$"
+        last, trimmed = "$", "$"
         trimmed_at = self._loop.time()
         while True:
             try:
@@ -293,8 +293,8 @@ class StreamEngine:
                     last = message_id
                     self._resolve(wire.ReplyMessage.from_fields(fields))
             # replies read are dropped in one command now and then, not one per read
-            if last != "$" and self._loop.time() - trimmed_at >= REPLY_TRIM_S:
-                trimmed_at = self._loop.time()
+            if last != trimmed and self._loop.time() - trimmed_at >= REPLY_TRIM_S:
+                trimmed, trimmed_at = last, self._loop.time()
                 try:
                     await self.redis.xtrim(self.reply_to, minid=last)
                 except redis.RedisError:

@@ -89,7 +89,8 @@ class RequestMessage:
 
 @dataclass
 class ReplyMessage:
-    """A runtime's answer to one request: "started" when its batch starts, then "ok" or "error"."""
+    """A runtime's answer to one request: "ok" or "error", after "started" when its batch starts
+    where a slow run could pass the request's deadline (scheduler.runtime_process)."""
 
     request_id: str
     kind: str
