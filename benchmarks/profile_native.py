@@ -29,7 +29,7 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import GEMM_KINDS, render
+from compiler.render.c import GEMM_KINDS, prepack_weights, render
 from compiler.shape import evaluate
 
 
@@ -66,6 +66,8 @@ def main() -> None:
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
     program = lower(graph)
+    if args.gemm != "blas":  # as the compiler's generated candidates do
+        program = prepack_weights(program)
     library = native_cpu.build(render(program, profile=True, gemm=args.gemm))
     runner = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
     runner.run(inputs)

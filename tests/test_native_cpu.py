@@ -282,8 +282,60 @@ def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int,
     weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
     artifact = compile_onnx(_gemm_model(weight, k, n, trans_a, trans_b), candidates=("native-tiled",))
     assert artifact.report["chosen"] == "native-tiled", artifact.report["rejected"]
-    assert "lc_sgemm(" in artifact.kernels[0]["source"] and "scipy_cblas_sgemm(101" not in artifact.kernels[0]["source"]
-    _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 13, 97, 200), rng)
+    source = artifact.kernels[0]["source"]
+    # the weight is packed at compile time: the product reads its panels, the original is gone
+    assert "lc_sgemm_pw(split_m" in source and "scipy_cblas_sgemm(101" not in source
+    bound = [b["name"] for b in artifact.kernels[0]["layout"]["buffers"] if b["role"] == "weight"]
+    assert len(bound) == 1 and ":panels" in bound[0], bound
+    packed = artifact.program_weights[bound[0]]
+    assert packed.size == k * -(-n // 16) * 16  # the padded last panel aside, no more than the weight
+    _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 2, 13, 97, 200), rng)
+
+
+def test_a_packed_weight_is_its_panels_block_by_block() -> None:
+    from compiler.render.c_gemm import PANEL_DEPTH, PANEL_WIDTH, pack_weight
+
+    k, n = 300, 20  # a full block of 256 rows and one of 44; a full panel and one of 4 columns
+    b = np.arange(k * n, dtype=np.float32).reshape(k, n)
+    packed = pack_weight(b)
+    assert packed.shape == (k * 32,)
+    first = packed[: PANEL_DEPTH * 32].reshape(2, PANEL_DEPTH, PANEL_WIDTH)  # block 0: two panels
+    np.testing.assert_array_equal(first[0], b[:PANEL_DEPTH, :16])
+    np.testing.assert_array_equal(first[1][:, :4], b[:PANEL_DEPTH, 16:])
+    assert not first[1][:, 4:].any()
+    second = packed[PANEL_DEPTH * 32 :].reshape(2, k - PANEL_DEPTH, PANEL_WIDTH)
+    np.testing.assert_array_equal(second[0], b[PANEL_DEPTH:, :16])
+    np.testing.assert_array_equal(second[1][:, :4], b[PANEL_DEPTH:, 16:])
+
+
+def test_a_weight_read_elsewhere_too_keeps_its_rows_beside_its_panels() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.render.c import prepack_weights
+
+    # y = x @ w + w[i]: the product reads w packed, the gather reads a row of it as stored
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((40, 40)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["p"]),
+            helper.make_node("Gather", ["w", "i"], ["row"], axis=0),
+            helper.make_node("Add", ["p", "row"], ["y"]),
+        ],
+        "shared",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 40]), helper.make_tensor_value_info("i", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 40])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = prepack_weights(lower(load_graph(data)))
+    (name,) = (b.name for b in lower(load_graph(data)).buffers if b.role == "weight")
+    assert sorted(program.weights) == [name, f"{name}:panels"]
+    artifact = compile_onnx(data, candidates=("native-mixed",))
+    assert artifact.report["chosen"] == "native-mixed", artifact.report["rejected"]
+    x = rng.standard_normal((7, 40)).astype(np.float32)
+    got = executable(artifact).run({"x": x, "i": np.array(3)})["y"]
+    np.testing.assert_allclose(got, x @ w + w[3], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
@@ -428,7 +480,7 @@ def test_windows_that_are_not_a_2d_convolution_are_left_to_panels() -> None:
     assert call.b_panels is not None and window_geometry(call.b_panels) is None
 
 
-def test_the_mixed_candidate_is_built_only_where_convolutions_make_panels() -> None:
+def test_the_mixed_candidate_is_built_only_where_windows_or_weights_make_it_differ() -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     weight = np.random.default_rng(4).standard_normal((8, 3, 3, 3)).astype(np.float32)
@@ -442,8 +494,18 @@ def test_the_mixed_candidate_is_built_only_where_convolutions_make_panels() -> N
     wanted = ("native-blas", "native-mixed")
     measured = {c["name"] for c in compile_onnx(conv, candidates=wanted).report["candidates"]}
     assert measured == set(wanted)
+    # a dense layer's weight is packed for the generated product: that is a program of its own
     dense = compile_onnx(mlp().SerializeToString(), candidates=wanted).report
-    assert {c["name"] for c in dense["candidates"]} == {"native-blas"} and "native-mixed" not in dense["rejected"]
+    assert {c["name"] for c in dense["candidates"]} == set(wanted)
+    # a product of two inputs, with no weight and no windows, is the library call in both
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["y"])], "inputs",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [16, 16]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 16])],
+    )
+    inputs_only = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    report = compile_onnx(inputs_only, candidates=wanted).report
+    assert {c["name"] for c in report["candidates"]} == {"native-blas"} and "native-mixed" not in report["rejected"]
 
 
 def _attention_without_biases(hidden: int = 32, heads: int = 4) -> bytes:

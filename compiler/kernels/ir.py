@@ -259,6 +259,9 @@ class GemmCall:
     # operand read in place from rows of a wider buffer
     lda: Dim | None = None
     ldb: Dim | None = None
+    # B is a weight stored in a renderer's packed layout (its panels, packed at compile time), not
+    # as rows: set by the renderer's own pass over a lowered program, never by lowering
+    packed_b: bool = False
 
 
 Kernel = LoopKernel | GemmCall

@@ -11,10 +11,15 @@ OpenMP when the work is large enough; GEMM calls go to OpenBLAS (the `scipy-open
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
 
 from compiler.kernels.ir import (
     Apply,
     Atom,
+    Buffer,
     Const,
     Expr,
     GemmCall,
@@ -25,9 +30,9 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import OP_COST, expr_reads, linear, walk
+from compiler.kernels.lower import OP_COST, expr_reads, kernel_reads, linear, walk
 from compiler.kernels.windows import WindowGeometry, window_geometry
-from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM
+from compiler.render.c_gemm import CONV_SGEMM, PANEL_WIDTH, TILED_SGEMM, pack_weight
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -199,18 +204,69 @@ static void lc_unpin_caller(const cpu_set_t *saved) {
 """
 
 
+def prepack_weights(program: Program) -> Program:
+    """The program with every float32 product whose B is a whole weight matrix (shared by the
+    batch) reading it packed in the generated product's panels (`GemmCall.packed_b`): packed once
+    here, where lc_sgemm would pack it again on every run (12-35% of a 64..128-row product's time
+    here, single-threaded). A weight that nothing else reads is replaced by its packing, so a
+    loaded program holds no more memory than before (a padded last panel aside)."""
+    reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
+    buffers = list(program.buffers)
+    weights = dict(program.weights)
+    packed: dict[tuple[int, bool], int] = {}
+    kernels = []
+    for kernel in program.kernels:
+        if not _packable(program, kernel):
+            kernels.append(kernel)
+            continue
+        buffer = program.buffers[kernel.b]
+        key = (kernel.b, kernel.trans_b)
+        if key not in packed:
+            matrix = np.asarray(program.weights[buffer.name], np.float32).reshape(
+                (kernel.n, kernel.k) if kernel.trans_b else (kernel.k, kernel.n)
+            )
+            panels = pack_weight(matrix.T if kernel.trans_b else matrix)
+            name = f"{buffer.name}:panels{'T' if kernel.trans_b else ''}"
+            weights[name] = panels
+            alone = reads[kernel.b] == sum(
+                1 for k in program.kernels if isinstance(k, GemmCall) and k.b == kernel.b and k.trans_b == kernel.trans_b
+            )
+            number = kernel.b if alone else len(buffers)
+            if alone:
+                del weights[buffer.name]
+                buffers[number] = Buffer(number, "float32", panels.shape, "weight", name)
+            else:
+                buffers.append(Buffer(number, "float32", panels.shape, "weight", name))
+            packed[key] = number
+        kernels.append(replace(kernel, b=packed[key], packed_b=True, trans_b=False))
+    if not packed:
+        return program
+    return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
+
+
+def _packable(program: Program, kernel: LoopKernel | GemmCall) -> bool:
+    """A float32 product whose B is one whole weight matrix of known size, the same for the batch."""
+    return (
+        isinstance(kernel, GemmCall) and kernel.dtype == "float32" and kernel.b_panels is None
+        and program.buffers[kernel.b].role == "weight" and kernel.b != kernel.a and kernel.ldb is None
+        and all(s == 0 for s in kernel.b_batch_strides) and isinstance(kernel.k, int) and isinstance(kernel.n, int)
+    )
+
+
 def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
     how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm) or
     "mixed" (a wide 2-D convolution's product reads its windows in place, lc_conv_rows; other
-    convolutions' panel products are generated where A fits in cache; the rest OpenBLAS)."""
+    convolutions' panel products are generated where A fits in cache; the rest OpenBLAS). A
+    product marked `packed_b` (prepack_weights) is the generated one whatever `gemm` says."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
     renderer = _Renderer(program, gemm)
     parts = [_PRELUDE]
     if any(
-        isinstance(k, GemmCall) and k.dtype == "float32" and (gemm == "tiled" or gemm == "mixed" and k.b_panels is not None)
+        isinstance(k, GemmCall) and k.dtype == "float32"
+        and (gemm == "tiled" or k.packed_b or gemm == "mixed" and k.b_panels is not None)
         for k in program.kernels
     ):
         parts.append(TILED_SGEMM)
@@ -592,7 +648,7 @@ class _Renderer:
         lines.append("    const int64_t blocks = (batch >= threads || m * n * k < least) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= n;\n")
         lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
-        generated = self.gemm_kind == "tiled" and call.dtype == "float32"
+        generated = (self.gemm_kind == "tiled" or call.packed_b) and call.dtype == "float32"
         if generated:  # blocks of whole register tiles
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
         lines.append("    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= least)\n")
@@ -608,10 +664,20 @@ class _Renderer:
         a_row = "lo" if call.trans_a else f"lo * {lda}"  # where row lo of A starts
         b_col = f"lo * {ldb}" if call.trans_b else "lo"  # where column lo of B starts
         lines.append(f"{body}const {ctype} *a = b{call.a} + ({self.ix(a_off)}) + (split_m ? {a_row} : 0);\n")
-        lines.append(f"{body}const {ctype} *bm = b{call.b} + ({self.ix(b_off)}) + (split_m ? 0 : {b_col});\n")
-        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         trans_a = 112 if call.trans_a else 111
         trans_b = 112 if call.trans_b else 111
+        if call.packed_b:
+            a_strides = f"1, {lda}" if call.trans_a else f"{lda}, 1"  # A's (row, column) strides
+            npad = -(-call.n // PANEL_WIDTH) * PANEL_WIDTH
+            # the panels are addressed by whole columns: a block of n is columns [lo, hi) of C's rows
+            lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : 0);\n")
+            lines.append(
+                f"{body}lc_sgemm_pw(split_m ? hi - lo : m, n, k, a, {a_strides}, b{call.b}, {npad}, "
+                "split_m ? 0 : lo, split_m ? n : hi, c, n);\n"
+            )
+            return "".join(lines) + "        }\n"
+        lines.append(f"{body}const {ctype} *bm = b{call.b} + ({self.ix(b_off)}) + (split_m ? 0 : {b_col});\n")
+        lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
         if generated:
             a_strides = f"1, {lda}" if call.trans_a else f"{lda}, 1"  # A's (row, column) strides
             b_strides = f"1, {ldb}" if call.trans_b else f"{ldb}, 1"

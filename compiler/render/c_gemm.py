@@ -9,7 +9,11 @@ tile comes from the vector width the compiler targets: 8 x 48 with AVX-512 (24 o
 registers accumulate), 6 x 16 with AVX2 (12 of 16). Operands are addressed by row and column
 strides, so transposed operands need no copy beyond the packing every product does anyway.
 `lc_sgemm_direct` skips the packing for a convolution's panel: it reads A and B in place.
+`lc_sgemm_pw` multiplies by a weight packed once, at compile time (`pack_weight`), so that only A
+is packed at run time.
 """
+
+import numpy as np
 
 TILED_SGEMM = r"""
 #include <stdlib.h>
@@ -162,7 +166,113 @@ static void lc_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t ar
         }
     }
 }
+
+/* A weight B packed once, at compile time, by c_gemm.pack_weight: for each block of LC_KC rows, the
+   block's columns in panels LC_PW wide, each panel kc x LC_PW row-major, the last zero-padded. The
+   layout does not depend on the vector width (a library built for another CPU reads the same
+   weights): a register tile LC_NR wide reads LC_NR / LC_PW neighbouring panels. */
+#define LC_PW 16
+
+/* c[mr x nr] = (or +=) the packed a panel (kc x LC_MR) times the panels at b (kc x LC_PW each, one
+   after the other) */
+static inline void lc_micro_pw(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                               int64_t ldc, int add, int64_t mr, int64_t nr) {
+    lc_vec acc[LC_MR][LC_NR / LC_VW];
+    for (int i = 0; i < LC_MR; ++i)
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
+    for (int64_t p = 0; p < kc; ++p) {
+        lc_vec bv[LC_NR / LC_VW];
+        for (int j = 0; j < LC_NR / LC_VW; ++j)
+            bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * kc * LC_PW + p * LC_PW + (LC_VW * j) % LC_PW);
+        for (int i = 0; i < LC_MR; ++i) {
+            const float ai = a[p * LC_MR + i];
+            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+        }
+    }
+    lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* c[0, j0 .. j0 + nr) = (or +=) the row a (kc long) times two neighbouring panels at b: a row of A
+   times the weight streams each panel once, where a register tile would multiply LC_MR - 1 rows of
+   padding */
+static inline void lc_row_pw(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                             int add, int64_t nr) {
+    lc_vec acc[2][2 * LC_PW / LC_VW];
+    for (int u = 0; u < 2; ++u)
+        for (int j = 0; j < 2 * LC_PW / LC_VW; ++j) acc[u][j] = (lc_vec){0};
+    const float *b1 = b + kc * LC_PW;
+    int64_t p = 0;
+    for (; p + 1 < kc; p += 2)  /* two partial sums: twice the independent FMA chains */
+        for (int u = 0; u < 2; ++u)
+            for (int j = 0; j < LC_PW / LC_VW; ++j) {
+                acc[u][j] += a[p + u] * *(const lc_vecu *)(b + (p + u) * LC_PW + LC_VW * j);
+                if (nr > LC_PW) acc[u][LC_PW / LC_VW + j] += a[p + u] * *(const lc_vecu *)(b1 + (p + u) * LC_PW + LC_VW * j);
+            }
+    for (; p < kc; ++p)
+        for (int j = 0; j < LC_PW / LC_VW; ++j) {
+            acc[0][j] += a[p] * *(const lc_vecu *)(b + p * LC_PW + LC_VW * j);
+            if (nr > LC_PW) acc[0][LC_PW / LC_VW + j] += a[p] * *(const lc_vecu *)(b1 + p * LC_PW + LC_VW * j);
+        }
+    float out[2 * LC_PW] __attribute__((aligned(64)));
+    for (int j = 0; j < 2 * LC_PW / LC_VW; ++j) *(lc_vec *)(out + LC_VW * j) = acc[0][j] + acc[1][j];
+    for (int64_t j = 0; j < nr; ++j) c[j] = add ? c[j] + out[j] : out[j];
+}
+
+/* columns [j_lo, j_hi) of C[m, n] (row stride ldc; c points at column 0) = A B, B a packed weight of
+   k rows whose panels cover npad columns (n rounded up to LC_PW); j_lo a multiple of LC_PW. On
+   the calling thread; A's packing buffer is the thread's own, as lc_sgemm's. */
+static void lc_sgemm_pw(int64_t m, int64_t n, int64_t k, const float *a, int64_t ars, int64_t acs, const float *pb,
+                        int64_t npad, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
+    if (m == 1 && acs == 1) {
+        for (int64_t pc = 0; pc < k; pc += LC_KC) {
+            const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
+            for (int64_t j = j_lo; j < j_hi; j += 2 * LC_PW)
+                lc_row_pw(kc, a + pc, pb + pc * npad + j * kc, c + j, pc > 0, j_hi - j < 2 * LC_PW ? j_hi - j : 2 * LC_PW);
+        }
+        return;
+    }
+    static __thread float *packed_a;
+    if (!packed_a) {
+        packed_a = aligned_alloc(64, sizeof(float) * LC_MC * LC_KC);
+        if (!packed_a) { lc_no_memory = 1; return; }
+    }
+    (void)n;
+    for (int64_t jc = j_lo; jc < j_hi; jc += LC_NC) {
+        const int64_t nc = j_hi - jc < LC_NC ? j_hi - jc : LC_NC;
+        for (int64_t pc = 0; pc < k; pc += LC_KC) {
+            const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
+            const float *block = pb + pc * npad;  /* this block's panels: panel j / LC_PW at j * kc */
+            for (int64_t ic = 0; ic < m; ic += LC_MC) {
+                const int64_t mc = m - ic < LC_MC ? m - ic : LC_MC;
+                lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, LC_MR, packed_a);
+                for (int64_t jr = 0; jr < nc; jr += LC_NR)
+                    for (int64_t ir = 0; ir < mc; ir += LC_MR)
+                        lc_micro_pw(kc, packed_a + ir * kc, block + (jc + jr) * kc, c + (ic + ir) * ldc + jc + jr, ldc,
+                                    pc > 0, mc - ir < LC_MR ? mc - ir : LC_MR, nc - jr < LC_NR ? nc - jr : LC_NR);
+            }
+        }
+    }
+}
 """
+
+# the packed weight's layout, which lc_sgemm_pw reads (LC_PW and LC_KC above)
+PANEL_WIDTH = 16
+PANEL_DEPTH = 256
+
+
+def pack_weight(b: np.ndarray) -> np.ndarray:
+    """B [k, n] in lc_sgemm_pw's layout, flat: for each block of PANEL_DEPTH rows, its columns in
+    panels PANEL_WIDTH wide (the last zero-padded), each panel row-major."""
+    k, n = b.shape
+    npad = -(-n // PANEL_WIDTH) * PANEL_WIDTH
+    padded = np.zeros((k, npad), np.float32)
+    padded[:, :n] = b
+    blocks = [
+        padded[pc : pc + PANEL_DEPTH].reshape(-1, npad // PANEL_WIDTH, PANEL_WIDTH).transpose(1, 0, 2).ravel()
+        for pc in range(0, k, PANEL_DEPTH)
+    ]
+    return np.concatenate(blocks)
+
 
 # A convolution's product with B read in place from the input (an implicit GEMM; needs TILED_SGEMM's
 # tile): the rows of the input that a block of output rows reads are copied once, split by phase
