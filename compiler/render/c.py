@@ -249,8 +249,13 @@ def _packable(program: Program, kernel: LoopKernel | GemmCall) -> bool:
     return (
         isinstance(kernel, GemmCall) and kernel.dtype == "float32" and kernel.b_panels is None
         and program.buffers[kernel.b].role == "weight" and kernel.b != kernel.a and kernel.ldb is None
-        and all(s == 0 for s in kernel.b_batch_strides) and isinstance(kernel.k, int) and isinstance(kernel.n, int)
+        and _shared(kernel.b_batch_strides, kernel.batch) and isinstance(kernel.k, int) and isinstance(kernel.n, int)
     )
+
+
+def _shared(strides: tuple[Dim, ...], batch: tuple[Dim, ...]) -> bool:
+    """Whether an operand is the same matrix at every batch index (a group axis of one counts)."""
+    return all(s == 0 or d == 1 for s, d in zip(strides, batch, strict=True))
 
 
 def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:

@@ -51,21 +51,35 @@ static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR
         for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + tile[i][j] : tile[i][j];
 }
 
-/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
-static inline void lc_micro(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
-                            int64_t ldc, int add, int64_t mr, int64_t nr) {
+/* a packed weight's panels are LC_PW columns wide whatever the vector width: a library rebuilt for
+   another CPU reads the same weights */
+#define LC_PW 16
+
+/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times B's panel, kc deep: B's
+   row p in LC_PW-wide pieces, piece q at b + q * b_piece + p * b_step (a run-time packing's LC_NR-wide
+   rows: b_piece LC_PW, b_step LC_NR; a packed weight's panels: b_piece kc * LC_PW, b_step LC_PW) */
+static inline __attribute__((always_inline)) void lc_tile(int64_t kc, const float *restrict a, const float *restrict b,
+                                                          int64_t b_piece, int64_t b_step,
+                                                          float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
     lc_vec acc[LC_MR][LC_NR / LC_VW];
     for (int i = 0; i < LC_MR; ++i)
         for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
     for (int64_t p = 0; p < kc; ++p) {
         lc_vec bv[LC_NR / LC_VW];
-        for (int j = 0; j < LC_NR / LC_VW; ++j) bv[j] = *(const lc_vec *)(b + p * LC_NR + LC_VW * j);
+        for (int j = 0; j < LC_NR / LC_VW; ++j)
+            bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * b_piece + p * b_step + (LC_VW * j) % LC_PW);
         for (int i = 0; i < LC_MR; ++i) {
             const float ai = a[p * LC_MR + i];
             for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
         }
     }
     lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
+static void lc_micro(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c, int64_t ldc,
+                     int add, int64_t mr, int64_t nr) {
+    lc_tile(kc, a, b, LC_PW, LC_NR, c, ldc, add, mr, nr);
 }
 
 /* c[mr x nr] (row stride ldc) = (or +=) A's rows (i, p) at a[i * ars + p * acs] times B's rows p at
@@ -168,29 +182,8 @@ static void lc_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t ar
 }
 
 /* A weight B packed once, at compile time, by c_gemm.pack_weight: for each block of LC_KC rows, the
-   block's columns in panels LC_PW wide, each panel kc x LC_PW row-major, the last zero-padded. The
-   layout does not depend on the vector width (a library built for another CPU reads the same
-   weights): a register tile LC_NR wide reads LC_NR / LC_PW neighbouring panels. */
-#define LC_PW 16
-
-/* c[mr x nr] = (or +=) the packed a panel (kc x LC_MR) times the panels at b (kc x LC_PW each, one
-   after the other) */
-static inline void lc_micro_pw(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
-                               int64_t ldc, int add, int64_t mr, int64_t nr) {
-    lc_vec acc[LC_MR][LC_NR / LC_VW];
-    for (int i = 0; i < LC_MR; ++i)
-        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
-    for (int64_t p = 0; p < kc; ++p) {
-        lc_vec bv[LC_NR / LC_VW];
-        for (int j = 0; j < LC_NR / LC_VW; ++j)
-            bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * kc * LC_PW + p * LC_PW + (LC_VW * j) % LC_PW);
-        for (int i = 0; i < LC_MR; ++i) {
-            const float ai = a[p * LC_MR + i];
-            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
-        }
-    }
-    lc_store_tile(acc, c, ldc, add, mr, nr);
-}
+   block's columns in panels LC_PW wide, each panel kc x LC_PW row-major, the last zero-padded; a
+   register tile LC_NR wide reads LC_NR / LC_PW neighbouring panels. */
 
 /* c[0, j0 .. j0 + nr) = (or +=) the row a (kc long) times two neighbouring panels at b: a row of A
    times the weight streams each panel once, where a register tile would multiply LC_MR - 1 rows of
@@ -247,8 +240,9 @@ static void lc_sgemm_pw(int64_t m, int64_t n, int64_t k, const float *a, int64_t
                 lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, LC_MR, packed_a);
                 for (int64_t jr = 0; jr < nc; jr += LC_NR)
                     for (int64_t ir = 0; ir < mc; ir += LC_MR)
-                        lc_micro_pw(kc, packed_a + ir * kc, block + (jc + jr) * kc, c + (ic + ir) * ldc + jc + jr, ldc,
-                                    pc > 0, mc - ir < LC_MR ? mc - ir : LC_MR, nc - jr < LC_NR ? nc - jr : LC_NR);
+                        lc_tile(kc, packed_a + ir * kc, block + (jc + jr) * kc, kc * LC_PW, LC_PW,
+                                c + (ic + ir) * ldc + jc + jr, ldc, pc > 0, mc - ir < LC_MR ? mc - ir : LC_MR,
+                                nc - jr < LC_NR ? nc - jr : LC_NR);
             }
         }
     }
@@ -272,6 +266,7 @@ def pack_weight(b: np.ndarray) -> np.ndarray:
         for pc in range(0, k, PANEL_DEPTH)
     ]
     return np.concatenate(blocks)
+
 
 
 # A convolution's product with B read in place from the input (an implicit GEMM; needs TILED_SGEMM's
