@@ -228,8 +228,9 @@ def prepack_weights(program: Program) -> Program:
             panels = pack_weight(matrix.T if kernel.trans_b else matrix)
             name = f"{buffer.name}:panels{'T' if kernel.trans_b else ''}"
             weights[name] = panels
+            # every kernel that reads the weight reads it packed this way: the rows can go
             alone = reads[kernel.b] == sum(
-                1 for k in program.kernels if isinstance(k, GemmCall) and k.b == kernel.b and k.trans_b == kernel.trans_b
+                1 for k in program.kernels if _packable(program, k) and k.b == kernel.b and k.trans_b == kernel.trans_b
             )
             number = kernel.b if alone else len(buffers)
             if alone:
@@ -677,7 +678,7 @@ class _Renderer:
             # the panels are addressed by whole columns: a block of n is columns [lo, hi) of C's rows
             lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : 0);\n")
             lines.append(
-                f"{body}lc_sgemm_pw(split_m ? hi - lo : m, n, k, a, {a_strides}, b{call.b}, {npad}, "
+                f"{body}lc_sgemm_pw(split_m ? hi - lo : m, k, a, {a_strides}, b{call.b}, {npad}, "
                 "split_m ? 0 : lo, split_m ? n : hi, c, n);\n"
             )
             return "".join(lines) + "        }\n"

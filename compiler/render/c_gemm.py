@@ -214,7 +214,7 @@ static inline void lc_row_pw(int64_t kc, const float *restrict a, const float *r
 /* columns [j_lo, j_hi) of C[m, n] (row stride ldc; c points at column 0) = A B, B a packed weight of
    k rows whose panels cover npad columns (n rounded up to LC_PW); j_lo a multiple of LC_PW. On
    the calling thread; A's packing buffer is the thread's own, as lc_sgemm's. */
-static void lc_sgemm_pw(int64_t m, int64_t n, int64_t k, const float *a, int64_t ars, int64_t acs, const float *pb,
+static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64_t acs, const float *pb,
                         int64_t npad, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
     if (m == 1 && acs == 1) {
         for (int64_t pc = 0; pc < k; pc += LC_KC) {
@@ -229,7 +229,6 @@ static void lc_sgemm_pw(int64_t m, int64_t n, int64_t k, const float *a, int64_t
         packed_a = aligned_alloc(64, sizeof(float) * LC_MC * LC_KC);
         if (!packed_a) { lc_no_memory = 1; return; }
     }
-    (void)n;
     for (int64_t jc = j_lo; jc < j_hi; jc += LC_NC) {
         const int64_t nc = j_hi - jc < LC_NC ? j_hi - jc : LC_NC;
         for (int64_t pc = 0; pc < k; pc += LC_KC) {
@@ -266,7 +265,6 @@ def pack_weight(b: np.ndarray) -> np.ndarray:
         for pc in range(0, k, PANEL_DEPTH)
     ]
     return np.concatenate(blocks)
-
 
 
 # A convolution's product with B read in place from the input (an implicit GEMM; needs TILED_SGEMM's
