@@ -8,13 +8,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler import Artifact, executable
+from compiler import Artifact, Signature, executable
 
 
 @dataclass
 class CpuProgram:
-    artifact: Artifact
+    """A loaded program and what serving it needs; the artifact itself is not kept, so a native
+    program holds only the weights its code reads (a weight replaced by packed panels leaves)."""
+
+    signature: Signature
     program: object
+    # memory held while loaded: the weights the program reads and its native code
+    resident_bytes: int
 
 
 class CpuDevice:
@@ -23,7 +28,8 @@ class CpuDevice:
     def load(self, artifact: Artifact) -> CpuProgram:
         if artifact.target != self.target:
             raise ValueError(f"artifact for {artifact.target!r} cannot load on {self.target!r}")
-        return CpuProgram(artifact, executable(artifact))
+        program = executable(artifact)
+        return CpuProgram(artifact.signature, program, program.resident_bytes())
 
     def execute(
         self, loaded: CpuProgram, inputs: Mapping[str, np.ndarray]

@@ -89,7 +89,7 @@ class Runtime:
             program = self.device.load(artifact)
             load_seconds = time.perf_counter() - started
             self._loaded[key] = (program, time.monotonic())
-            self._sizes[key] = artifact_bytes(artifact)
+            self._sizes[key] = program.resident_bytes
             while len(self._loaded) > 1 and (
                 len(self._loaded) > self._max_loaded
                 or (self.memory_budget_bytes is not None and self.loaded_bytes > self.memory_budget_bytes)
@@ -120,14 +120,9 @@ class Runtime:
         self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]
     ) -> BatchResult:
         program, load_seconds = self._ensure_loaded(key)
-        signature = program.artifact.signature
+        signature = program.signature
         batch = concat_requests(signature, requests)
         with self._device_lock:
             outputs, exec_seconds = self.device.execute(program, batch)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)
 
-
-def artifact_bytes(artifact: Artifact) -> int:
-    """Memory a loaded program holds for its lifetime: its weights and native code."""
-    weights = sum(a.nbytes for a in artifact.all_weights().values())
-    return weights + sum(len(b) for b in artifact.binaries.values())

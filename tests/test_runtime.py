@@ -5,9 +5,11 @@ heartbeat here, against the local Redis)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,7 +21,6 @@ from cloud.metrics import PrometheusObserver
 from cloud.storage import make_object_store
 from compiler import Artifact, compile_onnx
 from runtime import CpuDevice, Runtime
-from runtime.runtime import artifact_bytes
 from scheduler import wire
 from scheduler.engine import Route
 from scheduler.runtime_process import STARTED_NOTICE_S, RuntimeConfig, RuntimeProcess
@@ -46,7 +47,7 @@ def run(runtime: Runtime, key: str) -> None:
 
 
 def test_the_least_recently_used_leaves_when_the_budget_is_passed(artifacts) -> None:
-    sizes = {name: artifact_bytes(a) for name, a in artifacts.items()}
+    sizes = {name: CpuDevice().load(a).resident_bytes for name, a in artifacts.items()}
     assert sizes["small"] < sizes["medium"] < sizes["large"]
     budget = sizes["large"] + sizes["medium"]  # room for large and medium, not all three
     runtime = Runtime(CpuDevice(), artifacts.__getitem__, max_loaded=8, memory_budget_bytes=budget)
@@ -65,6 +66,26 @@ def test_a_program_larger_than_the_budget_still_runs_alone(artifacts) -> None:
     run(runtime, "small")
     run(runtime, "large")
     assert runtime.loaded_keys == ["large"]
+
+
+def test_a_loaded_native_program_holds_only_the_weights_its_code_reads() -> None:
+    artifact = compile_onnx(mlp(seed=0, hidden=256).SerializeToString(), "cpu", ("native-tiled",))
+    layout = artifact.kernels[0]["layout"]["buffers"]
+    read = {b["name"] for b in layout if b["role"] == "weight"}
+    # the products read their weights as panels packed at compile time, in place of the rows
+    replaced = sorted(name for name in set(artifact.graph.weights) - read if f"{name}:panels" in read)
+    assert replaced, read
+    library = len(artifact.binaries["program.so"])
+    store = {"mlp": artifact}
+    runtime = Runtime(CpuDevice(), store.__getitem__)
+    run(runtime, "mlp")
+    held = sum(artifact.all_weights()[name].nbytes for name in read) + library
+    assert runtime.loaded_bytes == held < sum(a.nbytes for a in artifact.all_weights().values()) + library
+    rows = weakref.ref(artifact.graph.weights[replaced[0]])
+    del artifact, store["mlp"]
+    gc.collect()
+    assert rows() is None, "a loaded program still holds the rows its panels replaced"
+    run(runtime, "mlp")
 
 
 def test_idle_programs_leave_after_idle_unload_s(artifacts) -> None:
@@ -131,7 +152,7 @@ def runtime_process(client: redis.Redis, runtime: Runtime) -> RuntimeProcess:
 
 
 def test_a_runtime_process_heartbeat_unloads_idle_models_and_announces_it(artifacts, redis_url) -> None:
-    budget = artifact_bytes(artifacts["large"])
+    budget = CpuDevice().load(artifacts["large"]).resident_bytes
     runtime = Runtime(CpuDevice(), artifacts.__getitem__, idle_unload_s=1.0, memory_budget_bytes=budget)
     client = redis.Redis.from_url(redis_url)
     process = runtime_process(client, runtime)

@@ -168,6 +168,7 @@ class NativeProgram:
         self.symbols = list(layout["symbols"])
         self.size_limits = dict(layout.get("size_limits", {}))
         self._library = _load_library(library)
+        self._library_bytes = len(library)
         self._entry = self._library.lc_run
         self._entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._entry.restype = ctypes.c_int
@@ -184,6 +185,11 @@ class NativeProgram:
         self._arena = np.empty(0, np.uint8)
         self._lock = threading.Lock()
         self._layouts: dict[tuple, tuple] = {}
+
+    def resident_bytes(self) -> int:
+        """Memory held for the program's lifetime: the weights its code reads and the library (the
+        arena is per call's size, like the outputs, and not counted)."""
+        return sum(w.nbytes for w in self._weights) + self._library_bytes
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs]

@@ -63,6 +63,10 @@ class Executable:
             if dep not in outputs:
                 self._free_after[step].append(dep)
 
+    def resident_bytes(self) -> int:
+        """Memory held for the program's lifetime: the graph's weights."""
+        return sum(w.nbytes for w in self.graph.weights.values())
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         graph = self.graph
         bindings = bind_symbols(graph, inputs)
