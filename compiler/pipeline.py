@@ -30,6 +30,7 @@ from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph, Op
+from compiler.kernels.epilogue import fuse_epilogues
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import NotNative, lower
 from compiler.memory import memory_terms
@@ -42,7 +43,7 @@ from compiler.shape import ShapeError, SymDim, evaluate
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.6.7"
+COMPILER_VERSION = "0.6.8"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
 # convolutions' panel products generated (built only where there are some), generated C with loop
@@ -346,7 +347,8 @@ def _build_native(
         if use_gemm not in lowered:
             tracker.phase("lower", name)
         try:
-            program = lowered[use_gemm] if use_gemm in lowered else lower(graph, use_gemm=use_gemm)
+            # a product's elementwise consumer (bias, activation, residual) runs on its blocks of C
+            program = lowered[use_gemm] if use_gemm in lowered else fuse_epilogues(lower(graph, use_gemm=use_gemm))
         except NotNative as exc:
             rejected["native"] = f"not expressible natively: {exc}"
             break
@@ -370,6 +372,7 @@ def _build_native(
         stats = {
             "kernels": len(program.kernels),
             "gemm_calls": gemms,
+            "fused_epilogues": sum(isinstance(k, GemmCall) and k.epilogue is not None for k in program.kernels),
             "build_seconds": round(time.perf_counter() - began, 4),
         }
         layout = native_cpu.describe(program, graph.size_limits)

@@ -181,7 +181,8 @@ class NativeProgram:
                 self._pointers[b.id] = array.ctypes.data
         self._inputs = [b for b in self.buffers if b.role == "input"]
         self._outputs = [b for b in self.buffers if b.role == "output"]
-        self._temps = [b for b in self.buffers if b.role == "temp"]
+        # a temp with no slot is never written (a product's C whose epilogue writes elsewhere)
+        self._temps = [b for b in self.buffers if b.role == "temp" and b.id in self.slots]
         self._arena = np.empty(0, np.uint8)
         self._lock = threading.Lock()
         self._layouts: dict[tuple, tuple] = {}

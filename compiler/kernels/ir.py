@@ -235,6 +235,18 @@ class Panels:
 
 
 @dataclass(frozen=True)
+class Epilogue:
+    """An elementwise loop the product applies to its own output, block by block as it writes it
+    (bias, activation, residual add): C[t, i, j] = value, where loads index by the variables `t`
+    (the flat batch index), `i` (C's row) and `j` (C's column), and C's own element, read at
+    t*m*n + i*n + j, holds the product's sum when the epilogue runs."""
+
+    value: Expr
+    # the primitive node the fused loop computed (for reports)
+    node: int = -1
+
+
+@dataclass(frozen=True)
 class GemmCall:
     """For each batch index: C[m, n] = sum_k A[m, k] * B[k, n] (alpha 1, beta 0), row-major.
     A is stored [m, k] (or [k, m] when trans_a) with its batch offsets `a_batch_strides`, one per
@@ -262,6 +274,8 @@ class GemmCall:
     # B is a weight stored in a renderer's packed layout (its panels, packed at compile time), not
     # as rows: set by the renderer's own pass over a lowered program, never by lowering
     packed_b: bool = False
+    # an elementwise loop fused into the product (compiler.kernels.epilogue); C is then its output
+    epilogue: Epilogue | None = None
 
 
 Kernel = LoopKernel | GemmCall

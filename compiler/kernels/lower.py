@@ -860,9 +860,10 @@ def kernel_writes(kernel: Kernel) -> int:
 
 def kernel_reads(kernel: Kernel) -> set[int]:
     if isinstance(kernel, GemmCall):
-        if kernel.b_panels is not None:
-            return {kernel.a} | expr_reads(kernel.b_panels.kernel.value)
-        return {kernel.a, kernel.b}
+        reads = {kernel.a} | (expr_reads(kernel.b_panels.kernel.value) if kernel.b_panels is not None else {kernel.b})
+        if kernel.epilogue is not None:
+            reads |= expr_reads(kernel.epilogue.value) - {kernel.c}
+        return reads
     return expr_reads(kernel.value)
 
 

@@ -575,6 +575,7 @@ class _Renderer:
             lines.append(f"{body}else {library}\n")
         else:
             lines.append(f"{body}{library}\n")
+        lines.append(self.epilogue(call, ("m_lo", "m_lo + rows_m"), ("lo * lc_rest", "hi * lc_rest"), body))
         lines.append("        }\n")
         return "".join(lines)
 
@@ -628,6 +629,7 @@ class _Renderer:
             f"{body}lc_conv_rows(g, b{geometry.source} + ({self.ix(geometry.base)}), rows_m, "
             f"b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows}, {a_rows}, {a_cols}, b{call.c} + t * m * n + m_lo * n, n, r0, r1, call);\n"
         )
+        lines.append(self.epilogue(call, ("m_lo", "m_lo + rows_m"), (f"r0 * {x.out}", f"r1 * {x.out}"), body))
         lines.append("        }\n")
         return "".join(lines)
 
@@ -666,6 +668,7 @@ class _Renderer:
         b_off = self.batch_offset(call.batch, call.b_batch_strides)
         lines.append(f"{body}const int64_t lo = block * span, hi = (lo + span < (split_m ? m : n)) ? lo + span : (split_m ? m : n);\n")
         lines.append(f"{body}if (lo >= hi) continue;\n")
+        block = (("(split_m ? lo : 0)", "(split_m ? hi : m)"), ("(split_m ? 0 : lo)", "(split_m ? n : hi)"))
         lda, ldb = self.lda(call), self.ldb(call)
         a_row = "lo" if call.trans_a else f"lo * {lda}"  # where row lo of A starts
         b_col = f"lo * {ldb}" if call.trans_b else "lo"  # where column lo of B starts
@@ -681,6 +684,7 @@ class _Renderer:
                 f"{body}lc_sgemm_pw(split_m ? hi - lo : m, k, a, {a_strides}, b{call.b}, {npad}, "
                 "split_m ? 0 : lo, split_m ? n : hi, c, n);\n"
             )
+            lines.append(self.epilogue(call, *block, body))
             return "".join(lines) + "        }\n"
         lines.append(f"{body}const {ctype} *bm = b{call.b} + ({self.ix(b_off)}) + (split_m ? 0 : {b_col});\n")
         lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : lo);\n")
@@ -707,6 +711,7 @@ class _Renderer:
                 f"{body}else scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
                 f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
             )
+        lines.append(self.epilogue(call, *block, body))
         lines.append("        }\n")
         return "".join(lines)
 
@@ -723,12 +728,34 @@ class _Renderer:
     def gemm_head(self, call: GemmCall, reads) -> list[str]:
         """A product's pointers, sizes, and its early exits (no output; an empty sum is zeros)."""
         ctype = C_TYPES[call.dtype]
+        if call.epilogue is not None:
+            reads = set(reads) | expr_reads(call.epilogue.value)
         lines = [self.pointer(b) for b in sorted(set(reads) - {call.c})] + [self.pointer(call.c, writable=True)]
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
         lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
         lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
-        lines.append(f"    if (k == 0) {{ memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch); return; }}\n")
+        lines.append(f"    if (k == 0) {{\n        memset(b{call.c}, 0, sizeof({ctype}) * m * n * batch);\n")
+        if call.epilogue is not None:
+            lines.append("        for (int64_t t = 0; t < batch; ++t) {\n")
+            lines.append(self.epilogue(call, ("0", "m"), ("0", "n"), "            "))
+            lines.append("        }\n")
+        lines.append("        return;\n    }\n")
         return lines
+
+    def epilogue(self, call: GemmCall, rows: tuple[str, str], columns: tuple[str, str], indent: str) -> str:
+        """The product's fused epilogue over the block of C it has just written (batch index t):
+        rows [rows), columns [columns), rewritten in place while they are in cache."""
+        if call.epilogue is None:
+            return ""
+        ctype = C_TYPES[call.dtype]
+        # the epilogue's own element of C, read and written: a row at a time the loop vectorizes
+        return (
+            f"{indent}for (int64_t i = {rows[0]}; i < {rows[1]}; ++i) {{\n"
+            f"{indent}    #pragma omp simd\n"
+            f"{indent}    for (int64_t j = {columns[0]}; j < {columns[1]}; ++j)\n"
+            f"{indent}        b{call.c}[t * m * n + i * n + j] = ({ctype})({self.expr(call.epilogue.value)});\n"
+            f"{indent}}}\n"
+        )
 
     @staticmethod
     def batch_indices(call: GemmCall, indent: str) -> list[str]:

@@ -1,0 +1,172 @@
+"""Fused epilogues: an elementwise loop over a product's output (bias, activation, residual add,
+a convolution's folded batch norm) applied by the product itself to each block of C it has just
+written, while the block is still in cache, instead of as a separate pass over the whole of C.
+
+The loop's element space must be C's, read back at its own element, and every other load must be
+a linear function of C's flat batch index `t`, row `i` and column `j` (a bias reads a row's or a
+column's value, a residual the same element of another buffer). The loop's output then takes C's
+place: the product writes its sums there and the epilogue rewrites them in place; C's buffer is
+left unused. Device-neutral: renderers decide where in their tiling the epilogue runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from compiler.kernels.ir import (
+    Apply,
+    Atom,
+    Const,
+    Epilogue,
+    Expr,
+    GemmCall,
+    Ix,
+    Load,
+    LoopKernel,
+    Program,
+)
+from compiler.kernels.lower import kernel_reads, kernel_writes, linear, plan_slots, strides_of
+from compiler.shape import Dim, dim_mul
+
+# the epilogue's index variables: flat batch index, row of C, column of C
+T, I, J = "t", "i", "j"
+
+
+def fuse_epilogues(program: Program) -> Program:
+    """The program with each product's elementwise consumer fused into it where that is exact
+    (see the module's docstring); the program itself when none is."""
+    readers = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
+    writer = {kernel_writes(k): step for step, k in enumerate(program.kernels)}
+    kernels: list = list(program.kernels)
+    fused_any = False
+    for step, call in enumerate(program.kernels):
+        if not isinstance(call, GemmCall) or call.epilogue is not None:
+            continue
+        if program.buffers[call.c].role != "temp" or readers[call.c] != 1:
+            continue
+        consumer = next(
+            (s for s in range(step + 1, len(kernels)) if kernels[s] is not None and call.c in kernel_reads(kernels[s])),
+            None,
+        )
+        if consumer is None:
+            continue
+        loop = kernels[consumer]
+        if not isinstance(loop, LoopKernel):
+            continue
+        value = _epilogue_value(program, call, loop)
+        # the loop's other operands must exist when the product runs: it moves up to the product
+        if value is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
+            continue
+        kernels[step] = replace(call, c=loop.out, epilogue=Epilogue(value, loop.node))
+        kernels[consumer] = None
+        fused_any = True
+    if not fused_any:
+        return program
+    fused = Program(
+        program.buffers, [k for k in kernels if k is not None], program.symbols, {}, program.weights
+    )
+    fused.slots = plan_slots(fused)
+    return fused
+
+
+def _epilogue_value(program: Program, call: GemmCall, loop: LoopKernel) -> Expr | None:
+    """The loop's value over (t, i, j), C's own element read from the loop's output; None when
+    the loop is not an exact elementwise epilogue of the product."""
+    if loop.reduce is not None or program.buffers[loop.out].dtype != call.dtype:
+        return None
+    if loop.out in (call.a, call.b) or program.buffers[loop.out].role not in ("temp", "output"):
+        return None
+    shape = loop.shape
+    identity = _drop_unit(linear([Ix.var(f"o{j}") for j in range(len(shape))], shape), shape)
+    batch: Dim = 1
+    for d in call.batch:
+        batch = dim_mul(batch, d)
+    mn = dim_mul(call.m, call.n)
+    for p, q in _cuts(shape, (batch, call.m, call.n)):
+        groups = ((0, p, T), (p, q, I), (q, len(shape), J))
+        value = _rewrite(loop.value, shape, groups, call.c, identity)
+        if value is not None:
+            c_index = _canonical(Ix(((T, mn), (I, call.n), (J, 1))))
+            return _swap_accumulator(value, call.c, loop.out, c_index)
+    return None
+
+
+def _cuts(shape: tuple[Dim, ...], sizes: tuple[Dim, Dim, Dim]) -> list[tuple[int, int]]:
+    """Every (p, q) with prod(shape[:p]), prod(shape[p:q]), prod(shape[q:]) equal to `sizes`."""
+    rank = len(shape)
+
+    def product(lo: int, hi: int) -> Dim:
+        total: Dim = 1
+        for d in shape[lo:hi]:
+            total = dim_mul(total, d)
+        return total
+
+    return [
+        (p, q)
+        for p in range(rank + 1)
+        for q in range(p, rank + 1)
+        if product(0, p) == sizes[0] and product(p, q) == sizes[1] and product(q, rank) == sizes[2]
+    ]
+
+
+def _rewrite(e: Expr, shape, groups, c: int, identity: Ix) -> Expr | None:
+    """e with every load's index over the loop's o-variables rewritten over (t, i, j)."""
+    if isinstance(e, Const):
+        return e
+    if isinstance(e, Load):
+        if e.buffer == c and _drop_unit(e.index, shape) != identity:
+            return None  # C read anywhere but at its own element
+        index = _regroup(e.index, shape, groups)
+        return None if index is None else Load(e.buffer, index)
+    if isinstance(e, Apply):
+        args = [_rewrite(a, shape, groups, c, identity) for a in e.args]
+        return None if any(a is None for a in args) else Apply(e.op, tuple(args), e.dtype)
+    return None  # padding guards, iotas: not an epilogue's
+
+
+def _regroup(ix: Ix, shape, groups) -> Ix | None:
+    """ix = sum over groups of f_g * (the group's flat index), when each group's coefficients
+    are one factor times the group's row-major strides; None otherwise."""
+    coefs: dict[str, Dim] = {}
+    for var, coef in ix.terms:
+        if isinstance(var, Atom) or not var.startswith("o"):
+            return None
+        coefs[var] = coef
+    terms: list[tuple[str, Dim]] = []
+    for lo, hi, name in groups:
+        strides = strides_of(shape[lo:hi])
+        live = [d for d in range(lo, hi) if shape[d] != 1]
+        if not live:
+            continue
+        factor = coefs.get(f"o{live[-1]}", 0)  # the innermost live axis's stride is 1
+        for d in live:
+            expected = dim_mul(factor, strides[d - lo]) if factor != 0 else 0
+            if coefs.get(f"o{d}", 0) != expected:
+                return None
+        if factor != 0:
+            terms.append((name, factor))
+    return _canonical(Ix(tuple(terms), ix.const))
+
+
+def _drop_unit(ix: Ix, shape) -> Ix:
+    """ix without the terms of axes of extent one (always index 0)."""
+    units = {f"o{j}" for j, d in enumerate(shape) if d == 1}
+    return Ix(tuple(t for t in ix.terms if t[0] not in units), ix.const)
+
+
+def _canonical(ix: Ix) -> Ix:
+    return Ix() + ix
+
+
+def _swap_accumulator(e: Expr, c: int, out: int, index: Ix) -> Expr:
+    """C's element becomes the output's own element, which holds the product's sum when the
+    epilogue runs."""
+    if isinstance(e, Load):
+        return Load(out, index) if e.buffer == c else e
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(_swap_accumulator(a, c, out, index) for a in e.args), e.dtype)
+    return e
+
+
+__all__ = ["fuse_epilogues"]
