@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import models
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
-from compiler.kernels.epilogue import fuse_epilogues
+from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
@@ -66,7 +66,7 @@ def main() -> None:
     data = models.BUILDERS[args.model]()
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
-    program = fuse_epilogues(lower(graph))
+    program = fuse(lower(graph))  # as the compiler's candidates are
     if args.gemm != "blas":  # as the compiler's generated candidates do
         program = prepack_weights(program)
     library = native_cpu.build(render(program, profile=True, gemm=args.gemm))

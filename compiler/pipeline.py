@@ -30,7 +30,7 @@ from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph, Op
-from compiler.kernels.epilogue import fuse_epilogues
+from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import NotNative, lower
 from compiler.memory import memory_terms
@@ -347,8 +347,7 @@ def _build_native(
         if use_gemm not in lowered:
             tracker.phase("lower", name)
         try:
-            # a product's elementwise consumer (bias, activation, residual) runs on its blocks of C
-            program = lowered[use_gemm] if use_gemm in lowered else fuse_epilogues(lower(graph, use_gemm=use_gemm))
+            program = lowered[use_gemm] if use_gemm in lowered else fuse(lower(graph, use_gemm=use_gemm))
         except NotNative as exc:
             rejected["native"] = f"not expressible natively: {exc}"
             break

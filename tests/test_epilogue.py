@@ -1,6 +1,8 @@
-"""Fused epilogues (compiler/kernels/epilogue.py): an elementwise loop over a product's output runs
-inside the product, on each block of C as it is written. Which loops fuse, which must not, and
-that fused programs match the reference interpreter for every kind of product."""
+"""Fusion in the kernel IR: chains of elementwise loops as one loop with locals
+(compiler/kernels/fusion.py), and fused epilogues (compiler/kernels/epilogue.py), where an
+elementwise loop over a product's output runs inside the product, on each block of C as it is
+written. Which loops fuse, which must not, and that fused programs match the reference
+interpreter for every kind of product."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from onnx import helper
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.epilogue import fuse_epilogues
+from compiler.kernels.fusion import fuse, fuse_elementwise
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import kernel_reads, lower
 from compiler.pipeline import sample_inputs
@@ -122,15 +125,16 @@ def test_a_convolutions_batch_norm_and_relu_run_inside_it() -> None:
     (call,) = fused(program)
     assert call.b_panels is not None  # the windows' product: panels, or read in place by "mixed"
     source = render(program, gemm="mixed")
-    assert "lc_conv_rows(g" in source and "for (int64_t i = m_lo; i < m_lo + rows_m; ++i)" in source
+    assert "lc_conv_rows(g" in source and "const int64_t lc_i0 = m_lo, lc_i1 = m_lo + rows_m, lc_j0 = r0 * 24, lc_j1 = r1 * 24;" in source
     for gemm in ("blas", "mixed", "tiled"):
         assert_matches_reference(graph, program, gemm, sizes=(1, 3))
 
 
-EPILOGUES = ("bias", "relu", "sigmoid", "residual", "row_scale", "transpose")
+# erf and tanh lower to several values, each read more than once (lets), and to selects (flags)
+EPILOGUES = ("bias", "relu", "sigmoid", "erf", "tanh", "residual", "row_scale", "transpose")
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     chain=st.lists(st.sampled_from(EPILOGUES), min_size=1, max_size=3),
     k=st.integers(1, 40),
@@ -145,7 +149,7 @@ def test_fused_programs_match_the_reference(chain, k, n, gemm) -> None:
         if step == "transpose":
             nodes.append(helper.make_node("Transpose", [value], [out], perm=[1, 0]))
             shape = shape[::-1]
-        elif step in ("relu", "sigmoid"):
+        elif step in ("relu", "sigmoid", "erf", "tanh"):
             nodes.append(helper.make_node(step.capitalize(), [value], [out]))
         else:
             operand = {"bias": [shape[1]], "residual": list(shape), "row_scale": [shape[0], 1]}[step]
@@ -154,7 +158,43 @@ def test_fused_programs_match_the_reference(chain, k, n, gemm) -> None:
         value = out
     nodes.append(helper.make_node("Identity", [value], ["y"]))
     graph = load_graph(_product_then(nodes, extra, x_shape=("n", k), n=n, y_shape=shape).SerializeToString())
-    program = fuse_epilogues(lower(graph))
-    # an odd number of transposes reads the product transposed: that loop stays a loop
-    assert bool(fused(program)) == (chain.count("transpose") % 2 == 0), chain
+    program = fuse(lower(graph))
+    # an odd number of transposes reads the product transposed (unless it is one column wide):
+    # that loop stays a loop
+    assert bool(fused(program)) == (chain.count("transpose") % 2 == 0 or n == 1), chain
     assert_matches_reference(graph, program, gemm, sizes=(1, 7))
+
+
+def _unary_model(nodes, outputs=("y",)) -> onnx.ModelProto:
+    return make_model(nodes, [tensor("x", ["n", 40])], [tensor(name, ["n", 40]) for name in outputs])
+
+
+def test_a_chain_of_elementwise_values_is_one_loop_with_locals() -> None:
+    # erf lowers to several values, each read more than once: each had a buffer and a loop
+    graph = load_graph(_unary_model([helper.make_node("Erf", ["x"], ["y"])]).SerializeToString())
+    program = lower(graph)
+    loops = [k for k in program.kernels if isinstance(k, LoopKernel)]
+    assert len(loops) >= 2
+    fused_program = fuse_elementwise(program)
+    (loop,) = fused_program.kernels
+    assert len(loop.lets) == len(loops) - 1 and not any(let.store for let in loop.lets)
+    # the values are locals now: no arena slot, and the loop computes them a chunk at a time
+    assert not fused_program.slots
+    assert all(f"lc_v{let.buffer}[" in render(fused_program) for let in loop.lets)
+    assert_matches_reference(graph, fused_program, "blas", sizes=(1, 700))
+
+
+def test_a_value_another_kernel_reads_is_stored_as_well() -> None:
+    nodes = [
+        helper.make_node("Tanh", ["x"], ["e"]),
+        helper.make_node("Add", ["e", "e"], ["y"]),
+        helper.make_node("ReduceSum", ["e"], ["s"], keepdims=1),
+    ]
+    outputs = [tensor("y", ["n", 40]), tensor("s", ["n", 1])]
+    graph = load_graph(make_model(nodes, [tensor("x", ["n", 40])], outputs).SerializeToString())
+    program = fuse_elementwise(lower(graph))
+    stored = [let.buffer for k in program.kernels if isinstance(k, LoopKernel) for let in k.lets if let.store]
+    reductions = [k for k in program.kernels if isinstance(k, LoopKernel) and k.reduce is not None]
+    # tanh's value is computed in y's loop and kept for the sum, which reads a whole row of it
+    assert stored and any(set(stored) & kernel_reads(r) for r in reductions)
+    assert_matches_reference(graph, program, "blas", sizes=(1, 9))

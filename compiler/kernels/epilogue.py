@@ -21,12 +21,14 @@ from compiler.kernels.ir import (
     Epilogue,
     Expr,
     GemmCall,
+    Guarded,
     Ix,
+    Let,
     Load,
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import kernel_reads, kernel_writes, linear, plan_slots, strides_of
+from compiler.kernels.lower import kernel_reads, kernel_stores, linear, map_loads, plan_slots, strides_of
 from compiler.shape import Dim, dim_mul
 
 # the epilogue's index variables: flat batch index, row of C, column of C
@@ -37,13 +39,15 @@ def fuse_epilogues(program: Program) -> Program:
     """The program with each product's elementwise consumer fused into it where that is exact
     (see the module's docstring); the program itself when none is."""
     readers = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
-    writer = {kernel_writes(k): step for step, k in enumerate(program.kernels)}
+    writer = {b: step for step, k in enumerate(program.kernels) for b in kernel_stores(k)}
+    writes = Counter(b for k in program.kernels for b in kernel_stores(k))
     kernels: list = list(program.kernels)
     fused_any = False
     for step, call in enumerate(program.kernels):
         if not isinstance(call, GemmCall) or call.epilogue is not None:
             continue
-        if program.buffers[call.c].role != "temp" or readers[call.c] != 1:
+        # C and the loop's output are each written once: no loop updating a buffer in place
+        if program.buffers[call.c].role != "temp" or readers[call.c] != 1 or writes[call.c] != 1:
             continue
         consumer = next(
             (s for s in range(step + 1, len(kernels)) if kernels[s] is not None and call.c in kernel_reads(kernels[s])),
@@ -52,13 +56,13 @@ def fuse_epilogues(program: Program) -> Program:
         if consumer is None:
             continue
         loop = kernels[consumer]
-        if not isinstance(loop, LoopKernel):
+        if not isinstance(loop, LoopKernel) or writes[loop.out] != 1:
             continue
-        value = _epilogue_value(program, call, loop)
+        fused = _epilogue(program, call, loop)
         # the loop's other operands must exist when the product runs: it moves up to the product
-        if value is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
+        if fused is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
             continue
-        kernels[step] = replace(call, c=loop.out, epilogue=Epilogue(value, loop.node))
+        kernels[step] = replace(call, c=loop.out, epilogue=fused)
         kernels[consumer] = None
         fused_any = True
     if not fused_any:
@@ -70,9 +74,9 @@ def fuse_epilogues(program: Program) -> Program:
     return fused
 
 
-def _epilogue_value(program: Program, call: GemmCall, loop: LoopKernel) -> Expr | None:
-    """The loop's value over (t, i, j), C's own element read from the loop's output; None when
-    the loop is not an exact elementwise epilogue of the product."""
+def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | None:
+    """The loop's value (and lets) over (t, i, j), C's own element read from the loop's output;
+    None when the loop is not an exact elementwise epilogue of the product."""
     if loop.reduce is not None or program.buffers[loop.out].dtype != call.dtype:
         return None
     if loop.out in (call.a, call.b) or program.buffers[loop.out].role not in ("temp", "output"):
@@ -85,10 +89,13 @@ def _epilogue_value(program: Program, call: GemmCall, loop: LoopKernel) -> Expr 
     mn = dim_mul(call.m, call.n)
     for p, q in _cuts(shape, (batch, call.m, call.n)):
         groups = ((0, p, T), (p, q, I), (q, len(shape), J))
-        value = _rewrite(loop.value, shape, groups, call.c, identity)
-        if value is not None:
+        values = [_rewrite(v, shape, groups, call.c, identity) for v in (*(let.value for let in loop.lets), loop.value)]
+        if all(v is not None for v in values):
             c_index = _canonical(Ix(((T, mn), (I, call.n), (J, 1))))
-            return _swap_accumulator(value, call.c, loop.out, c_index)
+            *lets, value = (_swap_accumulator(v, call.c, loop.out, c_index) for v in values)
+            return Epilogue(
+                value, loop.node, tuple(Let(old.buffer, new, old.store) for old, new in zip(loop.lets, lets, strict=True))
+            )
     return None
 
 
@@ -117,23 +124,36 @@ def _rewrite(e: Expr, shape, groups, c: int, identity: Ix) -> Expr | None:
     if isinstance(e, Load):
         if e.buffer == c and _drop_unit(e.index, shape) != identity:
             return None  # C read anywhere but at its own element
-        index = _regroup(e.index, shape, groups)
+        index = _regroup(e.index, shape, groups, c, identity)
         return None if index is None else Load(e.buffer, index)
     if isinstance(e, Apply):
         args = [_rewrite(a, shape, groups, c, identity) for a in e.args]
         return None if any(a is None for a in args) else Apply(e.op, tuple(args), e.dtype)
-    return None  # padding guards, iotas: not an epilogue's
-
-
-def _regroup(ix: Ix, shape, groups) -> Ix | None:
-    """ix = sum over groups of f_g * (the group's flat index), when each group's coefficients
-    are one factor times the group's row-major strides; None otherwise."""
-    coefs: dict[str, Dim] = {}
-    for var, coef in ix.terms:
-        if isinstance(var, Atom) or not var.startswith("o"):
+    if isinstance(e, Guarded):  # a select's choice (a flag), or padding linear in (t, i, j)
+        guards = [(_regroup(g, shape, groups, c, identity), n) for g, n in e.guards]
+        value = _rewrite(e.value, shape, groups, c, identity)
+        if value is None or any(g is None for g, _ in guards):
             return None
-        coefs[var] = coef
-    terms: list[tuple[str, Dim]] = []
+        return Guarded(tuple(guards), value, e.fill, e.dtype)
+    return None  # iotas: not an epilogue's
+
+
+def _regroup(ix: Ix, shape, groups, c: int, identity: Ix) -> Ix | None:
+    """ix = sum over groups of f_g * (the group's flat index), when each group's coefficients
+    are one factor times the group's row-major strides; None otherwise. A flag (a select's
+    choice) is kept with its value rewritten; any other index atom is refused."""
+    coefs: dict[str, Dim] = {}
+    terms: list[tuple[str | Atom, Dim]] = []
+    for var, coef in ix.terms:
+        if isinstance(var, Atom):
+            flag = _rewrite(var.args[0], shape, groups, c, identity) if var.op == "flag" else None
+            if flag is None:
+                return None
+            terms.append((Atom("flag", (flag,)), coef))
+        elif var.startswith("o"):
+            coefs[var] = coef
+        else:
+            return None
     for lo, hi, name in groups:
         strides = strides_of(shape[lo:hi])
         live = [d for d in range(lo, hi) if shape[d] != 1]
@@ -162,11 +182,7 @@ def _canonical(ix: Ix) -> Ix:
 def _swap_accumulator(e: Expr, c: int, out: int, index: Ix) -> Expr:
     """C's element becomes the output's own element, which holds the product's sum when the
     epilogue runs."""
-    if isinstance(e, Load):
-        return Load(out, index) if e.buffer == c else e
-    if isinstance(e, Apply):
-        return Apply(e.op, tuple(_swap_accumulator(a, c, out, index) for a in e.args), e.dtype)
-    return e
+    return map_loads(e, lambda load: Load(out, index) if load.buffer == c else load)
 
 
 __all__ = ["fuse_epilogues"]

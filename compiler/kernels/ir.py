@@ -207,6 +207,17 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class Let:
+    """A value an elementwise loop computes at each element before its own (vertically fused
+    loops): the expressions after it read `buffer` at their own element as this local value, and
+    it is stored into `buffer` only where `store` (another kernel reads it, or it is an output)."""
+
+    buffer: int
+    value: Expr
+    store: bool
+
+
+@dataclass(frozen=True)
 class LoopKernel:
     """out[o...] = value(o...), or with `reduce`: out[o...] = reduce over r... of value(o..., r...).
     Loop variables are named o0.. (output axes, row-major into `out`) and r0.. (reduced axes)."""
@@ -218,6 +229,8 @@ class LoopKernel:
     reduce: tuple[str, Shape] | None = None
     # which node of the primitive graph this computes (for reports)
     node: int = -1
+    # values computed first at each element (elementwise loops only; compiler.kernels.fusion)
+    lets: tuple[Let, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,6 +257,8 @@ class Epilogue:
     value: Expr
     # the primitive node the fused loop computed (for reports)
     node: int = -1
+    # the fused loop's own lets, indexed like `value`
+    lets: tuple[Let, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from compiler.kernels.ir import (
     IndexValue,
     Ix,
     Kernel,
+    Let,
     Load,
     LoopKernel,
     Panels,
@@ -832,7 +833,8 @@ def plan_slots(program: Program) -> dict[int, int]:
     for step, kernel in enumerate(program.kernels):
         for buffer in kernel_reads(kernel):
             last_read[buffer] = step
-        first_write.setdefault(kernel_writes(kernel), step)
+        for written in kernel_stores(kernel):
+            first_write.setdefault(written, step)
     slots: dict[int, int] = {}
     free: list[int] = []
     count = 0
@@ -840,13 +842,13 @@ def plan_slots(program: Program) -> dict[int, int]:
     for buffer, step in last_read.items():
         releases.setdefault(step, []).append(buffer)
     for step, kernel in enumerate(program.kernels):
-        written = kernel_writes(kernel)
-        if program.buffers[written].role == "temp" and written not in slots:
-            if free:
-                slots[written] = free.pop()
-            else:
-                slots[written] = count
-                count += 1
+        for written in sorted(kernel_stores(kernel)):
+            if program.buffers[written].role == "temp" and written not in slots:
+                if free:
+                    slots[written] = free.pop()
+                else:
+                    slots[written] = count
+                    count += 1
         for buffer in releases.get(step, []):
             if buffer in slots and first_write.get(buffer, -1) <= step:
                 free.append(slots[buffer])
@@ -858,13 +860,27 @@ def kernel_writes(kernel: Kernel) -> int:
     return kernel.c if isinstance(kernel, GemmCall) else kernel.out
 
 
+def kernel_stores(kernel: Kernel) -> set[int]:
+    """Every buffer a kernel writes: its output and the lets it stores."""
+    lets = kernel.epilogue.lets if isinstance(kernel, GemmCall) and kernel.epilogue is not None else getattr(kernel, "lets", ())
+    return {kernel_writes(kernel)} | {let.buffer for let in lets if let.store}
+
+
+def lets_reads(lets: Sequence[Let], value: Expr) -> set[int]:
+    """The buffers a value computed after `lets` loads from (a let's buffer is a local there)."""
+    reads = expr_reads(value)
+    for let in lets:
+        reads |= expr_reads(let.value)
+    return reads - {let.buffer for let in lets}
+
+
 def kernel_reads(kernel: Kernel) -> set[int]:
     if isinstance(kernel, GemmCall):
         reads = {kernel.a} | (expr_reads(kernel.b_panels.kernel.value) if kernel.b_panels is not None else {kernel.b})
         if kernel.epilogue is not None:
-            reads |= expr_reads(kernel.epilogue.value) - {kernel.c}
+            reads |= lets_reads(kernel.epilogue.lets, kernel.epilogue.value) - {kernel.c}
         return reads
-    return expr_reads(kernel.value)
+    return lets_reads(kernel.lets, kernel.value)
 
 
 def walk(expr: Expr | Ix | Atom) -> Iterator[object]:
@@ -889,12 +905,41 @@ def walk(expr: Expr | Ix | Atom) -> Iterator[object]:
             stack.extend(a for a in e.args if isinstance(a, (Ix, Load, Guarded, Apply, IndexValue, Const)))
 
 
+def map_loads(e, fn):
+    """e with every load replaced by fn(load), innermost first: loads in gathered indices,
+    padding guards and selects' flags included."""
+    if isinstance(e, Load):
+        return fn(Load(e.buffer, _map_index(e.index, fn)))
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(map_loads(a, fn) for a in e.args), e.dtype)
+    if isinstance(e, Guarded):
+        return Guarded(tuple((_map_index(g, fn), n) for g, n in e.guards), map_loads(e.value, fn), e.fill, e.dtype)
+    if isinstance(e, IndexValue):
+        return IndexValue(_map_index(e.index, fn), e.dtype)
+    return e
+
+
+def _map_index(ix: Ix, fn) -> Ix:
+    if all(isinstance(v, str) for v, _ in ix.terms):
+        return ix
+    terms = []
+    for var, coef in ix.terms:
+        if isinstance(var, Atom):
+            var = Atom(var.op, tuple(
+                _map_index(a, fn) if isinstance(a, Ix) else map_loads(a, fn) if isinstance(a, Load | Apply | Guarded | IndexValue) else a
+                for a in var.args
+            ))
+        terms.append((var, coef))
+    return Ix(tuple(terms), ix.const)
+
+
 def expr_reads(expr: Expr) -> set[int]:
     """The buffers an expression loads from, indices (gathered ones) included."""
     return {e.buffer for e in walk(expr) if isinstance(e, Load)}
 
 
 __all__ = [
-    "GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "expr_reads", "kernel_reads", "linear", "lower", "plan_slots",
+    "GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "expr_reads", "kernel_reads", "kernel_stores", "lets_reads", "linear",
+    "lower", "map_loads", "plan_slots",
     "strides_of", "view_index", "walk",
 ]

@@ -30,7 +30,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import OP_COST, expr_reads, kernel_reads, linear, walk
+from compiler.kernels.lower import OP_COST, expr_reads, kernel_reads, kernel_stores, lets_reads, linear, walk
 from compiler.kernels.windows import WindowGeometry, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, PANEL_WIDTH, TILED_SGEMM, pack_weight
 from compiler.shape import Dim
@@ -86,6 +86,8 @@ CONV_MIN_WIDTH = 20
 CONV_MIN_REUSE = 4
 # the input rows one thread copies for a block of output rows (its phase planes) stay in L2
 CONV_PLANE_BYTES = 192 * 1024
+# a row of a loop with lets is computed this many elements at a time, each let into a local array
+LET_CHUNK = 256
 
 _PRELUDE = """\
 #define _GNU_SOURCE
@@ -306,6 +308,8 @@ class _Renderer:
         self.guard: str | None = ""
         # padding guards known to hold where the expression is being rendered (a split loop's middle)
         self.known: frozenset = frozenset()
+        # buffers whose element is a local of the statement being rendered (a loop's lets)
+        self.locals: dict[int, str] = {}
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -322,8 +326,9 @@ class _Renderer:
                 return head + self.gemm(kernel) + "}\n"
             geometry = self.windows(kernel)
             return head + (self.panel_gemm(kernel) if geometry is None else self.conv_gemm(kernel, geometry)) + "}\n"
-        reads = sorted(expr_reads(kernel.value) - {kernel.out})
-        body = "".join(self.pointer(b) for b in reads) + self.pointer(kernel.out, writable=True)
+        stored = sorted(kernel_stores(kernel))
+        reads = sorted(kernel_reads(kernel) - set(stored))
+        body = "".join(self.pointer(b) for b in reads) + "".join(self.pointer(b, writable=True) for b in stored)
         return head + body + self.loops(kernel) + "}\n"
 
     def loops(self, kernel: LoopKernel) -> str:
@@ -343,9 +348,9 @@ class _Renderer:
         parallel = rank - 1 if across else rank
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
-            cost = max(1, _operations(kernel.value) + (kernel.reduce is not None))
+            cost = max(1, sum(_operations(let.value) for let in kernel.lets) + _operations(kernel.value) + (kernel.reduce is not None))
             # a flat elementwise loop is both the threads' loop and the vector loop
-            simd = " simd" if rank == 1 and kernel.reduce is None and not self.gathers(kernel.value) else ""
+            simd = " simd" if rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel) else ""
             lines.append(f"    #pragma omp parallel for{simd}{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
         indent = "    "
         for j, d in enumerate(kernel.shape[:-1] if rank else ()):
@@ -381,8 +386,30 @@ class _Renderer:
         return "".join(lines)
 
     def target(self, kernel: LoopKernel) -> str:
-        rank = len(kernel.shape)
-        return f"b{kernel.out}[{self.ix(linear([Ix.var(f'o{j}') for j in range(rank)], kernel.shape))}]"
+        return f"b{kernel.out}[{self.out_index(kernel)}]"
+
+    def out_index(self, kernel: LoopKernel) -> str:
+        """The element the loop's variables name in its output (and in its lets' buffers)."""
+        return self.ix(linear([Ix.var(f"o{j}") for j in range(len(kernel.shape))], kernel.shape))
+
+    def with_lets(self, lets, index: str, value: Expr, statement) -> str:
+        """`statement(value)` after the lets as locals, each stored at `index` where it is kept."""
+        if not lets:
+            return statement(self.expr(value))
+        parts = []
+        for let in lets:
+            ctype = C_TYPES[self.program.buffers[let.buffer].dtype]
+            parts.append(f"const {ctype} lc_v{let.buffer} = ({ctype})({self.expr(let.value)});")
+            if let.store:
+                parts.append(f"b{let.buffer}[{index}] = lc_v{let.buffer};")
+            self.locals[let.buffer] = f"lc_v{let.buffer}"
+        parts.append(statement(self.expr(value)))
+        for let in lets:
+            del self.locals[let.buffer]
+        return "{ " + " ".join(parts) + " }"
+
+    def kernel_gathers(self, kernel: LoopKernel) -> bool:
+        return any(self.gathers(v) for v in (*(let.value for let in kernel.lets), kernel.value))
 
     def elementwise_store(self, kernel: LoopKernel):
         out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
@@ -405,20 +432,16 @@ class _Renderer:
         inner, extent = f"o{rank - 1}", stop or dim(kernel.shape[-1])
         # without it GCC unrolls a short row (12 wide) completely and then vectorizes nothing;
         # every element is independent (the written buffer is read only at its own element)
-        simd = "" if self.gathers(kernel.value) else "#pragma omp simd\n"
+        simd = "" if self.kernel_gathers(kernel) else "#pragma omp simd\n"
         split = self.guard_split(kernel, inner)
         if split is None:
-            return (
-                (f"{indent}{simd}" if simd else "")
-                + f"{indent}for (int64_t {inner} = {start}; {inner} < {extent}; ++{inner})\n"
-                f"{indent}    {statement(self.expr(kernel.value))}\n"
-            )
+            return self.let_rows(kernel.lets, kernel.value, inner, (start, extent), self.out_index(kernel), statement, indent, simd)
         bounds, known = split
         lines = [f"{indent}{{\n"]
         lines.extend(f"{indent}    {line}\n" for line in bounds(start, extent))
-        edge = statement(self.expr(kernel.value))
+        edge = self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, statement)
         self.known = known
-        middle = statement(self.expr(kernel.value))
+        middle = self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, statement)
         self.known = frozenset()
         for lo, hi, text in ((start, "lc_lo", edge), ("lc_lo", "lc_hi", middle), ("lc_hi", extent, edge)):
             if simd:
@@ -433,7 +456,8 @@ class _Renderer:
         innermost loop `inner`: `bounds(start, stop)` declares lc_lo and lc_hi, between which
         every such guard holds; None when there is none. Guards on the loops outside alone are checked
         once for the whole range."""
-        every = {(g, n) for e in walk(kernel.value) if isinstance(e, Guarded) for g, n in e.guards}
+        every = {(g, n) for v in (*(let.value for let in kernel.lets), kernel.value) for e in walk(v)
+                 if isinstance(e, Guarded) for g, n in e.guards}
         guards = {(g, n) for g, n in every if any(v == inner for v, _ in g.terms)}
         steady = sorted(
             ((g, n) for g, n in every if all(isinstance(v, str) and v != inner for v, _ in g.terms)),
@@ -474,7 +498,8 @@ class _Renderer:
         inner = indent + "    "
         target = self.target(kernel)
         if kernel.reduce is None:
-            lines.append(f"{inner}{target} = ({out_type})({self.expr(kernel.value)});\n")
+            store = lambda value: f"{target} = ({out_type})({value});"
+            lines.append(f"{inner}{self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, store)}\n")
         else:
             kind, extents = kernel.reduce
             dtype = self.program.buffers[kernel.out].dtype
@@ -728,9 +753,10 @@ class _Renderer:
     def gemm_head(self, call: GemmCall, reads) -> list[str]:
         """A product's pointers, sizes, and its early exits (no output; an empty sum is zeros)."""
         ctype = C_TYPES[call.dtype]
+        stored = kernel_stores(call)
         if call.epilogue is not None:
-            reads = set(reads) | expr_reads(call.epilogue.value)
-        lines = [self.pointer(b) for b in sorted(set(reads) - {call.c})] + [self.pointer(call.c, writable=True)]
+            reads = set(reads) | lets_reads(call.epilogue.lets, call.epilogue.value)
+        lines = [self.pointer(b) for b in sorted(set(reads) - stored)] + [self.pointer(b, writable=True) for b in sorted(stored)]
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
         lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
         lines.append("    if (m == 0 || n == 0 || batch == 0) return;\n")
@@ -748,14 +774,52 @@ class _Renderer:
         if call.epilogue is None:
             return ""
         ctype = C_TYPES[call.dtype]
+        store = lambda value: f"b{call.c}[t * m * n + i * n + j] = ({ctype})({value});"
         # the epilogue's own element of C, read and written: a row at a time the loop vectorizes
+        # (its bounds computed first: GCC vectorizes no loop whose bound is a conditional)
+        inner = indent + "        "
         return (
-            f"{indent}for (int64_t i = {rows[0]}; i < {rows[1]}; ++i) {{\n"
-            f"{indent}    #pragma omp simd\n"
-            f"{indent}    for (int64_t j = {columns[0]}; j < {columns[1]}; ++j)\n"
-            f"{indent}        b{call.c}[t * m * n + i * n + j] = ({ctype})({self.expr(call.epilogue.value)});\n"
+            f"{indent}{{\n"
+            f"{indent}    const int64_t lc_i0 = {rows[0]}, lc_i1 = {rows[1]}, lc_j0 = {columns[0]}, lc_j1 = {columns[1]};\n"
+            f"{indent}    for (int64_t i = lc_i0; i < lc_i1; ++i) {{\n"
+            + self.let_rows(call.epilogue.lets, call.epilogue.value, "j", ("lc_j0", "lc_j1"),
+                            "t * m * n + i * n + j", store, inner)
+            + f"{indent}    }}\n"
             f"{indent}}}\n"
         )
+
+    def let_rows(
+        self, lets, value: Expr, var: str, bounds: tuple[str, str], index: str, statement, indent: str,
+        simd: str = "#pragma omp simd\n",
+    ) -> str:
+        """The loop of `var` over [bounds) around `statement(value)`; with lets, a chunk of the
+        row at a time, each let a loop of its own into a local array (stored where it is kept),
+        then the value's: every loop a plain one GCC vectorizes, where one loop computing all
+        in registers is not (its if-conversion gives up on chains of NaN-propagating max)."""
+        if not lets:
+            return (
+                (f"{indent}{simd}" if simd else "")
+                + f"{indent}for (int64_t {var} = {bounds[0]}; {var} < {bounds[1]}; ++{var})\n"
+                f"{indent}    {statement(self.expr(value))}\n"
+            )
+        inner = indent + "    "
+        lines = [
+            f"{indent}for (int64_t lc_c = {bounds[0]}; lc_c < {bounds[1]}; lc_c += {LET_CHUNK}) {{\n",
+            f"{inner}const int64_t lc_e = lc_c + {LET_CHUNK} < {bounds[1]} ? lc_c + {LET_CHUNK} : {bounds[1]};\n",
+        ]
+        loop = (f"{inner}{simd}" if simd else "") + f"{inner}for (int64_t {var} = lc_c; {var} < lc_e; ++{var})\n"
+        for let in lets:
+            ctype = C_TYPES[self.program.buffers[let.buffer].dtype]
+            local = f"lc_v{let.buffer}[{var} - lc_c]"
+            lines.append(f"{inner}{ctype} lc_v{let.buffer}[{LET_CHUNK}];\n")
+            store = f" b{let.buffer}[{index}] = {local};" if let.store else ""
+            lines.append(f"{loop}{inner}    {{ {local} = ({ctype})({self.expr(let.value)});{store} }}\n")
+            self.locals[let.buffer] = local
+        lines.append(f"{loop}{inner}    {statement(self.expr(value))}\n")
+        for let in lets:
+            del self.locals[let.buffer]
+        lines.append(f"{indent}}}\n")
+        return "".join(lines)
 
     @staticmethod
     def batch_indices(call: GemmCall, indent: str) -> list[str]:
@@ -812,6 +876,8 @@ class _Renderer:
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
+            if e.buffer in self.locals:  # a let of the loop, read at its own element
+                return self.locals[e.buffer]
             if self.guard:  # None under a non-affine guard: no wrapping below it
                 # inside padding's guard: an index that is never out of range whatever the guard
                 # says, so the load may run before the check and the loop vectorizes
