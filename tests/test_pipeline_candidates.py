@@ -380,3 +380,19 @@ def test_a_helper_that_cannot_start_rejects_the_candidate(monkeypatch) -> None:
     with pytest.raises(CandidateFailed) as failed:
         runner.load("good", EMPTY_LAYOUT, {}, _tiny_library(""))
     assert failed.value.crashed and failed.value.reason.startswith("the measuring process could not start")
+
+
+def test_a_timing_is_a_burst_of_runs_after_one_that_warms_up() -> None:
+    class Program:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def run(self, feed) -> None:
+            # the first run after the helper waited is slow (threads asleep, caches cold)
+            time.sleep(0.05 if self.calls == 0 else 0.001)
+            self.calls += 1
+
+    program = Program()
+    seconds = measure._burst_seconds(program, {})
+    assert program.calls >= 1 + measure.BURST_MIN_RUNS
+    assert 0.0009 <= seconds < 0.01, seconds
