@@ -32,6 +32,8 @@ class _Group:
     # the shape of its members that are not flat, None while every member is flat
     shape: tuple[Dim, ...] | None = None
     written: set[int] = field(default_factory=set)
+    # what its members read
+    reads: set[int] = field(default_factory=set)
 
 
 def fuse(program: Program) -> Program:
@@ -56,12 +58,15 @@ def fuse_elementwise(program: Program) -> Program:
         if not _elementwise(kernel) or writes[kernel.out] != 1 or kernel.out in kernel_reads(kernel):
             continue
         sources = {id(group_of[b]): group_of[b] for b in kernel_reads(kernel) if b in group_of}
+        if not sources and groups and groups[-1].steps[-1] == step - 1 and groups[-1].reads & kernel_reads(kernel):
+            sources = {id(groups[-1]): groups[-1]}  # the loop just before reads the same operands
         group = next(iter(sources.values())) if len(sources) == 1 else None
         if group is None or not _joins(program, group, kernel, step, readers):
             group = _Group()
             groups.append(group)
         group.steps.append(step)
         group.written.add(kernel.out)
+        group.reads |= kernel_reads(kernel)
         if len(kernel.shape) != 1 or not _flat_identity(kernel):
             group.shape = tuple(kernel.shape)
         group_of[kernel.out] = group
@@ -107,8 +112,13 @@ def _joins(program: Program, group: _Group, kernel: LoopKernel, step: int, reade
         for e in walk(kernel.value)
     ):
         return False
-    # nothing outside the group reads its values before the fused loop runs (at `step`)
-    return all(s in group.steps or s >= step for b in group.written for s in readers.get(b, []))
+    # nothing outside the group reads its values before the fused loop runs (at `step`), and
+    # nothing there updates in place what its members read (they now read it at `step`)
+    if any(s not in group.steps and s < step for b in group.written for s in readers.get(b, [])):
+        return False
+    return not any(
+        group.reads & kernel_stores(program.kernels[s]) for s in range(group.steps[0] + 1, step) if s not in group.steps
+    )
 
 
 def _product(shape) -> Dim:
