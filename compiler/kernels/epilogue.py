@@ -58,20 +58,18 @@ def fuse_epilogues(program: Program) -> Program:
         loop = kernels[consumer]
         if not isinstance(loop, LoopKernel) or writes[loop.out] != 1:
             continue
-        fused = _epilogue(program, call, loop)
+        epilogue = _epilogue(program, call, loop)
         # the loop's other operands must exist when the product runs: it moves up to the product
-        if fused is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
+        if epilogue is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
             continue
-        kernels[step] = replace(call, c=loop.out, epilogue=fused)
+        kernels[step] = replace(call, c=loop.out, epilogue=epilogue)
         kernels[consumer] = None
         fused_any = True
     if not fused_any:
         return program
-    fused = Program(
-        program.buffers, [k for k in kernels if k is not None], program.symbols, {}, program.weights
-    )
-    fused.slots = plan_slots(fused)
-    return fused
+    result = Program(program.buffers, [k for k in kernels if k is not None], program.symbols, {}, program.weights)
+    result.slots = plan_slots(result)
+    return result
 
 
 def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | None:

@@ -54,7 +54,7 @@ def fuse_elementwise(program: Program) -> Program:
     group_of: dict[int, _Group] = {}  # buffer written by a group member -> its group
     groups: list[_Group] = []
     for step, kernel in enumerate(kernels):
-        # a loop that updates a buffer in place (lowering writes a bias into a product's C) stays
+        # a loop that updates a buffer in place (lowering scales a product's rows so) stays as it is
         if not _elementwise(kernel) or writes[kernel.out] != 1 or kernel.out in kernel_reads(kernel):
             continue
         sources = {id(group_of[b]): group_of[b] for b in kernel_reads(kernel) if b in group_of}
