@@ -28,8 +28,16 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import kernel_reads, kernel_stores, linear, map_loads, plan_slots, strides_of
-from compiler.shape import Dim, dim_mul
+from compiler.kernels.lower import (
+    drop_unit_axes,
+    identity_index,
+    kernel_reads,
+    kernel_stores,
+    map_loads,
+    plan_slots,
+    strides_of,
+)
+from compiler.shape import Dim, dim_mul, numel
 
 # the epilogue's index variables: flat batch index, row of C, column of C
 T, I, J = "t", "i", "j"
@@ -80,12 +88,9 @@ def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | 
     if loop.out in (call.a, call.b) or program.buffers[loop.out].role not in ("temp", "output"):
         return None
     shape = loop.shape
-    identity = _drop_unit(linear([Ix.var(f"o{j}") for j in range(len(shape))], shape), shape)
-    batch: Dim = 1
-    for d in call.batch:
-        batch = dim_mul(batch, d)
+    identity = identity_index(shape)
     mn = dim_mul(call.m, call.n)
-    for p, q in _cuts(shape, (batch, call.m, call.n)):
+    for p, q in _cuts(shape, (numel(call.batch), call.m, call.n)):
         groups = ((0, p, T), (p, q, I), (q, len(shape), J))
         values = [_rewrite(v, shape, groups, call.c, identity) for v in (*(let.value for let in loop.lets), loop.value)]
         if all(v is not None for v in values):
@@ -100,18 +105,11 @@ def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | 
 def _cuts(shape: tuple[Dim, ...], sizes: tuple[Dim, Dim, Dim]) -> list[tuple[int, int]]:
     """Every (p, q) with prod(shape[:p]), prod(shape[p:q]), prod(shape[q:]) equal to `sizes`."""
     rank = len(shape)
-
-    def product(lo: int, hi: int) -> Dim:
-        total: Dim = 1
-        for d in shape[lo:hi]:
-            total = dim_mul(total, d)
-        return total
-
     return [
         (p, q)
         for p in range(rank + 1)
         for q in range(p, rank + 1)
-        if product(0, p) == sizes[0] and product(p, q) == sizes[1] and product(q, rank) == sizes[2]
+        if numel(shape[:p]) == sizes[0] and numel(shape[p:q]) == sizes[1] and numel(shape[q:]) == sizes[2]
     ]
 
 
@@ -120,7 +118,7 @@ def _rewrite(e: Expr, shape, groups, c: int, identity: Ix) -> Expr | None:
     if isinstance(e, Const):
         return e
     if isinstance(e, Load):
-        if e.buffer == c and _drop_unit(e.index, shape) != identity:
+        if e.buffer == c and drop_unit_axes(e.index, shape) != identity:
             return None  # C read anywhere but at its own element
         index = _regroup(e.index, shape, groups, c, identity)
         return None if index is None else Load(e.buffer, index)
@@ -165,12 +163,6 @@ def _regroup(ix: Ix, shape, groups, c: int, identity: Ix) -> Ix | None:
         if factor != 0:
             terms.append((name, factor))
     return _canonical(Ix(tuple(terms), ix.const))
-
-
-def _drop_unit(ix: Ix, shape) -> Ix:
-    """ix without the terms of axes of extent one (always index 0)."""
-    units = {f"o{j}" for j, d in enumerate(shape) if d == 1}
-    return Ix(tuple(t for t in ix.terms if t[0] not in units), ix.const)
 
 
 def _canonical(ix: Ix) -> Ix:

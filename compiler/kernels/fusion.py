@@ -22,8 +22,17 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import kernel_reads, kernel_stores, linear, map_loads, plan_slots, walk
-from compiler.shape import Dim, dim_mul
+from compiler.kernels.lower import (
+    drop_unit_axes,
+    identity_index,
+    kernel_reads,
+    kernel_stores,
+    linear,
+    map_loads,
+    plan_slots,
+    walk,
+)
+from compiler.shape import Dim, numel
 
 
 @dataclass
@@ -101,7 +110,7 @@ def _elementwise(kernel) -> bool:
 def _joins(program: Program, group: _Group, kernel: LoopKernel, step: int, readers: dict[int, list[int]]) -> bool:
     """Whether `kernel` can be computed in `group`'s loop, which then runs at `step`."""
     first = program.kernels[group.steps[0]]
-    if _product(first.shape) != _product(kernel.shape):
+    if numel(first.shape) != numel(kernel.shape):
         return False
     flat = len(kernel.shape) == 1 and _flat_identity(kernel)
     if not flat and group.shape is not None and tuple(kernel.shape) != group.shape:
@@ -121,24 +130,8 @@ def _joins(program: Program, group: _Group, kernel: LoopKernel, step: int, reade
     )
 
 
-def _product(shape) -> Dim:
-    total: Dim = 1
-    for d in shape:
-        total = dim_mul(total, d)
-    return total
-
-
-def _identity(shape) -> Ix:
-    return _drop_unit(linear([Ix.var(f"o{j}") for j in range(len(shape))], shape), shape)
-
-
 def _is_identity(ix: Ix, shape) -> bool:
-    return _drop_unit(ix, shape) == _identity(shape)
-
-
-def _drop_unit(ix: Ix, shape) -> Ix:
-    units = {f"o{j}" for j, d in enumerate(shape) if d == 1}
-    return Ix(tuple(t for t in ix.terms if t[0] not in units), ix.const)
+    return drop_unit_axes(ix, shape) == identity_index(shape)
 
 
 def _flat_identity(kernel: LoopKernel) -> bool:

@@ -669,6 +669,18 @@ def linear(idx: Sequence[Ix], shape: Shape) -> Ix:
     return total
 
 
+def identity_index(shape: Shape) -> Ix:
+    """A loop over `shape` reading a row-major buffer of that shape at its own element (axes of
+    extent one left out: their variable is always 0)."""
+    return drop_unit_axes(linear([Ix.var(f"o{j}") for j in range(len(shape))], shape), shape)
+
+
+def drop_unit_axes(ix: Ix, shape: Shape) -> Ix:
+    """ix without the terms of the loop variables o<j> of axes of extent one."""
+    units = {f"o{j}" for j, d in enumerate(shape) if d == 1}
+    return Ix(tuple(t for t in ix.terms if t[0] not in units), ix.const)
+
+
 def _digit_run(idx: Sequence[Ix], shape: Shape, axes: list[int]) -> tuple[int | None, Ix]:
     """The longest run of axes ending at axes[-1] that reads the digits of one index x, innermost
     first: (position in axes where it starts, the run's combined offset in units of the last
@@ -939,7 +951,20 @@ def expr_reads(expr: Expr) -> set[int]:
 
 
 __all__ = [
-    "GEMM_DTYPES", "NATIVE_DTYPES", "NotNative", "expr_reads", "kernel_reads", "kernel_stores", "lets_reads", "linear",
-    "lower", "map_loads", "plan_slots",
-    "strides_of", "view_index", "walk",
+    "GEMM_DTYPES",
+    "NATIVE_DTYPES",
+    "NotNative",
+    "drop_unit_axes",
+    "expr_reads",
+    "identity_index",
+    "kernel_reads",
+    "kernel_stores",
+    "lets_reads",
+    "linear",
+    "lower",
+    "map_loads",
+    "plan_slots",
+    "strides_of",
+    "view_index",
+    "walk",
 ]
