@@ -92,7 +92,7 @@ def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | 
     mn = dim_mul(call.m, call.n)
     for p, q in _cuts(shape, (numel(call.batch), call.m, call.n)):
         groups = ((0, p, T), (p, q, I), (q, len(shape), J))
-        values = [_rewrite(v, shape, groups, call.c, identity) for v in (*(let.value for let in loop.lets), loop.value)]
+        values = [_rewrite(v, shape, groups, call.c, identity) for v in loop.values]
         if all(v is not None for v in values):
             c_index = _canonical(Ix(((T, mn), (I, call.n), (J, 1))))
             *lets, value = (_swap_accumulator(v, call.c, loop.out, c_index) for v in values)

@@ -97,8 +97,8 @@ def fuse_elementwise(program: Program) -> Program:
             fused[s] = None
     if not fused:
         return program
-    new_kernels = [fused.get(s, k) if s in fused else k for s, k in enumerate(kernels)]
-    result = Program(program.buffers, [k for k in new_kernels if k is not None], program.symbols, {}, program.weights)
+    kept = [fused.get(s, k) for s, k in enumerate(kernels)]  # None: computed in a later member's loop
+    result = Program(program.buffers, [k for k in kept if k is not None], program.symbols, {}, program.weights)
     result.slots = plan_slots(result)
     return result
 
@@ -152,12 +152,8 @@ def _on_shape(kernel: LoopKernel, shape) -> Expr:
     """The kernel's value over a loop of `shape` (a flat loop's loads, all at o0, re-indexed)."""
     if tuple(kernel.shape) == tuple(shape):
         return kernel.value
-    return _reindexed(kernel.value, linear([Ix.var(f"o{j}") for j in range(len(shape))], shape))
-
-
-def _reindexed(e: Expr, index: Ix) -> Expr:
-    """e with every load at `index` (all of a flat-identity loop's loads are at o0)."""
-    return map_loads(e, lambda load: Load(load.buffer, index))
+    index = linear([Ix.var(f"o{j}") for j in range(len(shape))], shape)
+    return map_loads(kernel.value, lambda load: Load(load.buffer, index))
 
 
 __all__ = ["fuse", "fuse_elementwise"]

@@ -232,6 +232,11 @@ class LoopKernel:
     # values computed first at each element (elementwise loops only; compiler.kernels.fusion)
     lets: tuple[Let, ...] = ()
 
+    @property
+    def values(self) -> tuple[Expr, ...]:
+        """Every expression the loop evaluates at an element: its lets', then its own."""
+        return (*(let.value for let in self.lets), self.value)
+
 
 @dataclass(frozen=True)
 class Panels:
@@ -259,6 +264,11 @@ class Epilogue:
     node: int = -1
     # the fused loop's own lets, indexed like `value`
     lets: tuple[Let, ...] = ()
+
+    @property
+    def values(self) -> tuple[Expr, ...]:
+        """Every expression the epilogue evaluates at an element: its lets', then its own."""
+        return (*(let.value for let in self.lets), self.value)
 
 
 @dataclass(frozen=True)

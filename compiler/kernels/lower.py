@@ -24,13 +24,13 @@ from compiler.kernels.ir import (
     Atom,
     Buffer,
     Const,
+    Epilogue,
     Expr,
     GemmCall,
     Guarded,
     IndexValue,
     Ix,
     Kernel,
-    Let,
     Load,
     LoopKernel,
     Panels,
@@ -874,25 +874,25 @@ def kernel_writes(kernel: Kernel) -> int:
 
 def kernel_stores(kernel: Kernel) -> set[int]:
     """Every buffer a kernel writes: its output and the lets it stores."""
-    lets = kernel.epilogue.lets if isinstance(kernel, GemmCall) and kernel.epilogue is not None else getattr(kernel, "lets", ())
+    if isinstance(kernel, GemmCall):
+        lets = kernel.epilogue.lets if kernel.epilogue is not None else ()
+    else:
+        lets = kernel.lets
     return {kernel_writes(kernel)} | {let.buffer for let in lets if let.store}
 
 
-def lets_reads(lets: Sequence[Let], value: Expr) -> set[int]:
-    """The buffers a value computed after `lets` loads from (a let's buffer is a local there)."""
-    reads = expr_reads(value)
-    for let in lets:
-        reads |= expr_reads(let.value)
-    return reads - {let.buffer for let in lets}
+def lets_reads(fused: LoopKernel | Epilogue) -> set[int]:
+    """The buffers a loop with lets (or an epilogue) loads from (a let's buffer is a local there)."""
+    return set().union(*(expr_reads(v) for v in fused.values)) - {let.buffer for let in fused.lets}
 
 
 def kernel_reads(kernel: Kernel) -> set[int]:
     if isinstance(kernel, GemmCall):
         reads = {kernel.a} | (expr_reads(kernel.b_panels.kernel.value) if kernel.b_panels is not None else {kernel.b})
         if kernel.epilogue is not None:
-            reads |= lets_reads(kernel.epilogue.lets, kernel.epilogue.value) - {kernel.c}
+            reads |= lets_reads(kernel.epilogue) - {kernel.c}
         return reads
-    return lets_reads(kernel.lets, kernel.value)
+    return lets_reads(kernel)
 
 
 def walk(expr: Expr | Ix | Atom) -> Iterator[object]:

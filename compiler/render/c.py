@@ -348,7 +348,7 @@ class _Renderer:
         parallel = rank - 1 if across else rank
         if parallel:
             collapse = f" collapse({parallel})" if parallel > 1 else ""
-            cost = max(1, sum(_operations(let.value) for let in kernel.lets) + _operations(kernel.value) + (kernel.reduce is not None))
+            cost = max(1, sum(_operations(v) for v in kernel.values) + (kernel.reduce is not None))
             # a flat elementwise loop is both the threads' loop and the vector loop
             simd = " simd" if rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel) else ""
             lines.append(f"    #pragma omp parallel for{simd}{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
@@ -409,7 +409,7 @@ class _Renderer:
         return "{ " + " ".join(parts) + " }"
 
     def kernel_gathers(self, kernel: LoopKernel) -> bool:
-        return any(self.gathers(v) for v in (*(let.value for let in kernel.lets), kernel.value))
+        return any(self.gathers(v) for v in kernel.values)
 
     def elementwise_store(self, kernel: LoopKernel):
         out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
@@ -456,8 +456,7 @@ class _Renderer:
         innermost loop `inner`: `bounds(start, stop)` declares lc_lo and lc_hi, between which
         every such guard holds; None when there is none. Guards on the loops outside alone are checked
         once for the whole range."""
-        every = {(g, n) for v in (*(let.value for let in kernel.lets), kernel.value) for e in walk(v)
-                 if isinstance(e, Guarded) for g, n in e.guards}
+        every = {(g, n) for v in kernel.values for e in walk(v) if isinstance(e, Guarded) for g, n in e.guards}
         guards = {(g, n) for g, n in every if any(v == inner for v, _ in g.terms)}
         steady = sorted(
             ((g, n) for g, n in every if all(isinstance(v, str) and v != inner for v, _ in g.terms)),
@@ -755,7 +754,7 @@ class _Renderer:
         ctype = C_TYPES[call.dtype]
         stored = kernel_stores(call)
         if call.epilogue is not None:
-            reads = set(reads) | lets_reads(call.epilogue.lets, call.epilogue.value)
+            reads = set(reads) | lets_reads(call.epilogue)
         lines = [self.pointer(b) for b in sorted(set(reads) - stored)] + [self.pointer(b, writable=True) for b in sorted(stored)]
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
         lines.append(f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n")
