@@ -102,18 +102,9 @@ def _compile(source: str) -> bytes:
         return out.read_bytes()
 
 
-# how long OpenMP's idle threads spin before they sleep, read once by libgomp when the first
-# program loads (an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins): about 5 us (a pause is
-# ~25 ns here), enough to bridge the gap between one kernel's parallel loop and the next. libgomp's
-# default spins for milliseconds, which is ruinous on a shared 2-core machine: a thread spinning at
-# a barrier for a partner that another process has descheduled burns its slice, and a 0.08 ms MLP
-# took 20-34 ms a call beside one busy process (0.08-0.14 ms with short spins)
-GOMP_SPINCOUNT = "200"
-
-
 @cache
 def _single_threaded_blas() -> None:
-    """The generated code splits each GEMM across OpenMP's threads; OpenBLAS's own threads on top
+    """The generated code splits each GEMM across its own threads; OpenBLAS's own threads on top
     would double the threads on every core."""
     lib_dir, lib_name = _openblas()
     library = ctypes.CDLL(str(Path(lib_dir) / f"lib{lib_name}.so"))
@@ -122,8 +113,6 @@ def _single_threaded_blas() -> None:
 
 def _load_library(data: bytes) -> ctypes.CDLL:
     """dlopen needs a file: each distinct library is written once, by content hash."""
-    if "OMP_WAIT_POLICY" not in os.environ:  # before libgomp is loaded with the first program
-        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     _single_threaded_blas()
     path = _LIBRARY_DIR / f"{hashlib.sha256(data).hexdigest()}.so"
     if not path.exists() or path.stat().st_size != len(data):

@@ -3,8 +3,8 @@
     int lc_run(const int64_t *S, void **B)    (nonzero: a gathered index was out of range)
 
 `S` holds the program's symbols (batch, sequence...) in `Program.symbols` order and `B` a
-pointer per buffer, in `Program.buffers` order. Loop nests parallelize their output loops with
-OpenMP when the work is large enough; GEMM calls go to OpenBLAS (the `scipy-openblas32` wheel's
+pointer per buffer, in `Program.buffers` order. Loop nests share their output loops among the
+program's threads (`_THREADS`: the caller and workers of its own) when the work is large enough; GEMM calls go to OpenBLAS (the `scipy-openblas32` wheel's
 `scipy_cblas_*` symbols). Nothing here knows how the code is compiled or loaded.
 """
 
@@ -59,16 +59,16 @@ _MAX_INIT = {
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
 # below this much work (output elements times the operations each costs, by the lowering's
-# OP_COST; a reduction's reads, padding checks and accumulation count) a loop nest runs on one
-# thread: waking a team costs more than the loop (about 16 us a region here when the partner
-# sleeps), and on a busy machine a descheduled partner stalls the whole region
+# OP_COST; a reduction's reads, padding checks and accumulation count) a loop nest runs on the
+# calling thread alone: publishing a job and splitting its loop cost more than the loop
 PARALLEL_MIN_WORK = 1 << 18
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
-# a matrix-vector product is bound by reading the matrix, which two cores do faster from 2 MiB up
-# (an MLP at batch 1 ran 1.7-2x onnxruntime's time with its 784x512 layer split, 1.0-1.1x on one
-# thread, beside another process)
-GEMV_PARALLEL_MIN_FLOPS = 1 << 19
+# a matrix-vector product is bound by reading the matrix, which two cores read faster from 256 KiB
+# up: an MLP at batch 1 ran 0.066 ms with its 512x512 layers split, 0.123 on one thread
+# (onnxruntime 0.066); before the threads took tasks as they came (lc_next) a split one stalled on a
+# descheduled partner, and the bound was 2 MiB
+GEMV_PARALLEL_MIN_FLOPS = 1 << 16
 # a panel of a convolution's windows is filled and multiplied while it stays in a core's L2
 PANEL_BYTES = 256 * 1024
 # and is at least this many columns wide
@@ -165,44 +165,168 @@ static inline float lc_exp2f(float x) {
     memcpy(&scale_lo, &lo, 4);
     return p * scale_hi * scale_lo;
 }
-/* OpenMP's worker threads each keep a CPU of their own (the last ones of the caller's), and the
-   calling thread keeps off them while the program runs: left to the scheduler, a caller that has
-   been idle wakes its workers onto its own CPU and the two share it for tens of milliseconds (a
-   CNN's first five runs after 0.25 s idle took 8-9 ms instead of 4-5). The price: beside another
-   process busy on one CPU, a pinned thread cannot move off it (MLP batch 64: 3.1 ms pinned, 2.2 ms
-   unpinned, onnxruntime 0.8, beside a busy loop). Returns whether the caller's affinity was
-   narrowed; lc_unpin_caller restores it. */
-static __thread int lc_workers_pinned;
-static int lc_pin_caller(cpu_set_t *saved) {
-    const int threads = omp_get_max_threads();
-    if (threads < 2 || pthread_getaffinity_np(pthread_self(), sizeof(cpu_set_t), saved) != 0) return 0;
-    int cpus[CPU_SETSIZE], count = 0;
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, saved)) cpus[count++] = c;
-    if (count < threads) return 0;
-    if (!lc_workers_pinned) {
-        #pragma omp parallel num_threads(threads)
-        {
-            const int t = omp_get_thread_num();
-            if (t > 0) {
-                cpu_set_t one;
-                CPU_ZERO(&one);
-                CPU_SET(cpus[count - t], &one);
-                pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &one);
-            }
-        }
-        lc_workers_pinned = 1;
-    }
-    cpu_set_t rest;
-    CPU_ZERO(&rest);
-    for (int j = 0; j < count - (threads - 1); ++j) CPU_SET(cpus[j], &rest);
-    return pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &rest) == 0;
-}
-static void lc_unpin_caller(const cpu_set_t *saved) {
-    pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), saved);
-}
 /* max that propagates NaN from either side, as NumPy's maximum does */
 #define LC_MAX(a, b) ({ __typeof__(a) lc_a_ = (a), lc_b_ = (b); ((lc_a_ > lc_b_) | (lc_a_ != lc_a_)) ? lc_a_ : lc_b_; })
+"""
+
+
+# the threads of a program (after its #defines of LC_SYMBOLS, LC_SYMBOLS_READ and LC_BUFFERS)
+_THREADS = r"""
+/* The threads: the caller of lc_run and lc_threads - 1 workers of this library's own. A parallel
+   loop is a job of numbered chunks of tasks that every awake thread takes from one counter, the
+   caller among them; the caller then waits only for chunks a worker has taken and not finished.
+   With OpenMP a parallel region waited for every thread of its team: on a shared virtual machine
+   a sleeping worker took 0.1-1 ms to wake and a descheduled one longer, so that a small CNN ran
+   slower on two threads than on one (12 ms against 8). Workers spin LC_SPIN_NS for the next job,
+   then sleep on a futex; one that has slept LC_IDLE_S without work exits (lc_run starts them
+   again), so that a library loaded once and never called keeps no threads. Jobs are tagged with
+   the even value of `seq`: a worker that wakes late, after its job, claims nothing and goes back. */
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#define LC_SPIN_NS 200000
+#define LC_IDLE_S 2
+#define LC_CHUNKS_PER_THREAD 8
+typedef void (*lc_kernel_fn)(const int64_t *, void **);
+static struct {
+    uint32_t seq;  /* odd while the caller rewrites the job; even: the tag of the job published */
+    int sleepers, alive;
+    uint64_t next;  /* the job's tag << 32 | the next chunk */
+    int64_t done;   /* its tasks finished */
+    int64_t total, grain;
+    lc_kernel_fn kernel;
+    int64_t S[LC_SYMBOLS];
+    void *B[LC_BUFFERS];
+} lc_pool;
+static int lc_threads;
+static __thread int lc_is_worker;
+static __thread uint32_t lc_worker_tag;
+static __thread int64_t lc_worker_grain;
+
+static inline void lc_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+static int64_t lc_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+/* the caller is about to rewrite the job or the run's symbols and pointers: tags read now are stale */
+static void lc_pool_open(void) {
+    if (!(__atomic_load_n(&lc_pool.seq, __ATOMIC_RELAXED) & 1)) __atomic_add_fetch(&lc_pool.seq, 1, __ATOMIC_SEQ_CST);
+}
+static void *lc_worker(void *unused) {
+    (void)unused;
+    lc_is_worker = 1;
+    int64_t S[LC_SYMBOLS];
+    void *B[LC_BUFFERS];
+    uint32_t seen = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint32_t s = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE);
+        if (s == seen || (s & 1)) {
+            const int64_t until = lc_now_ns() + LC_SPIN_NS;
+            int spins = 0;
+            while (((s = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE)) == seen || (s & 1)) && (++spins & 63 || lc_now_ns() < until))
+                lc_relax();
+            if (s == seen || (s & 1)) {
+                __atomic_add_fetch(&lc_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                struct timespec idle = {LC_IDLE_S, 0};
+                const long woke = syscall(SYS_futex, &lc_pool.seq, FUTEX_WAIT_PRIVATE, s, &idle, NULL, 0);
+                __atomic_sub_fetch(&lc_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                if (woke != 0 && __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE) == s && !(s & 1)) {
+                    __atomic_sub_fetch(&lc_pool.alive, 1, __ATOMIC_SEQ_CST);
+                    return NULL;  /* idle for LC_IDLE_S (or interrupted with nothing new): lc_run starts another */
+                }
+            }
+            continue;
+        }
+        const lc_kernel_fn kernel = lc_pool.kernel;
+        const int64_t grain = lc_pool.grain;
+        memcpy(S, lc_pool.S, sizeof S);
+        memcpy(B, lc_pool.B, sizeof B);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&lc_pool.seq, __ATOMIC_RELAXED) != s) continue;  /* rewritten while read */
+        seen = lc_worker_tag = s;
+        lc_worker_grain = grain;
+        kernel(S, B);
+    }
+}
+/* lc_run's calls are one at a time: the pool has one caller */
+static pthread_mutex_t lc_run_lock = PTHREAD_MUTEX_INITIALIZER;
+/* a forked child has none of its parent's workers (and the lock may have been held by another thread) */
+static void lc_pool_forked(void) {
+    lc_pool.alive = lc_pool.sleepers = 0;
+    pthread_mutex_init(&lc_run_lock, NULL);
+}
+/* at the start of a run: the workers that are missing, and the run's symbols and pointers */
+static void lc_pool_start(const int64_t *S, void **B) {
+    if (!lc_threads) {
+        lc_threads = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
+        pthread_atfork(NULL, NULL, lc_pool_forked);
+    }
+    while (__atomic_load_n(&lc_pool.alive, __ATOMIC_SEQ_CST) < lc_threads - 1) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attributes, lc_worker, NULL);
+        pthread_attr_destroy(&attributes);
+        if (failed) break;  /* the caller takes every task */
+        __atomic_add_fetch(&lc_pool.alive, 1, __ATOMIC_SEQ_CST);
+    }
+    lc_pool_open();
+    memcpy(lc_pool.S, S, sizeof(int64_t) * LC_SYMBOLS_READ);
+    memcpy(lc_pool.B, B, sizeof(void *) * LC_BUFFERS);
+}
+/* a parallel loop's tasks [0, total) as its thread claims them: chunks [lo, hi) */
+typedef struct { int64_t total, grain, lo, hi; uint32_t tag; int shared; } lc_tasks;
+static inline void lc_begin(lc_tasks *t, lc_kernel_fn kernel, int64_t total, int parallel, int64_t grain) {
+    t->total = total, t->lo = t->hi = 0;
+    if (lc_is_worker) { t->shared = 1, t->tag = lc_worker_tag, t->grain = lc_worker_grain; return; }
+    t->shared = parallel && total > 1 && __atomic_load_n(&lc_pool.alive, __ATOMIC_RELAXED) > 0;
+    t->grain = t->shared ? (grain > 0 ? grain : (total + LC_CHUNKS_PER_THREAD * lc_threads - 1) / (LC_CHUNKS_PER_THREAD * lc_threads)) : total;
+    t->tag = -1;
+    if (!t->shared) return;
+    lc_pool_open();
+    lc_pool.kernel = kernel, lc_pool.total = total, lc_pool.grain = t->grain;
+    const uint32_t tag = __atomic_load_n(&lc_pool.seq, __ATOMIC_RELAXED) + 1;
+    __atomic_store_n(&lc_pool.done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&lc_pool.next, (uint64_t)tag << 32, __ATOMIC_RELAXED);
+    __atomic_store_n(&lc_pool.seq, tag, __ATOMIC_SEQ_CST);
+    t->tag = tag;
+    if (__atomic_load_n(&lc_pool.sleepers, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &lc_pool.seq, FUTEX_WAKE_PRIVATE, lc_threads, NULL, NULL, 0);
+}
+/* the thread's next chunk into t->lo, t->hi; 0 when none is left (the caller has then waited for
+   every chunk taken) */
+static inline int lc_next(lc_tasks *t) {
+    if (!t->shared) {
+        if (t->hi >= t->total) return 0;
+        t->lo = 0, t->hi = t->total;
+        return 1;
+    }
+    if (t->hi > t->lo) __atomic_add_fetch(&lc_pool.done, t->hi - t->lo, __ATOMIC_RELEASE);
+    t->lo = t->hi = 0;
+    if (lc_is_worker && __atomic_load_n(&lc_pool.seq, __ATOMIC_RELAXED) != t->tag) return 0;
+    const int64_t grain = t->grain;
+    uint64_t v = __atomic_load_n(&lc_pool.next, __ATOMIC_RELAXED);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != t->tag) break;
+        const int64_t chunk = (uint32_t)v, lo = chunk * grain;
+        if (lo >= t->total) break;
+        if (__atomic_compare_exchange_n(&lc_pool.next, &v, v + 1, 1, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            t->lo = lo, t->hi = lo + grain < t->total ? lo + grain : t->total;
+            return 1;
+        }
+    }
+    if (!lc_is_worker)
+        for (int spins = 0; __atomic_load_n(&lc_pool.done, __ATOMIC_ACQUIRE) < t->total; ++spins)
+            if (spins < 4096) lc_relax(); else sched_yield();  /* a worker may share the caller's CPU */
+    return 0;
+}
 """
 
 
@@ -271,7 +395,9 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
     renderer = _Renderer(program, gemm)
-    parts = [_PRELUDE]
+    symbols, buffers = len(program.symbols), len(program.buffers)
+    sizes = f"#define LC_SYMBOLS {max(1, symbols)}\n#define LC_SYMBOLS_READ {symbols}\n#define LC_BUFFERS {max(1, buffers)}\n"
+    parts = [_PRELUDE, sizes + _THREADS]
     if any(
         isinstance(k, GemmCall) and k.dtype == "float32"
         and (gemm == "tiled" or k.packed_b or gemm == "mixed" and k.b_panels is not None)
@@ -292,9 +418,10 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
         calls = "".join(f"    k{n}(S, B);\n" for n in range(len(program.kernels)))
     # nonzero when an index was out of range: the outputs are then garbage and the caller raises
     parts.append(
-        f"int lc_run(const int64_t *S, void **B) {{\n    lc_bad_index = 0;\n    lc_no_memory = 0;\n"
-        f"    cpu_set_t lc_saved;\n    const int lc_pinned = lc_pin_caller(&lc_saved);\n{calls}"
-        "    if (lc_pinned) lc_unpin_caller(&lc_saved);\n    return lc_no_memory ? 2 : lc_bad_index;\n}\n"
+        f"int lc_run(const int64_t *S, void **B) {{\n    pthread_mutex_lock(&lc_run_lock);\n"
+        "    lc_bad_index = 0;\n    lc_no_memory = 0;\n    lc_pool_start(S, B);\n"
+        f"{calls}    const int status = lc_no_memory ? 2 : lc_bad_index;\n"
+        "    pthread_mutex_unlock(&lc_run_lock);\n    return status;\n}\n"
     )
     return "\n".join(parts)
 
@@ -303,6 +430,8 @@ class _Renderer:
     def __init__(self, program: Program, gemm: str = "blas") -> None:
         self.program = program
         self.gemm_kind = gemm
+        # the kernel being rendered
+        self.number = 0
         # the conditions of the padding guards around the expression being rendered ("" outside
         # any; None below a guard that is not affine, where loads are not wrapped)
         self.guard: str | None = ""
@@ -320,6 +449,7 @@ class _Renderer:
         return f"    {const}{ctype} *restrict b{buffer} = ({const}{ctype} *)B[{buffer}];\n"
 
     def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
+        self.number = number  # its parallel loop names its function, which the workers call
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
@@ -346,31 +476,25 @@ class _Renderer:
         lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
         across = rank >= 2 and (kernel.reduce is None or window)
         parallel = rank - 1 if across else rank
-        if parallel:
-            collapse = f" collapse({parallel})" if parallel > 1 else ""
-            cost = max(1, sum(_operations(v) for v in kernel.values) + (kernel.reduce is not None))
-            # a flat elementwise loop is both the threads' loop and the vector loop
-            simd = " simd" if rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel) else ""
-            lines.append(f"    #pragma omp parallel for{simd}{collapse} if(work * {cost} >= {PARALLEL_MIN_WORK})\n")
-        indent = "    "
-        for j, d in enumerate(kernel.shape[:-1] if rank else ()):
-            lines.append(f"{indent}for (int64_t o{j} = 0; o{j} < {dim(d)}; ++o{j})\n")
-            indent += "    "
-        if not rank:
-            return "".join(lines) + self.body(kernel, indent)
+        if not parallel:
+            return "".join(lines) + self.body(kernel, "    ")
+        cost = max(1, sum(_operations(v) for v in kernel.values) + (kernel.reduce is not None))
+        # a flat elementwise loop is both the threads' loop and the vector loop
+        simd = rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel)
+        outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[:parallel])]
+        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", simd=simd))
+        indent, close = "            ", "        }\n"
         if not across:
-            lines.append(f"{indent}for (int64_t o{rank - 1} = 0; o{rank - 1} < {dim(kernel.shape[-1])}; ++o{rank - 1})\n")
-            return "".join(lines) + self.body(kernel, indent + "    ")
+            return "".join(lines) + self.body(kernel, indent) + close
         if not window:
-            return "".join(lines) + self.row(kernel, indent, self.elementwise_store(kernel))
+            return "".join(lines) + self.row(kernel, indent, self.elementwise_store(kernel)) + close
         kind, extents = kernel.reduce
         out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
         inner = f"o{rank - 1}"
-        lines.append(f"{indent}{{\n")
-        lines.append(f"{indent}    for (int64_t {inner} = 0; {inner} < {dim(kernel.shape[-1])}; ++{inner})\n")
+        lines.append(f"{indent}for (int64_t {inner} = 0; {inner} < {dim(kernel.shape[-1])}; ++{inner})\n")
         init = "0" if kind == "sum" else _MAX_INIT[self.program.buffers[kernel.out].dtype]
-        lines.append(f"{indent}        {self.target(kernel)} = ({out_type})({init});\n")
-        body = indent + "    "
+        lines.append(f"{indent}    {self.target(kernel)} = ({out_type})({init});\n")
+        body = indent
         for j, d in enumerate(extents):
             lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
             body += "    "
@@ -382,8 +506,7 @@ class _Renderer:
             return f"{target} = LC_MAX({target}, ({out_type})({value}));"
 
         lines.append(self.row(kernel, body, accumulate))
-        lines.append(f"{indent}}}\n")
-        return "".join(lines)
+        return "".join(lines) + close
 
     def target(self, kernel: LoopKernel) -> str:
         return f"b{kernel.out}[{self.out_index(kernel)}]"
@@ -542,7 +665,7 @@ class _Renderer:
         lines = self.gemm_head(call, expr_reads(producer.value) | {call.a})
         rest = " * ".join(f"(int64_t)({dim(d)})" for d in shape[first + 1:]) or "1"
         lines.append(f"    const int64_t lc_lead = {dim(shape[first])}, lc_rest = {rest};\n")
-        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append("    const int threads = lc_threads;\n")
         lines.append(f"    int64_t rows = {PANEL_BYTES} / ((int64_t)sizeof({ctype}) * k * lc_rest);\n")
         # a product of a few columns runs far below the library's speed and packs A again per call
         lines.append(f"    const int64_t least = ({PANEL_MIN_COLUMNS} + lc_rest - 1) / lc_rest;\n")
@@ -558,7 +681,7 @@ class _Renderer:
         # each filling the panel it multiplies
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 32 ? threads : 1;\n")
         lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n")
-        lines.extend(self.tasks("dynamic", ("t", "block", "part")))
+        lines.extend(self.tasks(("t", "block", "part")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
@@ -629,7 +752,7 @@ class _Renderer:
         lines = self.gemm_head(call, {geometry.source, call.a})
         lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
         lines.append("    const int64_t call = __atomic_add_fetch(&lc_conv_calls, 1, __ATOMIC_RELAXED);\n")
-        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append("    const int threads = lc_threads;\n")
         lines.append(f"    int64_t blocks = ({y.out} + {rows} - 1) / {rows};\n")
         # a multiple of the threads, down to a row each; then shares of m
         lines.append(f"    while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
@@ -637,8 +760,8 @@ class _Renderer:
         lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 2 * LC_CMR ? (threads + batch * blocks - 1) / (batch * blocks) : 1;\n")
         lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_CMR - 1) / LC_CMR * LC_CMR;\n")
-        # equal tasks in contiguous runs per thread: a thread packs A once for its share of m
-        lines.extend(self.tasks("static", ("part", "t", "block")))
+        # parts of m outermost: a thread takes the tasks of one part in a row and packs its A once
+        lines.extend(self.tasks(("part", "t", "block")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         for j, axis in enumerate(call.b_panels.batch_axes):
@@ -657,25 +780,45 @@ class _Renderer:
         lines.append("        }\n")
         return "".join(lines)
 
-    @staticmethod
-    def tasks(schedule: str, order: tuple[str, str, str]) -> list[str]:
-        """The threads' loops over a product's tasks: batch indices t, blocks of columns, parts of m."""
+    def parallel_for(self, loops: list[tuple[str, str]], condition: str, grain: str = "0", simd: bool = False) -> list[str]:
+        """The threads' loops over the tasks `loops` ((variable, extent), outermost first) as one
+        flat range, when `condition` holds: each thread runs the chunks it claims (lc_next, `grain`
+        tasks each; 0: about LC_CHUNKS_PER_THREAD a thread). The body follows at 12 spaces and is
+        closed by the caller at 8."""
+        total = " * ".join(f"(int64_t)({extent})" for _, extent in loops) or "1"
+        lines = [
+            "    lc_tasks lc_t;\n",
+            f"    lc_begin(&lc_t, k{self.number}, {total}, {condition}, {grain});\n",
+            "    while (lc_next(&lc_t))\n",
+        ]
+        if len(loops) == 1:
+            if simd:
+                lines.append("        #pragma omp simd\n")
+            return lines + [f"        for (int64_t {loops[0][0]} = lc_t.lo; {loops[0][0]} < lc_t.hi; ++{loops[0][0]}) {{\n"]
+        lines.append("        for (int64_t lc_i = lc_t.lo; lc_i < lc_t.hi; ++lc_i) {\n")
+        lines.append("            int64_t lc_left = lc_i; (void)lc_left;\n")
+        for depth, (var, extent) in enumerate(reversed(loops)):
+            if depth == len(loops) - 1:
+                lines.append(f"            const int64_t {var} = lc_left;\n")
+            else:
+                lines.append(f"            const int64_t {var} = lc_left % ({extent}); lc_left /= ({extent});\n")
+        return lines
+
+    def tasks(self, order: tuple[str, str, str]) -> list[str]:
+        """The threads' loops over a product's tasks: batch indices t, blocks of columns, parts of m
+        (a task each claim: they are few and large)."""
         extent = {"t": "batch", "block": "blocks", "part": "parts"}
         condition = f"batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}"
-        lines = [f"    #pragma omp parallel for collapse(3) schedule({schedule}) if({condition})\n"]
-        for depth, var in enumerate(order):
-            indent = "    " if depth == 0 else "        "
-            lines.append(f"{indent}for (int64_t {var} = 0; {var} < {extent[var]}; ++{var}){' {' if depth == 2 else ''}\n")
-        return lines
+        return self.parallel_for([(var, extent[var]) for var in order], condition, grain="1")
 
     def gemm(self, call: GemmCall) -> str:
         """One library call per (batch index, block): the blocks split the larger of m and n
-        across OpenMP's threads, so the loops and the library share one pool of threads (the
+        across the program's threads, so the loops and the library share one pool of threads (the
         library itself runs single-threaded; see native_cpu)."""
         prefix = "s" if call.dtype == "float32" else "d"
         ctype = C_TYPES[call.dtype]
         lines = self.gemm_head(call, [call.a, call.b])
-        lines.append("    const int threads = omp_get_max_threads();\n")
+        lines.append("    const int threads = lc_threads;\n")
         lines.append(f"    const int64_t least = (m == 1 || n == 1) ? {GEMV_PARALLEL_MIN_FLOPS} : {GEMM_PARALLEL_MIN_FLOPS};\n")
         lines.append("    const int64_t blocks = (batch >= threads || m * n * k < least) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= n;\n")
@@ -683,9 +826,7 @@ class _Renderer:
         generated = (self.gemm_kind == "tiled" or call.packed_b) and call.dtype == "float32"
         if generated:  # blocks of whole register tiles
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
-        lines.append("    #pragma omp parallel for collapse(2) if(batch * blocks > 1 && m * n * k * batch >= least)\n")
-        lines.append("    for (int64_t t = 0; t < batch; ++t)\n")
-        lines.append("        for (int64_t block = 0; block < blocks; ++block) {\n")
+        lines.extend(self.parallel_for([("t", "batch"), ("block", "blocks")], "batch * blocks > 1 && m * n * k * batch >= least", grain="1"))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
