@@ -562,3 +562,81 @@ def test_attention_reads_its_heads_in_place_and_divides_after_the_second_product
     for batch, seq in ((1, 5), (3, 17)):
         x = rng.standard_normal((batch, seq, 32)).astype(np.float32)
         np.testing.assert_allclose(run.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def _threaded_program():
+    """The CNN fixture as native C whose convolutions' tasks are shared among the threads, with
+    inputs at a batch large enough that every product and loop nest runs in parallel."""
+    from compiler.backends import native_cpu
+    from compiler.kernels.fusion import fuse
+
+    data = (FIXTURES / "torch_cnn.onnx").read_bytes()
+    graph = load_graph(data)
+    program = fuse(lower(graph))
+    library = native_cpu.build(render(program, gemm="mixed"))
+    make = lambda: native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
+    return graph, make
+
+
+def test_two_callers_of_one_library_each_get_their_own_outputs() -> None:
+    # two programs loaded from the same library share its threads and their job board: lc_run
+    # takes them one call at a time
+    import threading
+
+    graph, make = _threaded_program()
+    inputs = [_inputs(graph, 48, seed) for seed in (0, 1)]
+    want = [run_graph(graph, x) for x in inputs]
+    programs = [make(), make()]
+    errors: list[str] = []
+
+    def call(which: int) -> None:
+        for _ in range(15):
+            got = programs[which].run(inputs[which])
+            for name, value in want[which].items():
+                if not np.allclose(got[name], value, rtol=1e-4, atol=1e-5):
+                    errors.append(f"caller {which}: {name} differs")
+
+    threads = [threading.Thread(target=call, args=(which,)) for which in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_a_forked_child_runs_a_program_its_parent_had_loaded() -> None:
+    # the child has none of the parent's worker threads: its calls must neither wait for them nor
+    # find the run lock held
+    import multiprocessing
+
+    graph, make = _threaded_program()
+    program = make()
+    inputs = _inputs(graph, 48, 0)
+    want = run_graph(graph, inputs)
+    program.run(inputs)  # the parent's workers exist now
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe()
+
+    def child() -> None:
+        child_end.send(program.run(inputs))
+
+    process = context.Process(target=child)
+    process.start()
+    assert parent_end.poll(60), "the forked child did not answer within 60 s"
+    got = parent_end.recv()
+    process.join(10)
+    assert process.exitcode == 0
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_are_bound_at_a_vector_boundary() -> None:
+    from compiler.backends.native_cpu import ALIGNMENT, _aligned
+
+    raw = np.arange(40, dtype=np.float32)
+    start = 1 if (raw.ctypes.data + 4) % ALIGNMENT else 2
+    offset = raw[start : start + 32].reshape(4, 8)
+    assert offset.ctypes.data % ALIGNMENT
+    aligned = _aligned(offset)
+    assert aligned.ctypes.data % ALIGNMENT == 0
+    np.testing.assert_array_equal(aligned, offset)

@@ -145,6 +145,19 @@ def describe(program: Program, size_limits: Mapping[str, int]) -> dict[str, Any]
 _LAYOUT_CACHE_SIZE = 256
 
 
+def _aligned(array: np.ndarray) -> np.ndarray:
+    """The array at an ALIGNMENT-byte boundary (copied there if it is not): weights read from an
+    artifact can start anywhere, and a 64-byte vector load across two cache lines costs two
+    (a batch-64 MLP took 1.9 ms with its packed weights 48 bytes off, 0.9 ms aligned)."""
+    if array.ctypes.data % ALIGNMENT == 0:
+        return array
+    raw = np.empty(array.nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    copy = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
 class NativeProgram:
     """A built program bound to its weights; `run` is thread-safe (one call at a time)."""
 
@@ -165,7 +178,7 @@ class NativeProgram:
         self._weights: list[np.ndarray] = []
         for b in self.buffers:
             if b.role == "weight":
-                array = np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))
+                array = _aligned(np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype)))
                 self._weights.append(array)
                 self._pointers[b.id] = array.ctypes.data
         self._inputs = [b for b in self.buffers if b.role == "input"]
