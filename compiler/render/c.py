@@ -4,8 +4,8 @@
 
 `S` holds the program's symbols (batch, sequence...) in `Program.symbols` order and `B` a
 pointer per buffer, in `Program.buffers` order. Loop nests share their output loops among the
-program's threads (`_THREADS`: the caller and workers of its own) when the work is large enough; GEMM calls go to OpenBLAS (the `scipy-openblas32` wheel's
-`scipy_cblas_*` symbols). Nothing here knows how the code is compiled or loaded.
+program's threads (`_THREADS`: the caller and workers of its own) when the work is large enough;
+GEMM calls go to OpenBLAS (the `scipy-openblas32` wheel's `scipy_cblas_*` symbols). Nothing here knows how the code is compiled or loaded.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ _THREADS = r"""
    loop is a job of numbered chunks of tasks that every awake thread takes from one counter, the
    caller among them; the caller then waits only for chunks a worker has taken and not finished.
    With OpenMP a parallel region waited for every thread of its team: on a shared virtual machine
-   a sleeping worker took 0.1-1 ms to wake and a descheduled one longer, so that a small CNN ran
-   slower on two threads than on one (12 ms against 8). Workers spin LC_SPIN_NS for the next job,
+   a sleeping or descheduled worker was slow to come, and a small CNN ran slower on two threads
+   than on one (12 ms a call against 8; 2.6-3.3 ms now). Workers spin LC_SPIN_NS for the next job,
    then sleep on a futex; one that has slept LC_IDLE_S without work exits (lc_run starts them
    again), so that a library loaded once and never called keeps no threads. Jobs are tagged with
    the even value of `seq`: a worker that wakes late, after its job, claims nothing and goes back. */
