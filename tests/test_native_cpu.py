@@ -289,22 +289,24 @@ def test_the_generated_tiled_product_matches_numpy_at_ragged_sizes(trans_a: int,
     bound = [b["name"] for b in artifact.kernels[0]["layout"]["buffers"] if b["role"] == "weight"]
     assert len(bound) == 1 and ":panels" in bound[0], bound
     packed = artifact.program_weights[bound[0]]
-    assert packed.size == k * -(-n // 16) * 16  # the padded last panel aside, no more than the weight
+    assert packed.size == k * -(-n // 48) * 48  # the padded last tile aside, no more than the weight
     _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 2, 13, 97, 200), rng)
 
 
 def test_a_packed_weight_is_its_panels_block_by_block() -> None:
     from compiler.render.c_gemm import PANEL_DEPTH, PANEL_WIDTH, pack_weight
 
-    k, n = 300, 20  # a full block of 256 rows and one of 44; a full panel and one of 4 columns
+    # a full block of 256 rows and one of 44; a full panel, one of 4 columns, and one of padding
+    # that makes the columns a whole register tile of the widest target (48)
+    k, n = 300, 20
     b = np.arange(k * n, dtype=np.float32).reshape(k, n)
     packed = pack_weight(b)
-    assert packed.shape == (k * 32,)
-    first = packed[: PANEL_DEPTH * 32].reshape(2, PANEL_DEPTH, PANEL_WIDTH)  # block 0: two panels
+    assert packed.shape == (k * 48,)
+    first = packed[: PANEL_DEPTH * 48].reshape(3, PANEL_DEPTH, PANEL_WIDTH)  # block 0: three panels
     np.testing.assert_array_equal(first[0], b[:PANEL_DEPTH, :16])
     np.testing.assert_array_equal(first[1][:, :4], b[:PANEL_DEPTH, 16:])
-    assert not first[1][:, 4:].any()
-    second = packed[PANEL_DEPTH * 32 :].reshape(2, k - PANEL_DEPTH, PANEL_WIDTH)
+    assert not first[1][:, 4:].any() and not first[2].any()
+    second = packed[PANEL_DEPTH * 48 :].reshape(3, k - PANEL_DEPTH, PANEL_WIDTH)
     np.testing.assert_array_equal(second[0], b[PANEL_DEPTH:, :16])
     np.testing.assert_array_equal(second[1][:, :4], b[PANEL_DEPTH:, 16:])
 
@@ -640,3 +642,57 @@ def test_weights_are_bound_at_a_vector_boundary() -> None:
     aligned = _aligned(offset)
     assert aligned.ctypes.data % ALIGNMENT == 0
     np.testing.assert_array_equal(aligned, offset)
+
+
+def test_a_packed_weight_that_ends_at_a_page_boundary_is_read_only_within_it() -> None:
+    # the last register tile of a product by a packed weight once read panels past the weight's
+    # end: a server crashed when the copy that aligned the weight ended a mapping
+    import mmap
+
+    from compiler.backends import native_cpu
+    from compiler.kernels.fusion import fuse
+    from compiler.render.c import prepack_weights
+
+    rng = np.random.default_rng(3)
+    k, n = 64, 4096 + 16  # the last tile of 48 columns holds one panel of 16
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    graph_proto = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", n])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    graph = load_graph(data)
+    program = prepack_weights(fuse(lower(graph)))
+    (packed_name,) = [name for name in program.weights if ":panels" in name]
+    packed = np.asarray(program.weights[packed_name], np.float32)
+    # the packed weight at the very end of readable pages, an unreadable page after it
+    import ctypes
+
+    page = mmap.PAGESIZE
+    size = -(-packed.nbytes // page) * page
+    region = mmap.mmap(-1, size + page)
+    guard = np.frombuffer(region, np.uint8)
+    libc = ctypes.CDLL(None)
+    assert libc.mprotect(ctypes.c_void_p(guard.ctypes.data + size), page, 0) == 0  # PROT_NONE
+    at_end = guard[size - packed.nbytes : size].view(np.float32)
+    at_end[:] = packed
+    weights = dict(program.weights, **{packed_name: at_end})
+    library = native_cpu.build(render(program, gemm="mixed"))
+    runner = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), weights, library)
+    inputs = [rng.standard_normal((rows, k)).astype(np.float32) for rows in (1, 7, 64)]
+
+    def check() -> None:  # in a child: a read past the weight is a segfault
+        ok = all(np.allclose(runner.run({"x": x})["y"], x @ w, rtol=1e-4, atol=1e-4) for x in inputs)
+        os._exit(0 if ok else 1)
+
+    import multiprocessing
+    import os
+
+    child = multiprocessing.get_context("fork").Process(target=check)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, f"the product exited with {child.exitcode} (a negative number is a signal)"

@@ -32,7 +32,7 @@ from compiler.kernels.ir import (
 )
 from compiler.kernels.lower import OP_COST, expr_reads, kernel_reads, kernel_stores, lets_reads, linear, walk
 from compiler.kernels.windows import WindowGeometry, window_geometry
-from compiler.render.c_gemm import CONV_SGEMM, PANEL_WIDTH, TILED_SGEMM, pack_weight
+from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
 from compiler.shape import Dim
 
 C_TYPES = {
@@ -64,6 +64,9 @@ WINDOW_MAX = 64
 PARALLEL_MIN_WORK = 1 << 18
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
+# a loop or product below this much work is shared only with a worker already awake (spinning in
+# the same run): waking a sleeping one costs more than it saves, and its CPU is the server's
+WAKE_MIN_WORK = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores read faster from 256 KiB
 # up: an MLP at batch 1 ran 0.066 ms with its 512x512 layers split, 0.123 on one thread
 # (onnxruntime 0.066); before the threads took tasks as they came (lc_next) a split one stalled on a
@@ -178,9 +181,13 @@ _THREADS = r"""
    With OpenMP a parallel region waited for every thread of its team: on a shared virtual machine
    a sleeping or descheduled worker was slow to come, and a small CNN ran slower on two threads
    than on one (12 ms a call against 8; 2.6-3.3 ms now). Workers spin LC_SPIN_NS for the next job,
-   then sleep on a futex; one that has slept LC_IDLE_S without work exits (lc_run starts them
-   again), so that a library loaded once and never called keeps no threads. Jobs are tagged with
-   the even value of `seq`: a worker that wakes late, after its job, claims nothing and goes back. */
+   then sleep on a futex. A job wakes them only if it is large enough to be worth the wait (`wake`);
+   a small one is shared only with a worker still spinning, so that a small program never keeps a
+   worker busy: a spinning worker takes the CPU a server's other processes need between requests
+   (a batch-of-one MLP behind HTTP served 245 requests a second when every run woke its worker,
+   427 when none did, as with OpenMP's 5 us spins). One that has slept LC_IDLE_S without work exits
+   (lc_run starts another), so that a library loaded once and never called keeps no threads. Jobs
+   are tagged with the even value of `seq`: a worker that wakes after its job claims nothing. */
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -227,9 +234,10 @@ static void *lc_worker(void *unused) {
     for (;;) {
         uint32_t s = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE);
         if (s == seen || (s & 1)) {
-            const int64_t until = lc_now_ns() + LC_SPIN_NS;
+            const int64_t since = lc_now_ns();
             int spins = 0;
-            while (((s = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE)) == seen || (s & 1)) && (++spins & 63 || lc_now_ns() < until))
+            while (((s = __atomic_load_n(&lc_pool.seq, __ATOMIC_ACQUIRE)) == seen || (s & 1))
+                   && (++spins & 63 || lc_now_ns() - since < LC_SPIN_NS))
                 lc_relax();
             if (s == seen || (s & 1)) {
                 __atomic_add_fetch(&lc_pool.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -283,7 +291,7 @@ static void lc_pool_start(const int64_t *S, void **B) {
 }
 /* a parallel loop's tasks [0, total) as its thread claims them: chunks [lo, hi) */
 typedef struct { int64_t total, grain, lo, hi; uint32_t tag; int shared; } lc_tasks;
-static inline void lc_begin(lc_tasks *t, lc_kernel_fn kernel, int64_t total, int parallel, int64_t grain) {
+static inline void lc_begin(lc_tasks *t, lc_kernel_fn kernel, int64_t total, int parallel, int64_t grain, int wake) {
     t->total = total, t->lo = t->hi = 0;
     if (lc_is_worker) { t->shared = 1, t->tag = lc_worker_tag, t->grain = lc_worker_grain; return; }
     t->shared = parallel && total > 1 && __atomic_load_n(&lc_pool.alive, __ATOMIC_RELAXED) > 0;
@@ -297,7 +305,7 @@ static inline void lc_begin(lc_tasks *t, lc_kernel_fn kernel, int64_t total, int
     __atomic_store_n(&lc_pool.next, (uint64_t)tag << 32, __ATOMIC_RELAXED);
     __atomic_store_n(&lc_pool.seq, tag, __ATOMIC_SEQ_CST);
     t->tag = tag;
-    if (__atomic_load_n(&lc_pool.sleepers, __ATOMIC_SEQ_CST))
+    if (wake && __atomic_load_n(&lc_pool.sleepers, __ATOMIC_SEQ_CST))
         syscall(SYS_futex, &lc_pool.seq, FUTEX_WAKE_PRIVATE, lc_threads, NULL, NULL, 0);
 }
 /* the thread's next chunk into t->lo, t->hi; 0 when none is left (the caller has then waited for
@@ -482,7 +490,7 @@ class _Renderer:
         # a flat elementwise loop is both the threads' loop and the vector loop
         simd = rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel)
         outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[:parallel])]
-        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", simd=simd))
+        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= {WAKE_MIN_WORK}", simd=simd))
         indent, close = "            ", "        }\n"
         if not across:
             return "".join(lines) + self.body(kernel, indent) + close
@@ -780,15 +788,18 @@ class _Renderer:
         lines.append("        }\n")
         return "".join(lines)
 
-    def parallel_for(self, loops: list[tuple[str, str]], condition: str, grain: str = "0", simd: bool = False) -> list[str]:
+    def parallel_for(
+        self, loops: list[tuple[str, str]], condition: str, wake: str, grain: str = "0", simd: bool = False
+    ) -> list[str]:
         """The threads' loops over the tasks `loops` ((variable, extent), outermost first) as one
-        flat range, when `condition` holds: each thread runs the chunks it claims (lc_next, `grain`
-        tasks each; 0: about LC_CHUNKS_PER_THREAD a thread). The body follows at 12 spaces and is
-        closed by the caller at 8."""
+        flat range, shared when `condition` holds (with sleeping workers woken when `wake` does):
+        each thread runs the chunks it claims (lc_next, `grain` tasks each; 0: about
+        LC_CHUNKS_PER_THREAD a thread). The body follows at 12 spaces and is closed by the caller
+        at 8."""
         total = " * ".join(f"(int64_t)({extent})" for _, extent in loops) or "1"
         lines = [
             "    lc_tasks lc_t;\n",
-            f"    lc_begin(&lc_t, k{self.number}, {total}, {condition}, {grain});\n",
+            f"    lc_begin(&lc_t, k{self.number}, {total}, {condition}, {grain}, {wake});\n",
             "    while (lc_next(&lc_t))\n",
         ]
         if len(loops) == 1:
@@ -809,7 +820,7 @@ class _Renderer:
         (a task each claim: they are few and large)."""
         extent = {"t": "batch", "block": "blocks", "part": "parts"}
         condition = f"batch * blocks * parts > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}"
-        return self.parallel_for([(var, extent[var]) for var in order], condition, grain="1")
+        return self.parallel_for([(var, extent[var]) for var in order], condition, "1", grain="1")
 
     def gemm(self, call: GemmCall) -> str:
         """One library call per (batch index, block): the blocks split the larger of m and n
@@ -826,7 +837,10 @@ class _Renderer:
         generated = (self.gemm_kind == "tiled" or call.packed_b) and call.dtype == "float32"
         if generated:  # blocks of whole register tiles
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
-        lines.extend(self.parallel_for([("t", "batch"), ("block", "blocks")], "batch * blocks > 1 && m * n * k * batch >= least", grain="1"))
+        lines.extend(self.parallel_for(
+            [("t", "batch"), ("block", "blocks")], "batch * blocks > 1 && m * n * k * batch >= least",
+            f"m * n * k * batch >= {WAKE_MIN_WORK}", grain="1",
+        ))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
@@ -842,7 +856,7 @@ class _Renderer:
         trans_b = 112 if call.trans_b else 111
         if call.packed_b:
             a_strides = f"1, {lda}" if call.trans_a else f"{lda}, 1"  # A's (row, column) strides
-            npad = -(-call.n // PANEL_WIDTH) * PANEL_WIDTH
+            npad = padded_columns(call.n)
             # the panels are addressed by whole columns: a block of n is columns [lo, hi) of C's rows
             lines.append(f"{body}{ctype} *c = b{call.c} + t * m * n + (split_m ? lo * n : 0);\n")
             lines.append(

@@ -212,7 +212,8 @@ static inline void lc_row_pw(int64_t kc, const float *restrict a, const float *r
 }
 
 /* columns [j_lo, j_hi) of C[m, n] (row stride ldc; c points at column 0) = A B, B a packed weight of
-   k rows whose panels cover npad columns (n rounded up to LC_PW); j_lo a multiple of LC_PW. On
+   k rows whose panels cover npad columns (n rounded up to a whole register tile of the widest
+   target, which lc_tile reads whole at the last columns too); j_lo a multiple of LC_NR. On
    the calling thread; A's packing buffer is the thread's own, as lc_sgemm's. */
 static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64_t acs, const float *pb,
                         int64_t npad, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
@@ -251,13 +252,21 @@ static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64
 # the packed weight's layout, which lc_sgemm_pw reads (LC_PW and LC_KC above)
 PANEL_WIDTH = 16
 PANEL_DEPTH = 256
+# its columns are padded to a multiple of the widest register tile (LC_NR with AVX-512): a tile at
+# the last columns reads all of its panels, and read past the array's end when there were fewer
+PANEL_COLUMNS = 48
+
+
+def padded_columns(n: int) -> int:
+    """The columns a packed weight of n columns holds (lc_sgemm_pw's npad)."""
+    return -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
 
 
 def pack_weight(b: np.ndarray) -> np.ndarray:
-    """B [k, n] in lc_sgemm_pw's layout, flat: for each block of PANEL_DEPTH rows, its columns in
-    panels PANEL_WIDTH wide (the last zero-padded), each panel row-major."""
+    """B [k, n] in lc_sgemm_pw's layout, flat: for each block of PANEL_DEPTH rows, its columns
+    (zero-padded to padded_columns) in panels PANEL_WIDTH wide, each panel row-major."""
     k, n = b.shape
-    npad = -(-n // PANEL_WIDTH) * PANEL_WIDTH
+    npad = padded_columns(n)
     padded = np.zeros((k, npad), np.float32)
     padded[:, :n] = b
     blocks = [
