@@ -201,7 +201,7 @@ static struct {
     int sleepers, alive;
     uint64_t next;  /* the job's tag << 32 | the next chunk */
     int64_t done;   /* its tasks finished */
-    int64_t total, grain;
+    int64_t grain;  /* tasks a claim takes (each thread counts the tasks itself, as its caller) */
     lc_kernel_fn kernel;
     int64_t S[LC_SYMBOLS];
     void *B[LC_BUFFERS];
@@ -299,7 +299,7 @@ static inline void lc_begin(lc_tasks *t, lc_kernel_fn kernel, int64_t total, int
     t->tag = -1;
     if (!t->shared) return;
     lc_pool_open();
-    lc_pool.kernel = kernel, lc_pool.total = total, lc_pool.grain = t->grain;
+    lc_pool.kernel = kernel, lc_pool.grain = t->grain;
     const uint32_t tag = __atomic_load_n(&lc_pool.seq, __ATOMIC_RELAXED) + 1;
     __atomic_store_n(&lc_pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&lc_pool.next, (uint64_t)tag << 32, __ATOMIC_RELAXED);
