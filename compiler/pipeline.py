@@ -43,7 +43,7 @@ from compiler.shape import ShapeError, SymDim, evaluate
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.6.9"
+COMPILER_VERSION = "0.6.10"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
 # convolutions' panel products generated (built only where there are some), generated C with loop

@@ -32,9 +32,9 @@ class CpuDevice:
         return CpuProgram(artifact.signature, program, program.resident_bytes())
 
     def execute(
-        self, loaded: CpuProgram, inputs: Mapping[str, np.ndarray]
+        self, loaded: CpuProgram, inputs: Mapping[str, np.ndarray], busy: bool = False
     ) -> tuple[dict[str, np.ndarray], float]:
-        """Outputs and the device seconds spent computing them."""
+        """Outputs and the device seconds spent computing them; `busy`: other requests are waiting."""
         started = time.perf_counter()
-        outputs = loaded.program.run(inputs)
+        outputs = loaded.program.run(inputs, busy=busy)
         return outputs, time.perf_counter() - started

@@ -117,12 +117,14 @@ class Runtime:
             self.observer.models_loaded_now(self.device.target, len(self._loaded))
 
     def run_batch(
-        self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]
+        self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int], busy: bool = False
     ) -> BatchResult:
+        """`busy`: more requests are waiting for the device (a program then keeps its threads
+        for large work only, leaving the CPU to the server taking those requests)."""
         program, load_seconds = self._ensure_loaded(key)
         signature = program.signature
         batch = concat_requests(signature, requests)
         with self._device_lock:
-            outputs, exec_seconds = self.device.execute(program, batch)
+            outputs, exec_seconds = self.device.execute(program, batch, busy=busy)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)
 

@@ -144,9 +144,9 @@ class InProcessEngine:
         for version_id in list(self._batchers):
             self.forget(version_id)
 
-    def run_and_meter(self, route: Route, batch: list[Pending]) -> list[InferenceResult]:
+    def run_and_meter(self, route: Route, batch: list[Pending], busy: bool = False) -> list[InferenceResult]:
         """Runs in a worker thread: execute the batch, then write its usage records."""
-        results, usages = run_priced(self.runtimes[route.target], self.prices, route, batch, self.observer)
+        results, usages = run_priced(self.runtimes[route.target], self.prices, route, batch, self.observer, busy)
         self.ledger.record(usages)
         return results
 
@@ -157,11 +157,12 @@ def run_priced(
     route: Route,
     batch: list[Pending],
     observer: SchedulerObserver,
+    busy: bool = False,
 ) -> tuple[list[InferenceResult], list[Usage]]:
     """Executes a batch (each Pending's payload has `.inputs`) and prices each request's share
-    of its device time; reports the batch to the observer."""
+    of its device time; reports the batch to the observer. `busy`: other requests wait behind it."""
     rows = [p.rows for p in batch]
-    result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows)
+    result = runtime.run_batch(route.artifact_key, [p.payload.inputs for p in batch], rows, busy)
     shares = split_by_rows(result.exec_seconds, rows)
     price = price_for(route.target, prices)
     usages = [
@@ -252,7 +253,7 @@ class Batcher:
                 _fail(pending, DeadlineExceeded("the request waited in the queue past its deadline"))
             batch = self.queue.take_batch(now)
             if batch is not None:
-                await self._execute(batch, now)
+                await self._execute(batch, now, busy=len(self.queue) > 0)
                 continue
             wake = self.queue.wake_at(now)
             self._wakeup.clear()
@@ -262,13 +263,13 @@ class Batcher:
             except TimeoutError:
                 pass
 
-    async def _execute(self, batch: list[Pending], started: float) -> None:
+    async def _execute(self, batch: list[Pending], started: float, busy: bool = False) -> None:
         for pending in batch:
             self.engine.observer.queue_waited(self.route.tenant_name, self.route.model_name, started - pending.enqueued_at)
-        await self._run_batch(batch, started)
+        await self._run_batch(batch, started, busy)
 
-    async def _run_batch(self, batch: list[Pending], started: float) -> None:
-        run = partial(self.engine.run_and_meter, self.route)
+    async def _run_batch(self, batch: list[Pending], started: float, busy: bool = False) -> None:
+        run = partial(self.engine.run_and_meter, self.route, busy=busy)
         outcomes = await asyncio.to_thread(run_isolating, run, batch, self.route.model_name)
         ran = [o.batch_exec_seconds for _, o in outcomes if not isinstance(o, BaseException)]
         if ran:

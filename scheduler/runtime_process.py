@@ -219,9 +219,9 @@ class RuntimeProcess:
                 # never run, never billed: the gateway answers 504
                 self._answer_error(pending.payload, DeadlineExceeded.code, "the request waited in the queue past its deadline")
             while (batch := queue.take_batch(now)) is not None:
-                self._execute(batch)
+                self._execute(batch, busy=len(queue) > 0)
 
-    def _execute(self, batch: list[Pending]) -> None:
+    def _execute(self, batch: list[Pending], busy: bool = False) -> None:
         started = time.monotonic()
         route = Route(**batch[0].payload.message.route)
         queue = self._queues[batch[0].payload.stream]
@@ -237,7 +237,7 @@ class RuntimeProcess:
                 pipe.execute()
 
         def run(part: list[Pending]) -> list[tuple[InferenceResult, Usage]]:
-            results, usages = run_priced(self.runtime, self.config.prices, route, part, self.observer)
+            results, usages = run_priced(self.runtime, self.config.prices, route, part, self.observer, busy)
             return list(zip(results, usages))
 
         outcomes = run_isolating(run, batch, route.model_name)

@@ -632,6 +632,22 @@ def test_a_forked_child_runs_a_program_its_parent_had_loaded() -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_a_busy_run_raises_the_work_that_wakes_a_worker_and_an_idle_one_lowers_it() -> None:
+    from compiler.render.c import WAKE_MIN_WORK
+
+    graph, make = _threaded_program()
+    program = make()
+    set_in_library = []
+    wake = program._set_wake_work
+    program._set_wake_work = lambda work: (set_in_library.append(work), wake(work))
+    for batch, busy in ((2, True), (48, True), (2, False), (48, False), (2, True)):
+        inputs = _inputs(graph, batch, batch)
+        for name, value in run_graph(graph, inputs).items():
+            np.testing.assert_allclose(program.run(inputs, busy=busy)[name], value, rtol=1e-4, atol=1e-5)
+    # set only when it changes: a run costs no extra call into the library
+    assert set_in_library == [WAKE_MIN_WORK, 0, WAKE_MIN_WORK]
+
+
 def test_weights_are_bound_at_a_vector_boundary() -> None:
     from compiler.backends.native_cpu import ALIGNMENT, _aligned
 

@@ -222,3 +222,48 @@ def test_a_request_is_told_its_batch_started_only_when_a_slow_run_could_pass_its
         assert kinds_of_replies("cold", 60) == ["started", "ok"]
     finally:
         client.close()
+
+
+def test_the_engine_tells_the_device_when_requests_wait_behind_a_batch(artifacts) -> None:
+    # a native program wakes its sleeping threads for small loops only when nothing waits: with a
+    # queue, their spinning would take the CPU the server needs to take the next requests
+    import asyncio
+
+    from scheduler.engine import InProcessEngine
+
+    class RecordingDevice(CpuDevice):
+        def __init__(self) -> None:
+            self.busy: list[bool] = []
+
+        def execute(self, loaded, inputs, busy=False):
+            self.busy.append(busy)
+            return super().execute(loaded, inputs, busy)
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.usages = []
+
+        def record(self, usages) -> None:
+            self.usages.extend(usages)
+
+    device, ledger = RecordingDevice(), Ledger()
+    route = Route(1, 1, "t", "small", 1, "cpu", "small", batchable=True)
+
+    async def serve() -> None:
+        engine = InProcessEngine(
+            {"cpu": Runtime(device, artifacts.__getitem__)}, ledger, {"cpu": 1.0}, max_batch_rows=1,
+            max_delay_s=0.0, max_queue_requests=16, request_timeout_s=30.0, retry_after_s=1,
+            adaptive_batching=False,
+        )
+        inputs = {"x": np.ones((1, 8), np.float32)}
+        try:
+            results = await asyncio.gather(*(engine.infer(route, inputs, 1, f"r{i}") for i in range(4)))
+            assert [r.batch_size for r in results] == [1, 1, 1, 1]
+            await engine.infer(route, inputs, 1, "alone")
+        finally:
+            await engine.close()
+
+    asyncio.run(serve())
+    # three batches ran with requests behind them, the fourth and the lone request with none
+    assert device.busy == [True, True, True, False, False]
+    assert len(ledger.usages) == 5

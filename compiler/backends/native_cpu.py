@@ -28,6 +28,7 @@ import numpy as np
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer, Program
+from compiler.render.c import WAKE_MIN_WORK
 from compiler.shape import ShapeError, evaluate, shape_from_json, shape_to_json
 
 ALIGNMENT = 64
@@ -174,6 +175,12 @@ class NativeProgram:
         self._entry = self._library.lc_run
         self._entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._entry.restype = ctypes.c_int
+        # a library built before lc_set_wake_work (an older compiler's artifact) always wakes workers
+        self._set_wake_work = getattr(self._library, "lc_set_wake_work", None)
+        if self._set_wake_work is not None:
+            self._set_wake_work.argtypes = [ctypes.c_int64]
+            self._set_wake_work.restype = None
+        self._busy = False
         self._pointers = (ctypes.c_void_p * max(1, len(self.buffers)))()
         self._weights: list[np.ndarray] = []
         for b in self.buffers:
@@ -197,7 +204,9 @@ class NativeProgram:
         arena is per call's size, like the outputs, and not counted)."""
         return sum(w.nbytes for w in self._weights) + self._library_bytes
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
+        """The outputs; `busy` says other requests are waiting, so only large loops wake the
+        program's sleeping threads (their spinning would take the CPU the server needs)."""
         arrays = [np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs]
         shapes = tuple(a.shape for a in arrays)
         layout = self._layouts.get(shapes)
@@ -220,6 +229,9 @@ class NativeProgram:
                 for b, offset in zip(self._temps, offsets):
                     pointers[b.id] = self._arena_base + offset
                 self._temps_bound = layout
+            if busy != self._busy and self._set_wake_work is not None:
+                self._set_wake_work(WAKE_MIN_WORK if busy else 0)
+                self._busy = busy
             for b, array in zip(self._inputs, arrays):
                 pointers[b.id] = array.ctypes.data
             for b in self._outputs:

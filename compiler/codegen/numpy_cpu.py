@@ -67,7 +67,8 @@ class Executable:
         """Memory held for the program's lifetime: the graph's weights."""
         return sum(w.nbytes for w in self.graph.weights.values())
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
+        """The outputs (`busy` is for programs with threads of their own: NumPy's run on one)."""
         graph = self.graph
         bindings = bind_symbols(graph, inputs)
         values: dict[int, np.ndarray] = {}

@@ -1,6 +1,7 @@
 """Renders a kernel-IR program as one C translation unit with a single entry point.
 
     int lc_run(const int64_t *S, void **B)    (nonzero: a gathered index was out of range)
+    void lc_set_wake_work(int64_t work)       (between runs: the least job that wakes a sleeping worker)
 
 `S` holds the program's symbols (batch, sequence...) in `Program.symbols` order and `B` a
 pointer per buffer, in `Program.buffers` order. Loop nests share their output loops among the
@@ -64,8 +65,10 @@ WINDOW_MAX = 64
 PARALLEL_MIN_WORK = 1 << 18
 # likewise for a matrix product, in multiply-adds
 GEMM_PARALLEL_MIN_FLOPS = 1 << 21
-# a loop or product below this much work is shared only with a worker already awake (spinning in
-# the same run): waking a sleeping one costs more than it saves, and its CPU is the server's
+# while the server has requests waiting (NativeProgram.run's `busy`), a loop or product below this
+# much work is shared only with a worker already awake (spinning in the same run): a worker woken for
+# it then spins on the CPU the server's other processes need between requests. An idle server wakes
+# workers for any loop worth splitting: the request's latency is all there is to save.
 WAKE_MIN_WORK = 1 << 21
 # a matrix-vector product is bound by reading the matrix, which two cores read faster from 256 KiB
 # up: an MLP at batch 1 ran 0.066 ms with its 512x512 layers split, 0.123 on one thread
@@ -181,11 +184,13 @@ _THREADS = r"""
    With OpenMP a parallel region waited for every thread of its team: on a shared virtual machine
    a sleeping or descheduled worker was slow to come, and a small CNN ran slower on two threads
    than on one (12 ms a call against 8; 2.6-3.3 ms now). Workers spin LC_SPIN_NS for the next job,
-   then sleep on a futex. A job wakes them only if it is large enough to be worth the wait (`wake`);
-   a small one is shared only with a worker still spinning, so that a small program never keeps a
-   worker busy: a spinning worker takes the CPU a server's other processes need between requests
-   (a batch-of-one MLP behind HTTP served 245 requests a second when every run woke its worker,
-   427 when none did, as with OpenMP's 5 us spins). One that has slept LC_IDLE_S without work exits
+   then sleep on a futex. A job wakes them only if it is at least lc_wake_work (`wake`); a smaller
+   one is shared only with a worker still spinning. The caller raises lc_wake_work while requests
+   wait, so that a small program then never keeps a worker busy: a spinning worker takes the CPU a
+   server's other processes need between requests (a batch-of-one MLP behind HTTP served 245
+   requests a second when every run woke its worker, 427 when none did, as with OpenMP's 5 us
+   spins); idle, every split job wakes them (that MLP alone: 2.1x onnxruntime's latency on one
+   thread, 1.1x on two). One that has slept LC_IDLE_S without work exits
    (lc_run starts another), so that a library loaded once and never called keeps no threads. Jobs
    are tagged with the even value of `seq`: a worker that wakes after its job claims nothing. */
 #include <linux/futex.h>
@@ -207,6 +212,9 @@ static struct {
     void *B[LC_BUFFERS];
 } lc_pool;
 static int lc_threads;
+/* a job smaller than this wakes no sleeping worker (set by lc_set_wake_work between runs) */
+static int64_t lc_wake_work;
+void lc_set_wake_work(int64_t work) { lc_wake_work = work; }
 static __thread int lc_is_worker;
 static __thread uint32_t lc_worker_tag;
 static __thread int64_t lc_worker_grain;
@@ -490,7 +498,7 @@ class _Renderer:
         # a flat elementwise loop is both the threads' loop and the vector loop
         simd = rank == 1 and kernel.reduce is None and not self.kernel_gathers(kernel)
         outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[:parallel])]
-        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= {WAKE_MIN_WORK}", simd=simd))
+        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= lc_wake_work", simd=simd))
         indent, close = "            ", "        }\n"
         if not across:
             return "".join(lines) + self.body(kernel, indent) + close
@@ -839,7 +847,7 @@ class _Renderer:
             lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
         lines.extend(self.parallel_for(
             [("t", "batch"), ("block", "blocks")], "batch * blocks > 1 && m * n * k * batch >= least",
-            f"m * n * k * batch >= {WAKE_MIN_WORK}", grain="1",
+            "m * n * k * batch >= lc_wake_work", grain="1",
         ))
         body = "            "
         lines.extend(self.batch_indices(call, body))
