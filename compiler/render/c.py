@@ -410,7 +410,7 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     product marked `packed_b` (prepack_weights) is the generated one whatever `gemm` says."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
-    renderer = _Renderer(program, gemm)
+    renderer = CRenderer(program, gemm)
     symbols, buffers = len(program.symbols), len(program.buffers)
     sizes = f"#define LC_SYMBOLS {max(1, symbols)}\n#define LC_SYMBOLS_READ {symbols}\n#define LC_BUFFERS {max(1, buffers)}\n"
     parts = [_PRELUDE, sizes + _THREADS]
@@ -442,7 +442,10 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     return "\n".join(parts)
 
 
-class _Renderer:
+class CRenderer:
+    """A program's kernels as C: loops, products, and the expressions inside them (which the
+    CUDA renderer, compiler.render.cuda, shares)."""
+
     def __init__(self, program: Program, gemm: str = "blas") -> None:
         self.program = program
         self.gemm_kind = gemm
@@ -1176,4 +1179,4 @@ def _dim_atom(atom: object) -> str:
 
 
 
-__all__ = ["C_TYPES", "render"]
+__all__ = ["C_TYPES", "CRenderer", "dim", "literal", "render"]

@@ -1,0 +1,337 @@
+"""Renders a kernel-IR program as CUDA C: one `__global__` function per kernel and a launch plan.
+
+A kernel's parameters are the program's symbols by value (`S.v[i]` in `Program.symbols` order),
+then a pointer per buffer it reads or writes:
+
+    extern "C" __global__ void k<n>(const lc_symbols S, const float *__restrict__ b0, float *__restrict__ b1)
+
+The launch plan says, per kernel, which function runs it with which buffers (a model's repeated
+layers share one function), its grid as symbolic dims and its threads per block; a runtime
+evaluates the grid at the call's sizes and skips a launch whose grid is empty. Kernels loop over their work with a stride of the whole grid, so a runtime may launch
+fewer blocks along x than planned (a grid is capped at MAX_GRID_X) and still compute every element.
+
+  - an elementwise loop: one thread per output element (its lets as locals);
+  - a reduction: one block per output element, its threads striding over the reduced elements,
+    combined with warp shuffles, then across warps in shared memory;
+  - a matrix product: tiles of C per block, A and B staged through shared memory, the fused
+    epilogue applied as each element is stored; a convolution's windows (Panels) are read in
+    place while B's tile is loaded (an implicit GEMM), never stored.
+
+The expressions (loads, padding guards, gathers, arithmetic) are the C renderer's: CUDA C is C
+there, and the device functions they call (lc_index, lc_exp2f...) are defined here. The code needs
+no header (NVRTC has none), so fixed-width types and limits are defined in the prelude.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from compiler.kernels.ir import GemmCall, LoopKernel, Program
+from compiler.kernels.lower import kernel_reads, kernel_stores, lets_reads
+from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
+from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
+
+# threads of an elementwise kernel's block
+ELEMENTWISE_THREADS = 256
+# a reduction's block: a warp where the reduced extent is this small or less, else REDUCE_THREADS
+WARP_REDUCE_MAX = 64
+REDUCE_THREADS = 256
+# a product's tile of C per block (GEMM_TILE x GEMM_TILE), the k step staged in shared memory, and
+# its threads (each computes (GEMM_TILE / 16)^2 elements of the tile)
+GEMM_TILE = 64
+GEMM_K_STEP = 16
+GEMM_THREADS = 256
+# the most blocks a runtime launches along x (kernels stride over the rest)
+MAX_GRID_X = 1 << 20
+
+PRELUDE = r"""typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#define INT8_MIN (-128)
+#define INT16_MIN (-32768)
+#define INT32_MIN (-2147483647 - 1)
+#define INT64_MIN (-9223372036854775807LL - 1)
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+
+/* max that propagates NaN from either side, as NumPy's maximum does */
+template <typename T> __device__ __forceinline__ T lc_max(T a, T b) { return ((a > b) | (a != a)) ? a : b; }
+#define LC_MAX(a, b) lc_max(a, b)
+__device__ __forceinline__ int64_t lc_fdiv(int64_t a, int64_t b) {
+    const int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int64_t lc_fmod(int64_t a, int64_t b) {
+    const int64_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ int64_t lc_imod(int64_t a, int64_t b) { return b == 0 ? 0 : a % b; }
+/* set when a gathered index was out of range; the runtime reads it after the run */
+__device__ int lc_bad_index;
+/* a gathered index: negative counts from the end; out of range reads element 0 and is reported */
+__device__ __forceinline__ int64_t lc_index(int64_t v, int64_t n) {
+    if (v < 0) v += n;
+    if (v < 0 || v >= n) { lc_bad_index = 1; return 0; }
+    return v;
+}
+__device__ __forceinline__ float lc_exp2f(float x) { return exp2f(x); }
+"""
+
+
+def _symbols_struct(count: int) -> str:
+    return f"typedef struct {{ int64_t v[{max(1, count)}]; }} lc_symbols;\n"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched: its function, the buffers it takes (its parameters after the
+    symbols, in order), its blocks along x, y and z at the call's sizes, and threads per block."""
+
+    kernel: str
+    buffers: tuple[int, ...]
+    grid: tuple[Dim, Dim, Dim]
+    threads: int
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kernel": self.kernel,
+            "buffers": list(self.buffers),
+            "grid": [dim_to_json(d) for d in self.grid],
+            "threads": self.threads,
+        }
+
+
+@dataclass(frozen=True)
+class CudaSource:
+    """A program as one CUDA C translation unit and the launches that run it, in order."""
+
+    source: str
+    launches: tuple[Launch, ...]
+
+
+def render_cuda(program: Program) -> CudaSource:
+    """The program's CUDA C and launch plan (every kernel; none runs on the host). Kernels that
+    differ only in the buffers they read and write (a model's repeated layers) are one function,
+    launched once per kernel with its own buffers."""
+    renderer = CudaRenderer(program)
+    parts = [PRELUDE, _symbols_struct(len(program.symbols))]
+    names: dict[str, str] = {}  # a function's text (named NAME) -> its name
+    launches = []
+    for number, kernel in enumerate(program.kernels):
+        text, buffers, grid, threads = renderer.cuda_kernel(number, kernel)
+        name = names.get(text)
+        if name is None:
+            name = names[text] = f"k{number}"
+            parts.append(text.replace("NAME", name, 1))
+        launches.append(Launch(name, buffers, grid, threads))
+    return CudaSource("\n".join(parts), tuple(launches))
+
+
+class CudaRenderer(CRenderer):
+    def symbols(self) -> str:
+        return "".join(f"    const int64_t s_{s} = S.v[{i}];\n" for i, s in enumerate(self.program.symbols))
+
+    def parameter(self, buffer: int, writable: bool) -> str:
+        ctype = C_TYPES[self.program.buffers[buffer].dtype]
+        return f"{'' if writable else 'const '}{ctype} *__restrict__ b{buffer}"
+
+    def cuda_kernel(self, number: int, kernel: LoopKernel | GemmCall) -> tuple[str, tuple[int, ...], tuple, int]:
+        """(the function's text, named NAME, with its buffers renumbered by position; the buffers
+        it takes, in order; its grid; its threads per block)."""
+        self.number = number
+        stored = sorted(kernel_stores(kernel))
+        if isinstance(kernel, GemmCall):
+            reads = {kernel.a} | ({kernel.b} if kernel.b_panels is None else kernel_reads(kernel.b_panels.kernel))
+            if kernel.epilogue is not None:
+                reads |= lets_reads(kernel.epilogue)
+            body, grid, threads = self.product(kernel)
+        else:
+            reads = kernel_reads(kernel)
+            body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel)
+        buffers = (*sorted(set(reads) - set(stored)), *stored)
+        parameters = ", ".join(self.parameter(b, b in stored) for b in buffers)
+        text = (
+            f'extern "C" __global__ void __launch_bounds__({threads}) NAME(const lc_symbols S, {parameters}) {{\n'
+            "    (void)S;\n" + self.symbols() + body + "}\n"
+        )
+        # buffers by position (and a let's local by its buffer's): equal layers render equal text
+        position = {b: i for i, b in enumerate(buffers)}
+        locals_ = sorted({int(v) for v in re.findall(r"\blc_v(\d+)\b", text)} - set(position))
+        position.update({b: len(buffers) + i for i, b in enumerate(locals_)})
+        text = re.sub(r"\b(b|lc_v)(\d+)\b", lambda m: f"{m[1]}{position[int(m[2])]}", text)
+        return text, buffers, grid, threads
+
+    @staticmethod
+    def unflatten(flat: str, names: list[str], shape, indent: str, rest: str = "lc_rest") -> str:
+        """`names[j]` declared as the row-major coordinates of the flat index `flat` over `shape`
+        (`rest` names the running quotient: two in one scope need two names)."""
+        if not names:
+            return ""
+        lines = [f"{indent}int64_t {rest} = {flat};\n"]
+        for j in range(len(names) - 1, 0, -1):
+            lines.append(f"{indent}const int64_t {names[j]} = {rest} % {dim(shape[j])}; {rest} /= {dim(shape[j])};\n")
+        lines.append(f"{indent}const int64_t {names[0]} = {rest};\n")
+        return "".join(lines)
+
+    def grid_stride(self, total: str, var: str, over: str, per: str, indent: str) -> str:
+        """A loop of `var` over [0, total) starting at this thread's (or block's) place."""
+        return f"{indent}for (int64_t {var} = {over}; {var} < {total}; {var} += {per}) {{\n"
+
+    def elementwise(self, kernel: LoopKernel) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        rank = len(kernel.shape)
+        total = numel(kernel.shape)
+        names = [f"o{j}" for j in range(rank)]
+        ctype = C_TYPES[self.program.buffers[kernel.out].dtype]
+        store = lambda value: f"{self.target(kernel)} = ({ctype})({value});"
+        lines = [
+            f"    const int64_t lc_total = {dim(total)};\n",
+            self.grid_stride(
+                "lc_total", "lc_e", "(int64_t)blockIdx.x * blockDim.x + threadIdx.x", "(int64_t)gridDim.x * blockDim.x", "    "
+            ),
+            self.unflatten("lc_e", names, kernel.shape, "        "),
+            f"        {self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, store)}\n",
+            "    }\n",
+        ]
+        return "".join(lines), (dim_ceildiv(total, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS
+
+    def reduction(self, kernel: LoopKernel) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        kind, extents = kernel.reduce
+        dtype = self.program.buffers[kernel.out].dtype
+        out_type = C_TYPES[dtype]
+        floating = dtype in ("float32", "float64")
+        # float32 sums accumulate in float (a tree of partial sums, not one long chain); integers
+        # and bools in 64 bits, a type warp shuffles take
+        acc_type = out_type if floating else ("uint64_t" if dtype == "uint64" else "int64_t")
+        init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
+        reduced = numel(extents)
+        threads = 32 if isinstance(reduced, int) and reduced <= WARP_REDUCE_MAX else REDUCE_THREADS
+        combine = "lc_a + lc_b" if kind == "sum" else ("lc_max(lc_a, lc_b)" if floating else "(lc_a > lc_b ? lc_a : lc_b)")
+        rank = len(kernel.shape)
+        names = [f"o{j}" for j in range(rank)]
+        value = self.expr(kernel.value)
+        warps = threads // 32
+        lines = [
+            f"    const int64_t lc_total = {dim(numel(kernel.shape))}, lc_reduced = {dim(reduced)};\n",
+            f"    __shared__ {acc_type} lc_partial[{warps}];\n" if warps > 1 else "",
+            self.grid_stride("lc_total", "lc_o", "(int64_t)blockIdx.x", "(int64_t)gridDim.x", "    "),
+            self.unflatten("lc_o", names, kernel.shape, "        "),
+            f"        {acc_type} lc_acc = ({acc_type})({init});\n",
+            self.grid_stride("lc_reduced", "lc_r", "(int64_t)threadIdx.x", f"{threads}", "        "),
+            self.unflatten("lc_r", [f"r{j}" for j in range(len(extents))], extents, "            ", "lc_rr"),
+            f"            const {acc_type} lc_a = lc_acc, lc_b = ({acc_type})({value});\n",
+            f"            lc_acc = {combine};\n",
+            "        }\n",
+            "        for (int lc_d = 16; lc_d > 0; lc_d /= 2) {\n",
+            f"            const {acc_type} lc_a = lc_acc, lc_b = __shfl_down_sync(0xffffffffu, lc_acc, lc_d);\n",
+            f"            lc_acc = {combine};\n",
+            "        }\n",
+        ]
+        if warps > 1:
+            lines += [
+                "        if ((threadIdx.x & 31) == 0) lc_partial[threadIdx.x / 32] = lc_acc;\n",
+                "        __syncthreads();\n",
+                "        if (threadIdx.x == 0) {\n",
+                f"            for (int lc_w = 1; lc_w < {warps}; ++lc_w) {{\n",
+                f"                const {acc_type} lc_a = lc_acc, lc_b = lc_partial[lc_w];\n",
+                f"                lc_acc = {combine};\n",
+                "            }\n",
+                "        }\n",
+                "        __syncthreads();  /* lc_partial is written again for the next output */\n",
+            ]
+        result = "lc_acc != 0" if dtype == "bool" else "lc_acc"
+        lines.append(f"        if (threadIdx.x == 0) {self.target(kernel)} = ({out_type})({result});\n")
+        lines.append("    }\n")
+        return "".join(lines), (numel(kernel.shape), 1, 1), threads
+
+    def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """C = A @ B per batch index, a GEMM_TILE square of C per block: each thread computes a
+        (GEMM_TILE/16)^2 lattice of it (rows ty + 16*i, columns tx + 16*j: conflict-free reads of
+        the staged tiles and coalesced stores), then the epilogue at each element it stores."""
+        ctype = C_TYPES[call.dtype]
+        lines = []
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        per = GEMM_TILE // 16
+        tile, step = GEMM_TILE, GEMM_K_STEP
+        lines += [
+            f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n",
+            "    (void)batch;\n",
+            f"    __shared__ {ctype} lc_as[{step}][{tile} + 1];\n",
+            f"    __shared__ {ctype} lc_bs[{step}][{tile} + 1];\n",
+            "    const int64_t t = blockIdx.z, row0 = (int64_t)blockIdx.y * " + f"{tile}, col0 = (int64_t)blockIdx.x * {tile};\n",
+            "    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;\n",
+        ]
+        lines += self.batch_indices(call, "    ")
+        a_off = self.ix(self.batch_offset(call.batch, call.a_batch_strides))
+        lda = self.lda(call)
+        a_element = f"b{call.a}[{a_off} + " + (f"lc_k * {lda} + lc_i]" if call.trans_a else f"lc_i * {lda} + lc_k]")
+        lines += [
+            f"    {ctype} lc_acc[{per}][{per}];\n",
+            f"    for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] = 0;\n",
+            f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {GEMM_THREADS}) {{\n",
+            f"            const int lc_r = lc_e % {tile}, lc_c = lc_e / {tile};\n",
+            "            const int64_t lc_i = row0 + lc_r, lc_k = k0 + lc_c;\n",
+            f"            lc_as[lc_c][lc_r] = (lc_i < m && lc_k < k) ? {a_element} : ({ctype})0;\n",
+            "        }\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {GEMM_THREADS}) {{\n",
+            f"            const int lc_c = lc_e % {tile}, lc_r = lc_e / {tile};\n",
+            "            const int64_t lc_k = k0 + lc_r, lc_j = col0 + lc_c;\n",
+            f"            {ctype} lc_v = 0;\n",
+            "            if (lc_k < k && lc_j < n) {\n",
+            self.b_element(call, "                "),
+            "            }\n",
+            "            lc_bs[lc_r][lc_c] = lc_v;\n",
+            "        }\n",
+            "        __syncthreads();\n",
+            f"        for (int kk = 0; kk < {step}; ++kk) {{\n",
+            f"            {ctype} lc_a[{per}], lc_b[{per}];\n",
+            f"            for (int i = 0; i < {per}; ++i) lc_a[i] = lc_as[kk][ty + 16 * i];\n",
+            f"            for (int j = 0; j < {per}; ++j) lc_b[j] = lc_bs[kk][tx + 16 * j];\n",
+            f"            for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] += lc_a[i] * lc_b[j];\n",
+            "        }\n",
+            "        __syncthreads();\n",
+            "    }\n",
+            f"    for (int lc_ti = 0; lc_ti < {per}; ++lc_ti) for (int lc_tj = 0; lc_tj < {per}; ++lc_tj) {{\n",
+            "        const int64_t i = row0 + ty + 16 * lc_ti, j = col0 + tx + 16 * lc_tj;\n",
+            "        if (i >= m || j >= n) continue;\n",
+            f"        b{call.c}[t * m * n + i * n + j] = lc_acc[lc_ti][lc_tj];\n",
+        ]
+        if call.epilogue is not None:
+            # the epilogue reads C's own element, which holds the sum (stored first: the
+            # epilogue's expression may read it through a view the local cannot stand for)
+            store = lambda value: f"b{call.c}[t * m * n + i * n + j] = ({ctype})({value});"
+            text = self.with_lets(call.epilogue.lets, "t * m * n + i * n + j", call.epilogue.value, store)
+            lines.append(f"        {text}\n")
+        lines.append("    }\n")
+        grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
+        return "".join(lines), grid, GEMM_THREADS
+
+    def b_element(self, call: GemmCall, indent: str) -> str:
+        """`lc_v` = B[lc_k, lc_j] at batch index t: read from its buffer, or computed from its
+        Panels kernel (a convolution's window element, padding included)."""
+        ctype = C_TYPES[call.dtype]
+        if call.b_panels is None:
+            b_off = self.ix(self.batch_offset(call.batch, call.b_batch_strides))
+            ldb = self.ldb(call)
+            index = f"lc_j * {ldb} + lc_k" if call.trans_b else f"lc_k * {ldb} + lc_j"
+            return f"{indent}lc_v = b{call.b}[{b_off} + {index}];\n"
+        panels = call.b_panels
+        assert not panels.kernel.lets, "a Panels kernel computes one value per element"
+        shape = panels.kernel.shape
+        first = len(panels.batch_axes)
+        k_names = [f"o{j}" for j in range(first, first + panels.k_axes)]
+        n_names = [f"o{j}" for j in range(first + panels.k_axes, len(shape))]
+        lines = [f"{indent}const int64_t o{j} = t{axis};\n" for j, axis in enumerate(panels.batch_axes)]
+        lines.append(self.unflatten("lc_k", k_names, shape[first : first + panels.k_axes], indent, "lc_kr"))
+        lines.append(self.unflatten("lc_j", n_names, shape[first + panels.k_axes :], indent, "lc_nr"))
+        lines.append(f"{indent}lc_v = ({ctype})({self.expr(panels.kernel.value)});\n")
+        return "".join(lines)
+
+
+__all__ = ["CudaRenderer", "CudaSource", "Launch", "render_cuda"]

@@ -1,0 +1,121 @@
+"""The CUDA target without a GPU: the kernel IR rendered as CUDA C (golden lines), the launch plan,
+and NVRTC compiling every rendered kernel of the exported fixtures to PTX and an sm_90 cubin."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.backends.cuda import CudaBuildFailed, compile_cuda
+from compiler.frontends.onnx import load_graph
+from compiler.kernels.fusion import fuse
+from compiler.kernels.ir import GemmCall, LoopKernel
+from compiler.kernels.lower import lower
+from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, render_cuda
+from compiler.shape import dim_from_json, evaluate
+from tests.conftest import FIXTURES
+
+MODELS = ["torch_mlp", "torch_cnn", "bert_dynamo", "gpt2_dynamo", "resnet_dynamo"]
+
+
+def _program(data: bytes):
+    return fuse(lower(load_graph(data)))
+
+
+def _kernel_source(source: str, number: int) -> str:
+    start = source.index(f" k{number}(const lc_symbols S")
+    end = source.find('extern "C"', start)
+    return source[start : end if end >= 0 else len(source)]
+
+
+def _softmax_after_gemm() -> bytes:
+    """x @ w1 + b1, relu, @ w2, softmax over 40 classes."""
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+        for name, shape in (("w1", (8, 24)), ("b1", (24,)), ("w2", (24, 40)))
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 40])], weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_each_kernel_kind_renders_as_its_cuda_shape() -> None:
+    program = _program(_softmax_after_gemm())
+    rendered = render_cuda(program)
+    kinds = [type(k).__name__ for k in program.kernels]
+    assert kinds[0] == "GemmCall" and program.kernels[0].epilogue is not None  # bias and relu fused
+    assert len(rendered.launches) == len(program.kernels)
+    product = _kernel_source(rendered.source, 0)
+    # C's tiles staged in shared memory; the epilogue applied where each element is stored
+    assert "__shared__ float lc_as[16][64 + 1];" in product
+    assert "lc_acc[i][j] += lc_a[i] * lc_b[j];" in product
+    assert re.search(r"b\d+\[t \* m \* n \+ i \* n \+ j\] = \(float\)\(LC_MAX\(", product)
+    reductions = [n for n, k in enumerate(program.kernels) if isinstance(k, LoopKernel) and k.reduce is not None]
+    assert reductions, kinds
+    reduction = _kernel_source(rendered.source, reductions[0])
+    # one block per output row: a warp (the row has 40 elements), combined by shuffles
+    assert "__shfl_down_sync(0xffffffffu, lc_acc, lc_d)" in reduction
+    assert rendered.launches[reductions[0]].threads == 32
+    assert "for (int64_t lc_o = (int64_t)blockIdx.x; lc_o < lc_total; lc_o += (int64_t)gridDim.x)" in reduction
+    elementwise = [n for n, k in enumerate(program.kernels) if isinstance(k, LoopKernel) and k.reduce is None]
+    loop = _kernel_source(rendered.source, elementwise[-1])
+    assert "lc_e < lc_total; lc_e += (int64_t)gridDim.x * blockDim.x" in loop
+
+
+def test_the_launch_plan_sizes_grids_from_the_symbols() -> None:
+    program = _program(_softmax_after_gemm())
+    plan = render_cuda(program).launches
+    assert program.symbols == ["batch"]
+    gemm = plan[0]
+    # C is [batch, 24]: one tile of columns, ceil(batch / 64) tiles of rows, one batch index
+    assert [evaluate(d, {"batch": 130}) for d in gemm.grid] == [1, -(-130 // GEMM_TILE), 1]
+    # the plan travels as JSON in the artifact: its grid reads back to the same sizes
+    grid = [dim_from_json(d) for d in gemm.to_json()["grid"]]
+    assert [evaluate(d, {"batch": 130}) for d in grid] == [1, 3, 1]
+    for launch, kernel in zip(plan, program.kernels):
+        if isinstance(kernel, LoopKernel) and kernel.reduce is None:
+            elements = int(np.prod([evaluate(d, {"batch": 1000}) for d in kernel.shape]))
+            assert evaluate(launch.grid[0], {"batch": 1000}) == -(-elements // ELEMENTWISE_THREADS)
+        if isinstance(kernel, LoopKernel) and kernel.reduce is not None:  # a block per output
+            assert evaluate(launch.grid[0], {"batch": 7}) == int(np.prod([evaluate(d, {"batch": 7}) for d in kernel.shape]))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_kernel_of_an_exported_model_compiles_to_ptx_and_an_sm90_cubin(model: str) -> None:
+    program = _program((FIXTURES / f"{model}.onnx").read_bytes())
+    rendered = render_cuda(program)
+    ptx, cubin = compile_cuda(rendered.source, "sm_90")
+    entries = set(re.findall(rb"\.entry (k\d+)\(", ptx))
+    assert entries == {launch.kernel.encode() for launch in rendered.launches}
+    assert b".target sm_90" in ptx
+    assert cubin[:4] == b"\x7fELF"
+    if model in ("bert_dynamo", "gpt2_dynamo"):
+        # the repeated layers' kernels are one function each, launched with each layer's buffers
+        assert len(entries) < len(rendered.launches)
+        shared = [l for l in rendered.launches if sum(m.kernel == l.kernel for m in rendered.launches) > 1]
+        assert len({l.buffers for l in shared}) == len(shared)
+    if any(isinstance(k, GemmCall) and k.b_panels is not None for k in program.kernels):
+        # a convolution's windows are read in place by its product: no kernel stores them
+        assert all(program.buffers[k.b].role == "panel" for k in program.kernels if isinstance(k, GemmCall) and k.b_panels)
+
+
+def test_source_nvrtc_refuses_fails_with_its_log() -> None:
+    with pytest.raises(CudaBuildFailed, match=r"NVRTC compile failed.*undefined_name"):
+        compile_cuda('extern "C" __global__ void k0(float *x) { x[0] = undefined_name; }', "sm_90")
+
+
+def test_a_compute_capability_is_checked_before_compiling() -> None:
+    with pytest.raises(ValueError, match="not a compute capability: 'hopper'"):
+        compile_cuda("", "hopper")
