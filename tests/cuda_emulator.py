@@ -1,0 +1,195 @@
+"""Runs rendered CUDA C on the CPU, so that CI (which has no GPU) checks what the kernels compute.
+
+The same source NVRTC compiles is compiled by the system C++ compiler behind a small header that
+gives CUDA's names CPU meanings: every thread of a block is a fiber (ucontext) of one OS thread,
+blocks run one after another, `__shared__` storage is the block's (static: blocks never overlap),
+`__syncthreads` switches to the next fiber until every thread of the block has reached it, and a
+warp shuffle is an exchange through per-thread slots between two such barriers. It runs kernels
+the way a GPU may (any interleaving the barriers allow), not fast: tests use small models.
+
+    program = EmulatedCuda(render_cuda(kernel_ir), kernel_ir)
+    outputs = program.run(inputs, bindings)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from compiler.dtypes import numpy_dtype
+from compiler.kernels.ir import Program
+from compiler.render.cuda import CudaSource
+from compiler.shape import evaluate
+
+_SCHEDULER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <ucontext.h>
+typedef struct { unsigned x, y, z; } lc_dim3;
+lc_dim3 threadIdx, blockIdx, blockDim, gridDim;
+enum { RUNNABLE, AT_BARRIER, DONE };
+#define MAX_THREADS 1024
+#define STACK_BYTES (128 * 1024)
+static ucontext_t scheduler, fibers[MAX_THREADS];
+static char *stacks[MAX_THREADS];
+static int state[MAX_THREADS], current;
+static void (*body)(void *);
+static void *context;
+static unsigned long long slots[MAX_THREADS];
+
+static void entry(void) {
+    body(context);
+    state[current] = DONE;
+    swapcontext(&fibers[current], &scheduler);
+}
+void lc_emu_sync(void) {
+    state[current] = AT_BARRIER;
+    swapcontext(&fibers[current], &scheduler);
+}
+void *lc_emu_slot(unsigned thread) { return &slots[thread]; }
+/* 0, or 1 when some threads of a block finished while others wait at a barrier (a divergent
+   __syncthreads, undefined on a GPU) */
+int lc_emu_run(void (*kernel_body)(void *), void *kernel_context, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
+    if (threads > MAX_THREADS) return 2;
+    body = kernel_body, context = kernel_context;
+    gridDim.x = gx, gridDim.y = gy, gridDim.z = gz;
+    blockDim.x = threads, blockDim.y = blockDim.z = 1;
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
+        blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
+        for (unsigned t = 0; t < threads; ++t) {
+            if (!stacks[t]) stacks[t] = (char *)malloc(STACK_BYTES);
+            getcontext(&fibers[t]);
+            fibers[t].uc_stack.ss_sp = stacks[t];
+            fibers[t].uc_stack.ss_size = STACK_BYTES;
+            fibers[t].uc_link = NULL;
+            makecontext(&fibers[t], entry, 0);
+            state[t] = RUNNABLE;
+        }
+        for (;;) {
+            for (unsigned t = 0; t < threads; ++t) {
+                if (state[t] != RUNNABLE) continue;
+                current = (int)t;
+                threadIdx.x = t, threadIdx.y = threadIdx.z = 0;
+                swapcontext(&scheduler, &fibers[t]);
+            }
+            unsigned waiting = 0, done = 0;
+            for (unsigned t = 0; t < threads; ++t) waiting += state[t] == AT_BARRIER, done += state[t] == DONE;
+            if (done == threads) break;
+            if (done) return 1;
+            for (unsigned t = 0; t < threads; ++t) state[t] = RUNNABLE;
+        }
+    }
+    return 0;
+}
+"""
+
+_HEADER = r"""
+#include <math.h>
+#include <stdint.h>
+#undef NAN
+#undef INFINITY
+typedef struct { unsigned x, y, z; } lc_dim3;
+extern "C" {
+extern lc_dim3 threadIdx, blockIdx, blockDim, gridDim;
+void lc_emu_sync(void);
+void *lc_emu_slot(unsigned thread);
+int lc_emu_run(void (*)(void *), void *, unsigned, unsigned, unsigned, unsigned);
+}
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(threads)
+#define __shared__ static
+static inline float __int_as_float(int i) { float f; __builtin_memcpy(&f, &i, 4); return f; }
+static inline void __syncthreads(void) { lc_emu_sync(); }
+template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
+    *(T *)lc_emu_slot(threadIdx.x) = value;
+    lc_emu_sync();
+    const unsigned from = threadIdx.x + delta;
+    const T got = ((threadIdx.x & 31) + delta < 32 && from < blockDim.x) ? *(T *)lc_emu_slot(from) : value;
+    lc_emu_sync();
+    return got;
+}
+struct lc_call { const void *S; void *const *B; };
+"""
+
+_BUILD_DIR = Path(tempfile.gettempdir()) / "luminal-cuda-emulator"
+
+
+def _wrappers(source: str) -> str:
+    """Per kernel function: a body the scheduler runs in each fiber, and an entry point."""
+    lines = []
+    for name, parameters in re.findall(r"\) (k\d+)\(const lc_symbols S, ([^)]*)\) \{", source):
+        types = [re.sub(r"\b__restrict__\s+b\d+$", "", p.strip()).strip() for p in parameters.split(",")]
+        arguments = ", ".join(f"({t})c->B[{i}]" for i, t in enumerate(types))
+        lines.append(
+            f"static void body_{name}(void *x) {{ const lc_call *c = (const lc_call *)x; "
+            f"{name}(*(const lc_symbols *)c->S, {arguments}); }}\n"
+            f'extern "C" int launch_{name}(const void *S, void *const *B, unsigned gx, unsigned gy, unsigned gz, unsigned t) '
+            f"{{ lc_call c = {{S, B}}; return lc_emu_run(body_{name}, &c, gx, gy, gz, t); }}\n"
+        )
+    return "".join(lines)
+
+
+def _build(source: str) -> ctypes.CDLL:
+    # the C library's headers declare the fixed-width types the prelude declares for NVRTC
+    kernels = re.sub(r"(?m)^typedef [a-z ]+ u?int\d+_t;$", "", source)
+    text = _HEADER + kernels + "\n" + _wrappers(source)
+    key = hashlib.sha256((text + _SCHEDULER).encode()).hexdigest()[:24]
+    _BUILD_DIR.mkdir(exist_ok=True)
+    library = _BUILD_DIR / f"{key}.so"
+    if not library.exists():
+        kernels, scheduler = _BUILD_DIR / f"{key}.cpp", _BUILD_DIR / f"{key}-scheduler.c"
+        kernels.write_text(text)
+        scheduler.write_text(_SCHEDULER)
+        partial = library.with_suffix(".tmp")
+        done = subprocess.run(
+            ["g++", "-O1", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
+            capture_output=True, text=True, check=False,
+        )
+        if done.returncode:
+            raise RuntimeError(f"the emulated CUDA source did not build:\n{done.stderr[-3000:]}")
+        partial.rename(library)
+    return ctypes.CDLL(str(library))
+
+
+class EmulatedCuda:
+    """A rendered program run on the CPU, each buffer its own array (no arena)."""
+
+    def __init__(self, rendered: CudaSource, program: Program) -> None:
+        self.rendered = rendered
+        self.program = program
+        self.library = _build(rendered.source)
+
+    def run(self, inputs: dict[str, np.ndarray], bindings: dict[str, int]) -> dict[str, np.ndarray]:
+        program = self.program
+        arrays: dict[int, np.ndarray] = {}
+        for b in program.buffers:
+            if b.role == "panel":
+                continue  # read in place by its product, never stored
+            if b.role == "input":
+                arrays[b.id] = np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype))
+            elif b.role == "weight":
+                arrays[b.id] = np.ascontiguousarray(program.weights[b.name], dtype=numpy_dtype(b.dtype))
+            else:
+                shape = tuple(evaluate(d, bindings) for d in b.shape)
+                # garbage, as device memory is: a kernel that reads before writing shows
+                arrays[b.id] = np.full(shape, np.nan if b.dtype.startswith("float") else 7, numpy_dtype(b.dtype))
+        symbols = (ctypes.c_int64 * max(1, len(program.symbols)))(*(bindings[s] for s in program.symbols))
+        for launch in self.rendered.launches:
+            grid = [evaluate(d, bindings) for d in launch.grid]
+            if min(grid) <= 0:
+                continue
+            pointers = (ctypes.c_void_p * max(1, len(launch.buffers)))(*(arrays[b].ctypes.data for b in launch.buffers))
+            status = getattr(self.library, f"launch_{launch.kernel}")(
+                ctypes.byref(symbols), pointers, *(ctypes.c_uint(g) for g in grid), ctypes.c_uint(launch.threads)
+            )
+            if status:
+                raise RuntimeError(f"{launch.kernel}: threads of a block diverged at a barrier (status {status})")
+        return {b.name: arrays[b.id] for b in program.buffers if b.role == "output"}
