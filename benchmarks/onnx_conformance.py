@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/onnx_conformance.py --write docs/onnx-coverage.md
     .venv/bin/python benchmarks/onnx_conformance.py -k reduce --show failed,error
     .venv/bin/python benchmarks/onnx_conformance.py --pin tests/onnx_node_passing.txt
+    .venv/bin/python benchmarks/onnx_conformance.py --cuda-emulated   # the CUDA renderer, on the CPU
 
 --pin writes the names of the passing cases: tests/test_onnx_backend.py requires each of them to
 keep passing, so regenerate it when a change makes more cases pass.
@@ -36,13 +37,18 @@ def run_case(index: int) -> Outcome:
 _CASES: list = []
 
 
-def _init(candidates: tuple[str, ...] = ("native-blas",)) -> None:
+def _init(candidates: tuple[str, ...] = ("native-blas",), cuda_emulated: bool = False) -> None:
     global _CASES
     warnings.simplefilter("ignore")
     _CASES = conformance.load_cases()
     import compiler.onnx_backend as backend
 
     backend.candidates = candidates
+    if cuda_emulated:
+        backend.candidates = ("numpy",)  # the cheapest artifact: its graph is all the emulation reads
+        from tests.cuda_emulator import EmulatedArtifact
+
+        backend.executable = EmulatedArtifact
 
 
 def write_table(path: Path, results: list[tuple[str, str, str, float]], ops: list[str]) -> None:
@@ -103,16 +109,20 @@ def main() -> int:
         help="programs each case compiles to, comma-separated (native-blas, native-loops, numpy); "
         "by default the generated C alone, so every case checks the native code generator",
     )
+    parser.add_argument(
+        "--cuda-emulated", action="store_true",
+        help="run each case as rendered CUDA C in the CPU emulation of tests/cuda_emulator.py (no GPU needed)",
+    )
     args = parser.parse_args()
     candidates = tuple(args.candidates.split(","))
 
-    _init(candidates)
+    _init(candidates, args.cuda_emulated)
     pattern = re.compile(args.filter)
     indices = [i for i, c in enumerate(_CASES) if pattern.search(c.name)]
     started = time.perf_counter()
     # fresh worker processes, recycled, so one pathological case cannot poison the rest
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.jobs, initializer=_init, initargs=(candidates,), maxtasksperchild=200) as pool:
+    with ctx.Pool(args.jobs, initializer=_init, initargs=(candidates, args.cuda_emulated), maxtasksperchild=200) as pool:
         results = sorted(pool.imap_unordered(run_case, indices, chunksize=4))
     elapsed = time.perf_counter() - started
 

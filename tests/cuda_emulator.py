@@ -9,12 +9,16 @@ the way a GPU may (any interleaving the barriers allow), not fast: tests use sma
 
     program = EmulatedCuda(render_cuda(kernel_ir), kernel_ir)
     outputs = program.run(inputs, bindings)
+
+`EmulatedArtifact` stands in for `compiler.pipeline.executable` (the ONNX backend's), so that a
+compiled artifact's graph runs as rendered CUDA C: benchmarks/onnx_conformance.py --cuda-emulated.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import subprocess
 import tempfile
@@ -145,17 +149,19 @@ def _build(source: str) -> ctypes.CDLL:
     _BUILD_DIR.mkdir(exist_ok=True)
     library = _BUILD_DIR / f"{key}.so"
     if not library.exists():
-        kernels, scheduler = _BUILD_DIR / f"{key}.cpp", _BUILD_DIR / f"{key}-scheduler.c"
+        # each process builds apart (tests run in parallel) and the last rename wins
+        kernels = _BUILD_DIR / f"{key}-{os.getpid()}.cpp"
+        scheduler = _BUILD_DIR / f"{key}-{os.getpid()}-scheduler.c"
         kernels.write_text(text)
         scheduler.write_text(_SCHEDULER)
-        partial = library.with_suffix(".tmp")
+        partial = _BUILD_DIR / f"{key}-{os.getpid()}.tmp"
         done = subprocess.run(
             ["g++", "-O1", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
             capture_output=True, text=True, check=False,
         )
         if done.returncode:
             raise RuntimeError(f"the emulated CUDA source did not build:\n{done.stderr[-3000:]}")
-        partial.rename(library)
+        os.replace(partial, library)
     return ctypes.CDLL(str(library))
 
 
@@ -193,3 +199,26 @@ class EmulatedCuda:
             if status:
                 raise RuntimeError(f"{launch.kernel}: threads of a block diverged at a barrier (status {status})")
         return {b.name: arrays[b.id] for b in program.buffers if b.role == "output"}
+
+
+class EmulatedArtifact:
+    """An artifact's graph lowered as for the native target, rendered as CUDA C and emulated; a
+    graph that does not lower to kernels (float16 values) is refused as unsupported."""
+
+    def __init__(self, artifact) -> None:
+        from compiler.errors import UnsupportedModel
+        from compiler.kernels.fusion import fuse
+        from compiler.kernels.lower import NotNative, lower
+        from compiler.render.cuda import render_cuda
+
+        self.graph = artifact.graph
+        try:
+            program = fuse(lower(self.graph))
+        except NotNative as exc:
+            raise UnsupportedModel([f"not lowered to kernels: {exc}"]) from None
+        self.program = EmulatedCuda(render_cuda(program), program)
+
+    def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from compiler.reference import bind_symbols
+
+        return self.program.run(feed, bind_symbols(self.graph, feed))

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.cuda import CudaBuildFailed, compile_cuda
+from compiler.conformance import load_cases, run_case
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
@@ -20,7 +21,7 @@ from compiler.reference import bind_symbols, run_graph
 from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, render_cuda
 from compiler.shape import dim_from_json, evaluate
 from tests.conftest import FIXTURES
-from tests.cuda_emulator import EmulatedCuda
+from tests.cuda_emulator import EmulatedArtifact, EmulatedCuda
 
 MODELS = ["torch_mlp", "torch_cnn", "bert_dynamo", "gpt2_dynamo", "resnet_dynamo"]
 
@@ -155,3 +156,19 @@ def test_a_product_with_more_rows_and_columns_than_a_tile_and_a_ragged_k() -> No
     x = rng.standard_normal((70, 37)).astype(np.float32)
     got = emulated.run({"x": x}, {"batch": 70})["y"]
     np.testing.assert_allclose(got, x @ numpy_helper.to_array(w), rtol=1e-4, atol=1e-4)
+
+
+# every this-many-th case of the node suite runs as emulated CUDA here (a build costs ~0.3 s);
+# benchmarks/onnx_conformance.py --cuda-emulated runs them all
+CUDA_SAMPLE_EVERY = 16
+NODE_CASES = load_cases()
+
+
+@pytest.mark.parametrize("case", NODE_CASES[::CUDA_SAMPLE_EVERY], ids=lambda c: c.name)
+def test_node_suite_cases_run_as_cuda_match_or_are_refused(case, monkeypatch) -> None:
+    import compiler.onnx_backend as backend
+
+    monkeypatch.setattr(backend, "candidates", ("numpy",))  # the artifact's graph is all that is read
+    monkeypatch.setattr(backend, "executable", EmulatedArtifact)
+    outcome = run_case(case)
+    assert outcome.status in ("passed", "unsupported"), f"{outcome.status}: {outcome.detail}"
