@@ -58,7 +58,7 @@ def test_a_dense_layers_bias_and_relu_run_inside_its_product() -> None:
     kernel = render(after).split("static void k0(")[1].split("static void k1(")[0]
     assert "scipy_cblas_sgemm(101" in kernel and f"b{relu.out}[t * m * n + i * n + j] = " in kernel
     assert "LC_MAX(" in kernel  # the relu, inside the product's kernel
-    for gemm in ("blas", "mixed", "tiled"):
+    for gemm in ("blas", "mixed", "panels", "tiled"):
         assert_matches_reference(graph, after, gemm)
 
 
@@ -126,7 +126,7 @@ def test_a_convolutions_batch_norm_and_relu_run_inside_it() -> None:
     assert call.b_panels is not None  # the windows' product: panels, or read in place by "mixed"
     source = render(program, gemm="mixed")
     assert "lc_conv_rows(g" in source and "const int64_t lc_i0 = m_lo, lc_i1 = m_lo + rows_m, lc_j0 = r0 * 24, lc_j1 = r1 * 24;" in source
-    for gemm in ("blas", "mixed", "tiled"):
+    for gemm in ("blas", "mixed", "panels", "tiled"):
         assert_matches_reference(graph, program, gemm, sizes=(1, 3))
 
 
@@ -139,7 +139,7 @@ EPILOGUES = ("bias", "relu", "sigmoid", "erf", "tanh", "residual", "row_scale", 
     chain=st.lists(st.sampled_from(EPILOGUES), min_size=1, max_size=3),
     k=st.integers(1, 40),
     n=st.integers(1, 50),
-    gemm=st.sampled_from(["blas", "mixed", "tiled"]),
+    gemm=st.sampled_from(["blas", "mixed", "panels", "tiled"]),
 )
 def test_fused_programs_match_the_reference(chain, k, n, gemm) -> None:
     # x @ w then a chain of elementwise ops; each operand has the shape its place in the chain has

@@ -26,7 +26,7 @@ def _inputs(graph, size: int, seed: int) -> dict[str, np.ndarray]:
     return sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
 
 
-@pytest.mark.parametrize("candidate", ["native-blas", "native-mixed", "native-tiled", "native-loops"])
+@pytest.mark.parametrize("candidate", ["native-blas", "native-mixed", "native-panels", "native-tiled", "native-loops"])
 @pytest.mark.parametrize("model", MODELS)
 def test_generated_c_matches_the_reference_at_several_sizes(model: str, candidate: str) -> None:
     data = (FIXTURES / f"{model}.onnx").read_bytes()

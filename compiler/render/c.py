@@ -83,7 +83,7 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels")
 # a convolution whose output rows are at least this wide multiplies its windows in place (lc_conv_rows)
 # in the generated kinds: narrower rows waste too many of the padded rows' columns
 CONV_MIN_WIDTH = 20
@@ -404,10 +404,11 @@ def _shared(strides: tuple[Dim, ...], batch: tuple[Dim, ...]) -> bool:
 def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
-    how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm) or
+    how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm),
     "mixed" (a wide 2-D convolution's product reads its windows in place, lc_conv_rows; other
-    convolutions' panel products are generated where A fits in cache; the rest OpenBLAS). A
-    product marked `packed_b` (prepack_weights) is the generated one whatever `gemm` says."""
+    convolutions' panel products are generated where A fits in cache; the rest OpenBLAS) or
+    "panels" (as mixed, with every convolution's panel product generated). A product marked
+    `packed_b` (prepack_weights) is the generated one whatever `gemm` says."""
     if gemm not in GEMM_KINDS:
         raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
     renderer = CRenderer(program, gemm)
@@ -416,7 +417,7 @@ def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
     parts = [_PRELUDE, sizes + _THREADS]
     if any(
         isinstance(k, GemmCall) and k.dtype == "float32"
-        and (gemm == "tiled" or k.packed_b or gemm == "mixed" and k.b_panels is not None)
+        and (gemm == "tiled" or k.packed_b or gemm in ("mixed", "panels") and k.b_panels is not None)
         for k in program.kernels
     ):
         parts.append(TILED_SGEMM)
@@ -732,7 +733,7 @@ class CRenderer:
             f"scipy_cblas_{prefix}gemm(101, {112 if call.trans_a else 111}, 111, (int)rows_m, (int)nc, (int)k, 1, a, "
             f"(int){lda}, panel, (int)nc, 0, c, (int)n);"
         )
-        if self.gemm_kind == "tiled" and call.dtype == "float32":
+        if self.gemm_kind in ("tiled", "panels") and call.dtype == "float32":
             lines.append(f"{body}{direct}\n")
         elif self.gemm_kind == "mixed" and call.dtype == "float32":
             # the generated product reads A in place: a narrow panel's library call packs A again
