@@ -21,6 +21,7 @@ import pytest
 from compiler import Artifact, compile_graph, compile_onnx, executable, pipeline
 from compiler.artifact import Signature
 from compiler.backends import native_cpu
+from compiler.frontends.onnx import load_graph
 from compiler.ir import GraphBuilder, Op, SymDim
 from compiler.kernels.ir import GemmCall
 from compiler.memory import memory_terms
@@ -396,3 +397,24 @@ def test_a_timing_is_a_burst_of_runs_after_one_that_warms_up() -> None:
     seconds = measure._burst_seconds(program, {})
     assert program.calls >= 1 + measure.BURST_MIN_RUNS
     assert 0.0009 <= seconds < 0.01, seconds
+
+
+def test_candidates_are_timed_at_a_requests_size_too() -> None:
+    # a sequence model: every symbol at 8, then one request (batch 1) of sequence 128, then 32
+    from benchmarks.models import bert_minilm, resnet_cnn
+
+    graph = load_graph(bert_minilm(vocab=50, layers=1, hidden=32, heads=2, intermediate=64))
+    cases = pipeline._measure_cases(graph, {})
+    assert [label for label, _ in cases] == ["8", "batch=1,seq=128", "32"]
+    assert cases[1][1]["input_ids"].shape == (1, 128)
+    # a model with a batch alone: the request is a batch of one
+    cnn = load_graph(resnet_cnn(classes=10))
+    assert [label for label, _ in pipeline._measure_cases(cnn, {})] == ["8", "batch=1", "32"]
+
+
+def test_a_size_too_slow_to_time_skips_only_itself() -> None:
+    cases = [CASES[0], ("64", {"x": np.zeros((64, 4), np.float32)}), ("batch=1", {"x": np.zeros((1, 4), np.float32)})]
+    found = [_fake("native-blas", {"8": 40.0, "64": 1.0, "batch=1": 5.0}), _fake("native-mixed", {"8": 50.0, "batch=1": 6.0})]
+    report = pipeline._measure(_NoRunner(), found, cases, {})
+    assert report["symbol_sizes"] == [8, "batch=1"]
+    assert any("size 64 skipped" in note for note in report["notes"])
