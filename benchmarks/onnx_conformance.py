@@ -46,7 +46,7 @@ def _init(candidates: tuple[str, ...] = ("native-blas",), cuda_emulated: bool = 
     backend.candidates = candidates
     if cuda_emulated:
         backend.candidates = ("numpy",)  # the cheapest artifact: its graph is all the emulation reads
-        from tests.cuda_emulator import EmulatedArtifact
+        from compiler.backends.cuda_emulator import EmulatedArtifact
 
         backend.executable = EmulatedArtifact
 
@@ -111,7 +111,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--cuda-emulated", action="store_true",
-        help="run each case as rendered CUDA C in the CPU emulation of tests/cuda_emulator.py (no GPU needed)",
+        help="run each case as rendered CUDA C in the CPU emulation of compiler/backends/cuda_emulator.py (no GPU needed)",
     )
     args = parser.parse_args()
     candidates = tuple(args.candidates.split(","))

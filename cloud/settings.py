@@ -6,10 +6,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from compiler.pipeline import CANDIDATES
+from compiler.targets import KNOWN_TARGETS
 
 
 def _default_data_dir() -> Path:
@@ -51,7 +52,9 @@ class Settings(BaseSettings):
     compile_candidates: tuple[str, ...] = CANDIDATES
     # whether cpu compiles run the search (an e-graph that removes work) before generating code
     compile_search: bool = True
-    # device types a model may be provisioned for
+    # device types a model may be provisioned for: "cpu" and GPU types of compiler/targets.py
+    # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"); a GPU type compiles anywhere
+    # (NVRTC needs no GPU) and is served by GPU runtimes
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes
     max_upload_bytes: int = 200 * 1024 * 1024
@@ -83,7 +86,9 @@ class Settings(BaseSettings):
     # its largest request fits, and a request estimated above it gets 413 before running
     max_request_memory_bytes: int = 4 * 1024**3
     # price of one second of execution, per device type
-    price_per_second: dict[str, float] = {"cpu": 0.00002, "cuda": 0.0004}
+    price_per_second: dict[str, float] = {
+        "cpu": 0.00002, "cuda": 0.0004, "h100": 0.0004, "h200": 0.0005, "a100": 0.0003, "l4": 0.0001,
+    }
     # compiled models kept loaded per runtime, and how long an idle one stays
     max_loaded_models: int = 8
     idle_unload_s: float = 600.0
@@ -107,6 +112,14 @@ class Settings(BaseSettings):
     # a log line per HTTP request from the gateway; off by default, as in Triton: at thousands of
     # requests a second it costs a tenth of a small request, and /metrics already counts them
     access_log: bool = False
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(targets) - set(KNOWN_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown targets {unknown}; known: {list(KNOWN_TARGETS)}")
+        return targets
 
     @property
     def resolved_database_url(self) -> str:

@@ -33,8 +33,9 @@ from compiler.shape import Shape, SymDim, shape_from_json, shape_to_json
 
 FORMAT_VERSION = 1
 FILES = ("manifest.json", "program.json", "weights.npz")
-# built code an artifact may carry besides: the native CPU backend's shared object
-BINARIES = ("program.so",)
+# built code an artifact may carry besides: the native CPU backend's shared object, a CUDA
+# program's PTX (forward compatible: the driver compiles it for a newer GPU) and its cubin
+BINARIES = ("program.so", "program.ptx", "program.cubin")
 
 
 @dataclass(frozen=True)

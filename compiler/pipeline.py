@@ -25,6 +25,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, Signature
 from compiler.backends import native_cpu
+from compiler.backends.cuda import compile_cuda
 from compiler.codegen import numpy_cpu
 from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
@@ -36,9 +37,11 @@ from compiler.kernels.lower import NotNative, lower
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
+from compiler.render.cuda import render_cuda
 from compiler.search import SearchBudget, measure, optimize
 from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
+from compiler.targets import GPU_TYPES, KNOWN_TARGETS, is_gpu
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
@@ -179,8 +182,10 @@ def compile_graph(
     rejected, not the compile; the NumPy lowering needs nothing but NumPy and is always a
     candidate. `search` turns the search on or off (None: SEARCH); `progress` is told each
     phase as it begins (see Progress)."""
+    if is_gpu(target):
+        return _compile_cuda(graph, target, search, progress)
     if target not in CODEGENS:
-        raise UnsupportedModel([f"target {target!r} (known: {', '.join(sorted(CODEGENS))})"])
+        raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
     started = time.perf_counter()
     wanted = _wanted(candidates)
     unknown = sorted(set(wanted) - set(KNOWN_CANDIDATES))
@@ -243,6 +248,73 @@ def compile_graph(
     signature = Signature.of(graph, memory_terms(graph, numpy_kernels))
     return Artifact(
         target, graph.content_hash(), signature, graph, best.kernels, report, best.binaries, program_weights
+    )
+
+
+def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Progress | None) -> Artifact:
+    """The graph as one CUDA program for the GPU type `target`: searched and lowered as for the
+    CPU, rendered as CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute
+    capability, and verified against the reference. No GPU takes part here (the compile worker
+    may have none): the kernels are verified in the CPU emulation, and one program is built, so
+    nothing is measured; the report says so."""
+    from compiler.backends.cuda_emulator import EmulatedCuda  # builds with the C++ compiler
+
+    started = time.perf_counter()
+    gpu = GPU_TYPES[target]
+    tracker = _Tracker(progress, ("cuda",))
+    tracker.phase("reference")
+    verify_inputs, expected = verification_case(graph)
+    searching = SEARCH if search is None else search
+    if searching:
+        tracker.phase("search")
+    program_graph, search_report = _search(graph, searching)
+    tracker.phase("lower", "cuda")
+    try:
+        program = fuse(lower(program_graph))
+    except NotNative as exc:
+        raise UnsupportedModel([f"{exc} on {target} (float16 and bfloat16 programs are not generated yet)"]) from None
+    rendered = render_cuda(program)
+    tracker.phase("build", "cuda")
+    began = time.perf_counter()
+    ptx, cubin = compile_cuda(rendered.source, gpu.arch)
+    build_seconds = time.perf_counter() - began
+    tracker.phase("verify", "cuda")
+    try:
+        outputs = EmulatedCuda(rendered, program).run(verify_inputs, bind_symbols(program_graph, verify_inputs))
+    except CompilerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the emulation failing is the generated program's failure
+        raise VerificationFailed(f"the CUDA program failed in the CPU emulation: {exc}") from None
+    max_error = max((_max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
+    layout = native_cpu.describe(program, graph.size_limits)
+    kernel = {
+        "kind": "cuda",
+        "arch": gpu.arch,
+        "source": rendered.source,
+        "launches": [launch.to_json() for launch in rendered.launches],
+        "layout": layout,
+    }
+    program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
+    report = {
+        "compiler_version": COMPILER_VERSION,
+        "strategy": "one generated program",
+        "chosen": "cuda-generated",
+        "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
+        "verified_on": "cpu emulation",
+        "measuring": {"skipped": f"no {target} GPU where this compiled: one program, not timed"},
+        "search": search_report,
+        "ir_nodes": len(graph.nodes),
+        "kernels": len(program.kernels),
+        "functions": len({launch.kernel for launch in rendered.launches}),
+        "build_seconds": round(build_seconds, 4),
+        "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),
+        "seconds": round(time.perf_counter() - started, 4),
+        "verify_max_abs_error": max_error,
+    }
+    signature = Signature.of(graph, memory_terms(graph, numpy_cpu.generate(graph)))
+    return Artifact(
+        target, graph.content_hash(), signature, graph, [kernel], report,
+        {"program.ptx": ptx, "program.cubin": cubin}, program_weights,
     )
 
 
@@ -666,6 +738,8 @@ def _max_error(expected: np.ndarray, actual: np.ndarray) -> float:
 
 
 def executable(artifact: Artifact):
+    if is_gpu(artifact.target):
+        raise UnsupportedModel([f"running a {artifact.target} program here: it runs on a {artifact.target} GPU runtime"])
     if artifact.kernels and artifact.kernels[0].get("kind") == "native":
         return native_cpu.load(artifact.kernels[0], artifact.all_weights(), artifact.binaries.get("program.so"))
     return CODEGENS[artifact.target].Executable(artifact.graph, artifact.kernels)

@@ -1,6 +1,6 @@
 """The CUDA target without a GPU: the kernel IR rendered as CUDA C (golden lines), the launch plan,
 NVRTC compiling every rendered kernel of the exported fixtures to PTX and an sm_90 cubin, and what
-the kernels compute, run by the CPU emulation of tests/cuda_emulator.py against the reference."""
+the kernels compute, run by the CPU emulation of compiler/backends/cuda_emulator.py against the reference."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.cuda import CudaBuildFailed, compile_cuda
+from compiler.backends.cuda_emulator import EmulatedArtifact, EmulatedCuda
 from compiler.conformance import load_cases, run_case
+from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
@@ -21,7 +23,6 @@ from compiler.reference import bind_symbols, run_graph
 from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, render_cuda
 from compiler.shape import dim_from_json, evaluate
 from tests.conftest import FIXTURES
-from tests.cuda_emulator import EmulatedArtifact, EmulatedCuda
 
 MODELS = ["torch_mlp", "torch_cnn", "bert_dynamo", "gpt2_dynamo", "resnet_dynamo"]
 
@@ -172,3 +173,69 @@ def test_node_suite_cases_run_as_cuda_match_or_are_refused(case, monkeypatch) ->
     monkeypatch.setattr(backend, "executable", EmulatedArtifact)
     outcome = run_case(case)
     assert outcome.status in ("passed", "unsupported"), f"{outcome.status}: {outcome.detail}"
+
+
+def test_a_model_uploaded_for_a_gpu_type_compiles_to_cuda_and_waits_for_a_gpu_runtime(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from cloud.auth import create_key
+    from cloud.db import open_database
+    from tests.conftest import auth, make_settings, upload, wait_for
+
+    settings = make_settings(tmp_path / "data", targets=("cpu", "h100"))
+    db = open_database(settings)
+    try:
+        key = create_key(db, "alice")
+    finally:
+        db.dispose()
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    with TestClient(create_app(settings)) as client:
+        upload(client, key, "mlp", data, target="h100")
+        version = wait_for(client, key, "mlp", 1)
+        assert version["status"] == "ready", version
+        report = client.get("/v1/models/mlp", headers=auth(key)).json()["versions"][0]["report"]
+        assert report["chosen"] == "cuda-generated"
+        assert report["target"]["arch"] == "sm_90" and report["verified_on"] == "cpu emulation"
+        assert report["verify_max_abs_error"] < 1e-4
+        # no GPU runtime in this server: the request is refused, not run elsewhere
+        body = {"inputs": {"input": np.zeros((1, 20), np.float32).tolist()}}
+        response = client.post("/v1/models/mlp/infer", headers=auth(key), json=body)
+        assert response.status_code == 503, response.text
+        assert "h100" in response.json()["error"]["message"]
+        # a GPU type the deployment does not offer is refused at upload
+        response = client.post(
+            "/v1/models", headers=auth(key), files={"file": ("m.onnx", data, "application/octet-stream")},
+            data={"name": "other", "target": "a100"},
+        )
+        assert response.status_code == 400 and "unknown target 'a100'" in response.text
+
+
+def test_a_cuda_artifact_carries_its_source_launch_plan_ptx_and_cubin() -> None:
+    from compiler import Artifact, compile_onnx, executable
+
+    artifact = compile_onnx((FIXTURES / "torch_cnn.onnx").read_bytes(), "h100")
+    loaded = Artifact.from_files(artifact.to_files().__getitem__)
+    kernel = loaded.kernels[0]
+    assert kernel == artifact.kernels[0]
+    assert kernel["kind"] == "cuda" and kernel["arch"] == "sm_90"
+    # every launch names a function of the source, every function is launched
+    functions = set(re.findall(r"\) (k\d+)\(const lc_symbols", kernel["source"]))
+    assert {launch["kernel"] for launch in kernel["launches"]} == functions
+    assert len(kernel["launches"]) == artifact.report["kernels"]
+    assert loaded.binaries["program.cubin"][:4] == b"\x7fELF" and b".target sm_90" in loaded.binaries["program.ptx"]
+    with pytest.raises(UnsupportedModel, match="runs on a h100 GPU runtime"):
+        executable(loaded)
+
+
+def test_a_float16_model_for_a_gpu_type_is_refused_with_the_reason() -> None:
+    from compiler import compile_onnx
+
+    node = helper.make_node("Relu", ["x"], ["y"])
+    graph_proto = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 4])],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    with pytest.raises(UnsupportedModel, match="float16 values on h100"):
+        compile_onnx(data, "h100")

@@ -12,8 +12,6 @@ import re
 
 from compiler.errors import CompilerError
 
-# the compute capability each GPU type the cloud provisions has
-ARCHITECTURES = {"h100": "sm_90", "h200": "sm_90", "a100": "sm_80", "l4": "sm_89"}
 # -default-device: every function not marked otherwise is __device__ (the prelude's helpers)
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 
@@ -76,4 +74,4 @@ def _compile(nvrtc, source: str, name: str, target: str, ptx: bool) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
-__all__ = ["ARCHITECTURES", "CudaBuildFailed", "compile_cuda"]
+__all__ = ["CudaBuildFailed", "compile_cuda"]

@@ -1,11 +1,13 @@
-"""Runs rendered CUDA C on the CPU, so that CI (which has no GPU) checks what the kernels compute.
+"""Runs rendered CUDA C on the CPU: what the kernels compute, checked where there is no GPU (CI,
+and a compile worker without the target's GPU, which verifies a cuda program this way).
 
 The same source NVRTC compiles is compiled by the system C++ compiler behind a small header that
 gives CUDA's names CPU meanings: every thread of a block is a fiber (ucontext) of one OS thread,
 blocks run one after another, `__shared__` storage is the block's (static: blocks never overlap),
 `__syncthreads` switches to the next fiber until every thread of the block has reached it, and a
 warp shuffle is an exchange through per-thread slots between two such barriers. It runs kernels
-the way a GPU may (any interleaving the barriers allow), not fast: tests use small models.
+the way a GPU may (any interleaving the barriers allow), not fast: a scalar CPU thread, which is
+why verification runs at the small verification sizes.
 
     program = EmulatedCuda(render_cuda(kernel_ir), kernel_ir)
     outputs = program.run(inputs, bindings)
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from compiler.backends.cuda import CudaBuildFailed
 from compiler.dtypes import numpy_dtype
 from compiler.kernels.ir import Program
 from compiler.render.cuda import CudaSource
@@ -123,7 +126,7 @@ template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
 struct lc_call { const void *S; void *const *B; };
 """
 
-_BUILD_DIR = Path(tempfile.gettempdir()) / "luminal-cuda-emulator"
+_BUILD_DIR = Path(tempfile.gettempdir()) / f"luminal-cuda-emulator-{os.getuid()}"
 
 
 def _wrappers(source: str) -> str:
@@ -156,11 +159,11 @@ def _build(source: str) -> ctypes.CDLL:
         scheduler.write_text(_SCHEDULER)
         partial = _BUILD_DIR / f"{key}-{os.getpid()}.tmp"
         done = subprocess.run(
-            ["g++", "-O1", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
+            [os.environ.get("CXX", "g++"), "-O1", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
             capture_output=True, text=True, check=False,
         )
         if done.returncode:
-            raise RuntimeError(f"the emulated CUDA source did not build:\n{done.stderr[-3000:]}")
+            raise CudaBuildFailed(f"the emulated CUDA source did not build: {done.stderr[-3000:]}")
         os.replace(partial, library)
     return ctypes.CDLL(str(library))
 
