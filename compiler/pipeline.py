@@ -25,7 +25,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, Signature
 from compiler.backends import native_cpu
-from compiler.backends.cuda import compile_cuda
+from compiler.backends.cuda import CudaProgram, compile_cuda, kernel_record
 from compiler.codegen import numpy_cpu
 from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
@@ -257,7 +257,7 @@ def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Prog
     capability, and verified against the reference. No GPU takes part here (the compile worker
     may have none): the kernels are verified in the CPU emulation, and one program is built, so
     nothing is measured; the report says so."""
-    from compiler.backends.cuda_emulator import EmulatedCuda  # builds with the C++ compiler
+    from compiler.backends.cuda_emulator import EmulatedDriver  # builds with the C++ compiler
 
     started = time.perf_counter()
     gpu = GPU_TYPES[target]
@@ -279,21 +279,15 @@ def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Prog
     ptx, cubin = compile_cuda(rendered.source, gpu.arch)
     build_seconds = time.perf_counter() - began
     tracker.phase("verify", "cuda")
+    kernel = kernel_record(program, rendered, gpu.arch, graph.size_limits)
     try:
-        outputs = EmulatedCuda(rendered, program).run(verify_inputs, bind_symbols(program_graph, verify_inputs))
+        # the program as a GPU runtime loads it (arena, launch plan), on the emulated device
+        outputs = CudaProgram(kernel, program.weights, {}, EmulatedDriver()).run(verify_inputs)
     except CompilerError:
         raise
     except Exception as exc:  # noqa: BLE001 - the emulation failing is the generated program's failure
         raise VerificationFailed(f"the CUDA program failed in the CPU emulation: {exc}") from None
     max_error = max((_max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
-    layout = native_cpu.describe(program, graph.size_limits)
-    kernel = {
-        "kind": "cuda",
-        "arch": gpu.arch,
-        "source": rendered.source,
-        "launches": [launch.to_json() for launch in rendered.launches],
-        "layout": layout,
-    }
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.cuda import CudaBuildFailed, compile_cuda
-from compiler.backends.cuda_emulator import EmulatedArtifact, EmulatedCuda
+from compiler.backends.cuda_emulator import EmulatedArtifact, emulate
 from compiler.conformance import load_cases, run_case
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import load_graph
@@ -19,7 +19,7 @@ from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.pipeline import sample_inputs
-from compiler.reference import bind_symbols, run_graph
+from compiler.reference import run_graph
 from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, render_cuda
 from compiler.shape import dim_from_json, evaluate
 from tests.conftest import FIXTURES
@@ -132,11 +132,11 @@ def test_the_rendered_kernels_compute_what_the_reference_does(model: str) -> Non
     data = (FIXTURES / f"{model}.onnx").read_bytes()
     graph = load_graph(data)
     program = _program(data)
-    emulated = EmulatedCuda(render_cuda(program), program)
+    emulated = emulate(program, graph.size_limits)
     for size, seed in ((1, 0), (3, 1)):
         inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
         want = run_graph(graph, inputs)
-        got = emulated.run(inputs, bind_symbols(graph, inputs))
+        got = emulated.run(inputs)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
 
@@ -153,9 +153,8 @@ def test_a_product_with_more_rows_and_columns_than_a_tile_and_a_ragged_k() -> No
     data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     program = _program(data)
     assert isinstance(program.kernels[0], GemmCall)
-    emulated = EmulatedCuda(render_cuda(program), program)
     x = rng.standard_normal((70, 37)).astype(np.float32)
-    got = emulated.run({"x": x}, {"batch": 70})["y"]
+    got = emulate(program).run({"x": x})["y"]
     np.testing.assert_allclose(got, x @ numpy_helper.to_array(w), rtol=1e-4, atol=1e-4)
 
 
@@ -239,3 +238,38 @@ def test_a_float16_model_for_a_gpu_type_is_refused_with_the_reason() -> None:
     data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     with pytest.raises(UnsupportedModel, match="float16 values on h100"):
         compile_onnx(data, "h100")
+
+
+def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_call() -> None:
+    from compiler.backends.cuda import CudaProgram, kernel_record
+    from compiler.backends.cuda_emulator import EmulatedDriver
+
+    class Recording(EmulatedDriver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocs: list[int] = []
+            self.keys: list = []
+
+        def alloc(self, nbytes: int) -> int:
+            self.allocs.append(nbytes)
+            return super().alloc(nbytes)
+
+        def execute(self, module, calls, key) -> float:
+            self.keys.append(key)
+            return super().execute(module, calls, key)
+
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    graph = load_graph(data)
+    program = _program(data)
+    driver = Recording()
+    loaded = CudaProgram(kernel_record(program, render_cuda(program), "sm_90", graph.size_limits), program.weights, {}, driver)
+    weights = sum(b.role == "weight" for b in program.buffers)
+    assert len(driver.allocs) == weights
+    for batch in (4, 4, 2, 9):
+        inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
+        np.testing.assert_allclose(loaded.run(inputs)["output"], run_graph(graph, inputs)["output"], rtol=1e-4, atol=1e-5)
+    # an arena for the first call, reused by the equal and the smaller one, replaced by the larger
+    assert len(driver.allocs) == weights + 2 and driver.allocs[-1] > driver.allocs[-2]
+    # equal calls are the same launches (a GPU driver replays its captured graph)
+    assert driver.keys[0] == driver.keys[1] != driver.keys[2]
+    assert loaded.resident_bytes() == sum(w.nbytes for k, w in program.weights.items() if any(b.name == k for b in program.buffers))

@@ -1,16 +1,28 @@
-"""The CUDA backend's compile step: CUDA C to PTX and a cubin for one compute capability, with
-NVRTC through cuda-python (`cuda-bindings`), which needs no GPU: CI compiles every rendered kernel.
+"""The CUDA backend: compile (CUDA C to PTX and a cubin for one compute capability, with NVRTC
+through cuda-python, which needs no GPU), allocate and run (`CudaProgram`: weights uploaded once,
+one arena per call's layout, the launch plan run by a `Driver`).
 
     ptx, cubin = compile_cuda(source, "sm_90")
-
-Loading modules, the arena and launching (the driver API) need a GPU and come with the runtime.
+    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
+    outputs = program.run(inputs)
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import numpy as np
+
+from compiler.backends.layout import arena_layout, bind_inputs, describe
+from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
+from compiler.kernels.ir import Buffer, Program
+from compiler.render.cuda import MAX_GRID_X, CudaSource
+from compiler.shape import dim_from_json, evaluate, shape_from_json
 
 # -default-device: every function not marked otherwise is __device__ (the prelude's helpers)
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
@@ -74,4 +86,133 @@ def _compile(nvrtc, source: str, name: str, target: str, ptx: bool) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
-__all__ = ["CudaBuildFailed", "compile_cuda"]
+
+
+# ---- running: a loaded program on a device, behind a small driver interface ----------------------
+
+# every buffer of a call starts at a multiple of this many bytes in the arena (float4 loads, and
+# the 256-byte alignment cudaMalloc itself gives)
+ARENA_ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class LaunchCall:
+    """One kernel launch of a call: its function, blocks along x, y, z, threads per block, the
+    symbols' values and the device address of each buffer it takes."""
+
+    function: str
+    grid: tuple[int, int, int]
+    threads: int
+    symbols: np.ndarray
+    pointers: tuple[int, ...]
+
+
+class Driver(Protocol):
+    """What a CUDA program needs of a device: the driver API on a GPU (compiler.backends.cuda_driver),
+    or the CPU emulation (compiler.backends.cuda_emulator.EmulatedDriver) where there is none."""
+
+    def load(self, kernel: Mapping[str, Any], binaries: Mapping[str, bytes]) -> Any:
+        """The program's module (its functions named by the launch plan)."""
+
+    def alloc(self, nbytes: int) -> int:
+        """A device address of at least nbytes, aligned to ARENA_ALIGNMENT."""
+
+    def free(self, address: int) -> None: ...
+
+    def upload(self, address: int, array: np.ndarray) -> None: ...
+
+    def download(self, address: int, array: np.ndarray) -> None: ...
+
+    def execute(self, module: Any, calls: list[LaunchCall], key: Hashable) -> float:
+        """Runs the calls in order and returns the device seconds they took; the same key means
+        the same calls (a driver may capture them once, as a CUDA graph, and replay it)."""
+
+
+def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits: Mapping[str, int]) -> dict[str, Any]:
+    """What an artifact keeps of a CUDA program besides its PTX and cubin."""
+    return {
+        "kind": "cuda",
+        "arch": arch,
+        "source": rendered.source,
+        "launches": [launch.to_json() for launch in rendered.launches],
+        "layout": describe(program, size_limits),
+    }
+
+
+class CudaProgram:
+    """A CUDA artifact loaded on a device: its weights uploaded once; a call lays out its inputs,
+    outputs and temps in one arena (grown to the largest call, then kept), copies the inputs in,
+    runs the launch plan, and copies the outputs out. One call at a time (`run` is thread-safe)."""
+
+    def __init__(self, kernel: Mapping[str, Any], weights: Mapping[str, np.ndarray], binaries: Mapping[str, bytes], driver: Driver) -> None:
+        layout = kernel["layout"]
+        self.buffers = [
+            Buffer(i, b["dtype"], shape_from_json(b["shape"]), b["role"], b["name"]) for i, b in enumerate(layout["buffers"])
+        ]
+        self.slots = {int(k): v for k, v in layout["slots"].items()}
+        self.symbols = list(layout["symbols"])
+        self.size_limits = dict(layout.get("size_limits", {}))
+        self.launches = [
+            (launch["kernel"], tuple(launch["buffers"]), tuple(dim_from_json(d) for d in launch["grid"]), launch["threads"])
+            for launch in kernel["launches"]
+        ]
+        self.driver = driver
+        self.module = driver.load(kernel, binaries)
+        self._inputs = [b for b in self.buffers if b.role == "input"]
+        self._outputs = [b for b in self.buffers if b.role == "output"]
+        self._temps = [b for b in self.buffers if b.role == "temp" and b.id in self.slots]
+        self._addresses: dict[int, int] = {}
+        self._weight_bytes = 0
+        for b in self.buffers:
+            if b.role == "weight":
+                array = np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))
+                self._addresses[b.id] = driver.alloc(max(1, array.nbytes))
+                driver.upload(self._addresses[b.id], array)
+                self._weight_bytes += array.nbytes
+        self._arena, self._arena_bytes = 0, 0
+        self._lock = threading.Lock()
+        # the device seconds of the last call's launches (CUDA events on a GPU): what is billed
+        self.last_device_seconds = 0.0
+
+    def resident_bytes(self) -> int:
+        """Device memory held while loaded: the weights (the arena is per call's size)."""
+        return self._weight_bytes
+
+    def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
+        """The outputs (`busy` is for CPU programs' threads: a GPU runs one call at a time)."""
+        arrays = {b.id: np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs}
+        bindings = bind_inputs(self._inputs, inputs, self.size_limits)
+        output_shapes, temp_offsets, temps_bytes = arena_layout(self._outputs, self._temps, self.slots, bindings, ARENA_ALIGNMENT)
+        outputs = {b.id: np.empty(shape, numpy_dtype(b.dtype)) for b, shape in zip(self._outputs, output_shapes)}
+        offsets = dict(zip((b.id for b in self._temps), temp_offsets))
+        total = temps_bytes
+        for buffer_id, array in (*arrays.items(), *outputs.items()):  # inputs and outputs after the temps
+            offsets[buffer_id] = total
+            total += -(-max(1, array.nbytes) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        symbols = np.array([bindings[s] for s in self.symbols] or [0], np.int64)
+        with self._lock:
+            if total > self._arena_bytes:
+                if self._arena:
+                    self.driver.free(self._arena)
+                self._arena, self._arena_bytes = self.driver.alloc(total), total
+            address = {**self._addresses, **{b: self._arena + o for b, o in offsets.items()}}
+            for buffer_id, array in arrays.items():
+                if array.nbytes:
+                    self.driver.upload(address[buffer_id], array)
+            calls = []
+            for function, buffers, grid, threads in self.launches:
+                blocks = tuple(evaluate(d, bindings) for d in grid)
+                if min(blocks) <= 0:
+                    continue  # nothing to compute (an empty batch or axis)
+                # kernels stride over x: a capped grid still covers every element
+                blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
+                calls.append(LaunchCall(function, blocks, threads, symbols, tuple(address.get(b, 0) for b in buffers)))
+            key = (tuple(sorted(bindings.items())), self._arena)
+            self.last_device_seconds = self.driver.execute(self.module, calls, key)
+            for buffer_id, array in outputs.items():
+                if array.nbytes:
+                    self.driver.download(address[buffer_id], array)
+        return {b.name: outputs[b.id] for b in self._outputs}
+
+
+__all__ = ["ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "kernel_record"]

@@ -9,8 +9,8 @@ warp shuffle is an exchange through per-thread slots between two such barriers. 
 the way a GPU may (any interleaving the barriers allow), not fast: a scalar CPU thread, which is
 why verification runs at the small verification sizes.
 
-    program = EmulatedCuda(render_cuda(kernel_ir), kernel_ir)
-    outputs = program.run(inputs, bindings)
+    program = emulate(kernel_ir)          # a CudaProgram on the EmulatedDriver
+    outputs = program.run(inputs)
 
 `EmulatedArtifact` stands in for `compiler.pipeline.executable` (the ONNX backend's), so that a
 compiled artifact's graph runs as rendered CUDA C: benchmarks/onnx_conformance.py --cuda-emulated.
@@ -24,15 +24,14 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-from compiler.backends.cuda import CudaBuildFailed
-from compiler.dtypes import numpy_dtype
+from compiler.backends.cuda import ARENA_ALIGNMENT, CudaBuildFailed, CudaProgram, LaunchCall, kernel_record
 from compiler.kernels.ir import Program
-from compiler.render.cuda import CudaSource
-from compiler.shape import evaluate
+from compiler.render.cuda import render_cuda
 
 _SCHEDULER = r"""
 #include <stdio.h>
@@ -168,40 +167,50 @@ def _build(source: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-class EmulatedCuda:
-    """A rendered program run on the CPU, each buffer its own array (no arena)."""
+class EmulatedDriver:
+    """A `Driver` (compiler.backends.cuda) without a GPU: device memory is host memory, filled with
+    0xFF bytes when allocated (NaN floats: a kernel that reads before writing shows), and each
+    launch runs in the emulation. Its device seconds are the emulation's wall time."""
 
-    def __init__(self, rendered: CudaSource, program: Program) -> None:
-        self.rendered = rendered
-        self.program = program
-        self.library = _build(rendered.source)
+    def __init__(self) -> None:
+        self._blocks: dict[int, np.ndarray] = {}
 
-    def run(self, inputs: dict[str, np.ndarray], bindings: dict[str, int]) -> dict[str, np.ndarray]:
-        program = self.program
-        arrays: dict[int, np.ndarray] = {}
-        for b in program.buffers:
-            if b.role == "panel":
-                continue  # read in place by its product, never stored
-            if b.role == "input":
-                arrays[b.id] = np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype))
-            elif b.role == "weight":
-                arrays[b.id] = np.ascontiguousarray(program.weights[b.name], dtype=numpy_dtype(b.dtype))
-            else:
-                shape = tuple(evaluate(d, bindings) for d in b.shape)
-                # garbage, as device memory is: a kernel that reads before writing shows
-                arrays[b.id] = np.full(shape, np.nan if b.dtype.startswith("float") else 7, numpy_dtype(b.dtype))
-        symbols = (ctypes.c_int64 * max(1, len(program.symbols)))(*(bindings[s] for s in program.symbols))
-        for launch in self.rendered.launches:
-            grid = [evaluate(d, bindings) for d in launch.grid]
-            if min(grid) <= 0:
-                continue
-            pointers = (ctypes.c_void_p * max(1, len(launch.buffers)))(*(arrays[b].ctypes.data for b in launch.buffers))
-            status = getattr(self.library, f"launch_{launch.kernel}")(
-                ctypes.byref(symbols), pointers, *(ctypes.c_uint(g) for g in grid), ctypes.c_uint(launch.threads)
+    def load(self, kernel, binaries) -> ctypes.CDLL:
+        return _build(kernel["source"])
+
+    def alloc(self, nbytes: int) -> int:
+        raw = np.full(nbytes + ARENA_ALIGNMENT, 0xFF, np.uint8)
+        address = raw.ctypes.data + -raw.ctypes.data % ARENA_ALIGNMENT
+        self._blocks[address] = raw
+        return address
+
+    def free(self, address: int) -> None:
+        del self._blocks[address]
+
+    def upload(self, address: int, array: np.ndarray) -> None:
+        ctypes.memmove(address, np.ascontiguousarray(array).ctypes.data, array.nbytes)
+
+    def download(self, address: int, array: np.ndarray) -> None:
+        ctypes.memmove(array.ctypes.data, address, array.nbytes)
+
+    def execute(self, module: ctypes.CDLL, calls: list[LaunchCall], key) -> float:
+        started = time.perf_counter()
+        for call in calls:
+            symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
+            pointers = (ctypes.c_void_p * max(1, len(call.pointers)))(*call.pointers)
+            status = getattr(module, f"launch_{call.function}")(
+                ctypes.byref(symbols), pointers, *(ctypes.c_uint(g) for g in call.grid), ctypes.c_uint(call.threads)
             )
             if status:
-                raise RuntimeError(f"{launch.kernel}: threads of a block diverged at a barrier (status {status})")
-        return {b.name: arrays[b.id] for b in program.buffers if b.role == "output"}
+                raise RuntimeError(f"{call.function}: threads of a block diverged at a barrier (status {status})")
+        return time.perf_counter() - started
+
+
+def emulate(program: Program, size_limits: dict[str, int] | None = None) -> CudaProgram:
+    """A kernel-IR program rendered as CUDA C and loaded on the emulated device: the same
+    CudaProgram (arena, launch plan) a GPU runtime runs."""
+    kernel = kernel_record(program, render_cuda(program), "emulated", size_limits or {})
+    return CudaProgram(kernel, program.weights, {}, EmulatedDriver())
 
 
 class EmulatedArtifact:
@@ -212,16 +221,13 @@ class EmulatedArtifact:
         from compiler.errors import UnsupportedModel
         from compiler.kernels.fusion import fuse
         from compiler.kernels.lower import NotNative, lower
-        from compiler.render.cuda import render_cuda
 
         self.graph = artifact.graph
         try:
             program = fuse(lower(self.graph))
         except NotNative as exc:
             raise UnsupportedModel([f"not lowered to kernels: {exc}"]) from None
-        self.program = EmulatedCuda(render_cuda(program), program)
+        self.program = emulate(program)
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from compiler.reference import bind_symbols
-
-        return self.program.run(feed, bind_symbols(self.graph, feed))
+        return self.program.run(feed)

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from compiler.backends.layout import arena_layout, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
-from compiler.kernels.ir import Buffer, Program
+from compiler.kernels.ir import Buffer
 from compiler.render.c import WAKE_MIN_WORK
-from compiler.shape import ShapeError, evaluate, shape_from_json, shape_to_json
+from compiler.shape import shape_from_json
 
 ALIGNMENT = 64
 # -fno-trapping-math: no program reads FP exception flags, and without it GCC keeps the branches
@@ -126,20 +127,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
     partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     partial.write_bytes(data)
     os.replace(partial, path)
-
-
-def describe(program: Program, size_limits: Mapping[str, int]) -> dict[str, Any]:
-    """What the runtime needs besides the library: buffers, arena slots, symbols, and the largest
-    size each symbol may take (the graph's own limits)."""
-    return {
-        "size_limits": dict(sorted(size_limits.items())),
-        "buffers": [
-            {"dtype": b.dtype, "shape": shape_to_json(b.shape), "role": b.role, "name": b.name}
-            for b in program.buffers
-        ],
-        "slots": {str(k): v for k, v in program.slots.items()},
-        "symbols": program.symbols,
-    }
 
 
 # input shapes whose buffer layout a loaded program remembers (batch sizes times sequence lengths)
@@ -247,34 +234,10 @@ class NativeProgram:
         """What a call at these input shapes needs besides the data: the symbols' values, the
         outputs' shapes, each temp's offset in the arena and the arena's size (cached per shapes:
         evaluating every buffer's symbolic size costs more than a small model's run)."""
-        bindings = self._bind(inputs)
-        output_shapes = [tuple(evaluate(d, bindings) for d in b.shape) for b in self._outputs]
-        slot_bytes: dict[int, int] = {}
-        for b in self._temps:
-            size = int(np.prod([evaluate(d, bindings) for d in b.shape], dtype=np.int64)) * numpy_dtype(b.dtype).itemsize
-            slot = self.slots[b.id]
-            slot_bytes[slot] = max(slot_bytes.get(slot, 0), size)
-        slot_offsets, total = {}, 0
-        for slot in sorted(slot_bytes):
-            slot_offsets[slot] = total
-            total += -(-slot_bytes[slot] // ALIGNMENT) * ALIGNMENT
+        bindings = bind_inputs(self._inputs, inputs, self.size_limits)
+        output_shapes, offsets, total = arena_layout(self._outputs, self._temps, self.slots, bindings, ALIGNMENT)
         dims = (ctypes.c_int64 * max(1, len(self.symbols)))(*(bindings[s] for s in self.symbols))
-        return dims, output_shapes, [slot_offsets[self.slots[b.id]] for b in self._temps], total
-
-    def _bind(self, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
-        bindings: dict[str, int] = {}
-        for b in self._inputs:
-            actual = np.shape(inputs[b.name])
-            for declared, size in zip(b.shape, actual, strict=True):
-                if not isinstance(declared, int):
-                    symbol = declared.as_symbol()
-                    if symbol is not None:
-                        bindings.setdefault(symbol, int(size))
-        for symbol, limit in self.size_limits.items():
-            if bindings.get(symbol, 0) > limit:
-                # the generated code reads without bounds checks: a slice past its buffer is refused here
-                raise ShapeError(f"{symbol}={bindings[symbol]} takes a slice past the end of a buffer (at most {limit})")
-        return bindings
+        return dims, output_shapes, offsets, total
 
 
 def load(kernel: Mapping[str, Any], weights: Mapping[str, np.ndarray], library: bytes | None) -> NativeProgram:
