@@ -31,7 +31,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     runtime = commands.add_parser(
         "runtime", help="run a runtime process serving queued requests (request_queue=redis)"
     )
-    runtime.add_argument("--device", default="cpu", help="the device this process runs models on (cpu)")
+    runtime.add_argument(
+        "--device", default="cpu", help="the device this process runs models on: cpu, or a GPU type and ordinal (cuda:0, h100:1)"
+    )
     runtime.add_argument("--loglevel", default="INFO", help="log level")
     runtime.set_defaults(run=_runtime)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import signal
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,10 +20,15 @@ from cloud.metrics import REGISTRY, PrometheusObserver
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
 from compiler import Artifact
+from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+from compiler.targets import GPU_TYPES
 from registry import Registry
-from runtime import CpuDevice, Runtime
+from runtime import CpuDevice, CudaDevice, Runtime
+from runtime.cuda import parse_device
 from scheduler.engine import Engine, InProcessEngine
 from worker.queue import CompileQueue, make_compile_queue
+
+log = logging.getLogger(__name__)
 
 
 class DataDirInUse(RuntimeError):
@@ -114,7 +120,7 @@ def build_engine(services: Services) -> Engine:
             observer=PrometheusObserver(),
         )
     return InProcessEngine(
-        runtimes={"cpu": build_runtime(settings, store)},
+        runtimes=_embedded_runtimes(settings, store),
         ledger=services.ledger,
         prices=settings.price_per_second,
         max_batch_rows=settings.max_batch_rows,
@@ -129,20 +135,51 @@ def build_engine(services: Services) -> Engine:
     )
 
 
-def build_runtime(settings: Settings, store: ObjectStore) -> Runtime:
-    """The CPU runtime, in the gateway (embedded) or a runtime process: artifacts from the object
-    store, at most max_loaded_models within runtime_memory_bytes, idle ones gone after idle_unload_s
-    (the engine's janitor or the runtime process's heartbeat calls unload_idle)."""
+def _embedded_runtimes(settings: Settings, store: ObjectStore) -> dict[str, Runtime]:
+    """The gateway's own runtimes: the CPU's, and GPU 0's for each GPU type offered when this
+    machine has a GPU (requests for a type without one get 503, naming the type)."""
+    runtimes = {"cpu": build_runtime(settings, store)}
+    for target in settings.targets:
+        if target in GPU_TYPES:
+            try:
+                runtimes[target] = build_runtime(settings, store, f"{target}:0")
+            except LuminalError as exc:
+                log.warning("no %s runtime in this gateway: %s", target, exc)
+    return runtimes
+
+
+# the share of a GPU's memory loaded programs' weights may take (the rest: arenas, CUDA graphs)
+GPU_WEIGHTS_FRACTION = 0.8
+
+
+def build_runtime(settings: Settings, store: ObjectStore, device: str = "cpu") -> Runtime:
+    """The runtime of a device ("cpu", or a GPU type and ordinal: "cuda:0", "h100:1"), in the
+    gateway (embedded) or a runtime process: artifacts from the object store, at most
+    max_loaded_models within its memory budget (runtime_memory_bytes on a CPU, a share of the
+    GPU's memory on a GPU), idle ones gone after idle_unload_s (the engine's janitor or the
+    runtime process's heartbeat calls unload_idle). A GPU that cannot be used is a LuminalError
+    naming why."""
 
     def fetch(key: str) -> Artifact:
         return load_artifact(store, key)
 
+    target, ordinal = parse_device(device)
+    if target == "cpu":
+        device_object, budget = CpuDevice(), settings.runtime_memory_bytes
+    elif target in GPU_TYPES:
+        try:
+            driver = CudaDriver(ordinal)
+        except CudaUnavailable as exc:
+            raise LuminalError(f"device {device!r} cannot be used: {exc}") from None
+        device_object, budget = CudaDevice(target, driver), int(driver.memory_bytes * GPU_WEIGHTS_FRACTION)
+    else:
+        raise LuminalError(f"device {device!r} is not known; use cpu or a GPU type ({', '.join(GPU_TYPES)}) and ordinal")
     return Runtime(
-        CpuDevice(),
+        device_object,
         fetch,
         settings.max_loaded_models,
         settings.idle_unload_s,
-        settings.runtime_memory_bytes,
+        budget,
         observer=PrometheusObserver(),
     )
 
@@ -155,10 +192,9 @@ def run_runtime_process(settings: Settings, device: str) -> None:
 
     from scheduler.runtime_process import RuntimeConfig, RuntimeProcess
 
-    if device != "cpu":
-        raise LuminalError(f"device {device!r} is not supported by this build; available: cpu")
+    runtime = build_runtime(settings, make_object_store(settings), device)
     config = RuntimeConfig(
-        device=device,
+        device=parse_device(device)[0],  # the device type requests are placed by
         heartbeat_s=settings.runtime_heartbeat_s,
         claim_idle_s=settings.runtime_claim_idle_s,
         max_batch_rows=settings.max_batch_rows,
@@ -166,7 +202,6 @@ def run_runtime_process(settings: Settings, device: str) -> None:
         adaptive_batching=settings.adaptive_batching,
         prices=dict(settings.price_per_second),
     )
-    runtime = build_runtime(settings, make_object_store(settings))
     process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config, PrometheusObserver())
     signal.signal(signal.SIGTERM, process.stop)
     signal.signal(signal.SIGINT, process.stop)

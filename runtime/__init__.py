@@ -1,11 +1,13 @@
 """Loading artifacts onto a device and executing batches on it, timing the device work alone.
 
     cpu.py       the CPU device (load, execute)
+    cuda.py      a GPU device: CUDA programs on one GPU through a compiler.backends.cuda Driver
     batching.py  joining requests into one batch and splitting the outputs back
     runtime.py   one runtime per device: loads artifacts on demand, evicts idle ones
 """
 
 from runtime.cpu import CpuDevice
+from runtime.cuda import CudaDevice
 from runtime.runtime import BatchResult, Runtime
 
-__all__ = ["BatchResult", "CpuDevice", "Runtime"]
+__all__ = ["BatchResult", "CpuDevice", "CudaDevice", "Runtime"]

@@ -273,3 +273,83 @@ def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_c
     # equal calls are the same launches (a GPU driver replays its captured graph)
     assert driver.keys[0] == driver.keys[1] != driver.keys[2]
     assert loaded.resident_bytes() == sum(w.nbytes for k, w in program.weights.items() if any(b.name == k for b in program.buffers))
+
+
+def _gpu_driver():
+    """The first GPU through the driver API, or a skip saying why there is none."""
+    from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+
+    try:
+        return CudaDriver(0)
+    except CudaUnavailable as exc:
+        pytest.skip(f"no GPU here: {exc}")
+
+
+def test_a_runtime_serves_batches_of_a_gpu_artifact_on_the_emulated_device() -> None:
+    # the runtime path a GPU runtime takes (load, batch, run, split, time), on the CPU emulation
+    from compiler import compile_onnx
+    from compiler.backends.cuda_emulator import EmulatedDriver
+    from runtime import CudaDevice, Runtime
+
+    data = (FIXTURES / "bert_dynamo.onnx").read_bytes()
+    artifact = compile_onnx(data, "h100")
+    runtime = Runtime(CudaDevice("h100", EmulatedDriver()), {"bert": artifact}.__getitem__)
+    graph = load_graph(data)
+    requests = [sample_inputs(graph, seed=seed, int_high=1, symbol_size=4) for seed in (0, 1)]
+    result = runtime.run_batch("bert", requests, [4, 4])
+    assert result.exec_seconds > 0
+    for request, outputs in zip(requests, result.outputs):
+        for name, want in run_graph(graph, request).items():
+            np.testing.assert_allclose(outputs[name], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_device_name_is_a_gpu_type_and_an_ordinal() -> None:
+    from runtime.cuda import parse_device
+
+    assert parse_device("cuda:0") == ("cuda", 0) and parse_device("h100:3") == ("h100", 3)
+    assert parse_device("cpu") == ("cpu", 0)
+    with pytest.raises(ValueError, match="ordinal after ':' must be a number"):
+        parse_device("cuda:first")
+
+
+def test_a_gpu_runtime_that_cannot_start_says_why(tmp_path) -> None:
+    from api.services import build_runtime
+    from cloud.errors import LuminalError
+    from cloud.storage import make_object_store
+    from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path / "data")
+    store = make_object_store(settings)
+    with pytest.raises(LuminalError, match="device 'tpu:0' is not known"):
+        build_runtime(settings, store, "tpu:0")
+    try:
+        CudaDriver(0)
+    except CudaUnavailable:
+        with pytest.raises(LuminalError, match="device 'cuda:0' cannot be used: "):
+            build_runtime(settings, store, "cuda:0")
+    with pytest.raises(LuminalError, match="device 'cuda:99' cannot be used: "):
+        build_runtime(settings, store, "cuda:99")
+
+
+# ---- on a GPU (skipped without one) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str) -> None:
+    from compiler import compile_onnx
+    from compiler.backends.cuda import CudaProgram
+    from compiler.targets import GPU_TYPES
+
+    driver = _gpu_driver()
+    target = next((t for t, gpu in GPU_TYPES.items() if gpu.arch == driver.arch), "cuda")  # else its PTX
+    data = (FIXTURES / f"{model}.onnx").read_bytes()
+    artifact = compile_onnx(data, target)
+    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
+    graph = load_graph(data)
+    for size, seed in ((1, 0), (5, 1), (5, 2)):  # the third replays the graph the second captured
+        inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
+        got = program.run(inputs)
+        assert program.last_device_seconds > 0
+        for name, want in run_graph(graph, inputs).items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")

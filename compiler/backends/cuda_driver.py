@@ -1,0 +1,157 @@
+"""The CUDA driver API behind compiler.backends.cuda's `Driver`: one GPU, its primary context (the
+one PyTorch uses too), one stream. A program's launches for one layout are captured once into a
+CUDA graph and replayed (about 1 us a kernel inside a graph against 5 us launched one by one);
+the device time of a call is measured with CUDA events around the graph launch: what is billed.
+
+With cuda-bindings 13 every call returns a tuple whose first element is the status; `_ok` checks
+it and returns the rest. Nothing here runs without a GPU: the tests that need one skip cleanly
+(tests/test_cuda.py), and everything else runs on compiler.backends.cuda_emulator's driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from compiler.backends.cuda import LaunchCall
+from compiler.errors import CompilerError
+
+# captured graphs a loaded program keeps (one per distinct call layout: batch and sequence sizes)
+MAX_GRAPHS_PER_PROGRAM = 64
+
+
+class CudaUnavailable(CompilerError):
+    """No usable GPU here (no driver, no device at that ordinal, or a failing call), named."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaUnavailable(f"the CUDA driver bindings are not installed ({exc})") from None
+    return driver
+
+
+def _ok(result: Any, what: str) -> Any:
+    """The values of a driver call after its status, or CudaUnavailable naming the call."""
+    cu = _driver()
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if status != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(status)
+        raise CudaUnavailable(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class CudaModule:
+    """A loaded module: its functions by name and the graphs captured for its calls."""
+
+    def __init__(self, module: Any, functions: dict[str, Any]) -> None:
+        self.module = module
+        self.functions = functions
+        self.graphs: OrderedDict[Hashable, Any] = OrderedDict()
+
+
+class CudaDriver:
+    """GPU `ordinal` through the driver API; raises CudaUnavailable when there is none."""
+
+    def __init__(self, ordinal: int = 0) -> None:
+        cu = _driver()
+        self.cu = cu
+        try:
+            _ok(cu.cuInit(0), "cuInit")
+            count = _ok(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        except RuntimeError as exc:  # the bindings raise when libcuda itself cannot be loaded
+            raise CudaUnavailable(f"no CUDA driver on this machine ({exc})") from None
+        if ordinal >= count:
+            raise CudaUnavailable(f"no CUDA device {ordinal}: this machine has {count}")
+        self.device = _ok(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.context = _ok(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self._current()
+        major = _ok(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device), "compute capability")
+        minor = _ok(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device), "compute capability")
+        self.arch = f"sm_{major}{minor}"
+        self.name = _ok(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0")[0].decode()
+        self.memory_bytes = int(_ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
+        self.stream = _ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        self.start = _ok(cu.cuEventCreate(0), "cuEventCreate")
+        self.end = _ok(cu.cuEventCreate(0), "cuEventCreate")
+
+    def _current(self) -> None:
+        # the runtime calls from its worker threads: each needs the context made current
+        _ok(self.cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def load(self, kernel: Mapping[str, Any], binaries: Mapping[str, bytes]) -> CudaModule:
+        """The cubin when it was built for this GPU's compute capability, else the PTX (the
+        driver compiles it for this GPU: slower to load, for a newer GPU than the artifact's)."""
+        self._current()
+        image = binaries["program.cubin"] if kernel["arch"] == self.arch else binaries["program.ptx"] + b"\0"
+        module = _ok(self.cu.cuModuleLoadData(image), f"loading the program for {self.arch}")
+        names = {launch["kernel"] for launch in kernel["launches"]}
+        functions = {name: _ok(self.cu.cuModuleGetFunction(module, name.encode()), f"function {name}") for name in names}
+        return CudaModule(module, functions)
+
+    def alloc(self, nbytes: int) -> int:
+        self._current()
+        return int(_ok(self.cu.cuMemAlloc(max(1, nbytes)), f"allocating {nbytes} bytes of device memory"))
+
+    def free(self, address: int) -> None:
+        self._current()
+        _ok(self.cu.cuMemFree(self.cu.CUdeviceptr(address)), "cuMemFree")
+
+    def upload(self, address: int, array: np.ndarray) -> None:
+        self._current()
+        array = np.ascontiguousarray(array)
+        _ok(self.cu.cuMemcpyHtoD(self.cu.CUdeviceptr(address), array.ctypes.data, array.nbytes), "copying to the device")
+
+    def download(self, address: int, array: np.ndarray) -> None:
+        self._current()
+        _ok(self.cu.cuMemcpyDtoH(array.ctypes.data, self.cu.CUdeviceptr(address), array.nbytes), "copying from the device")
+
+    def execute(self, module: CudaModule, calls: list[LaunchCall], key: Hashable) -> float:
+        """The calls as one CUDA graph (captured on the first call with this key), timed by events."""
+        cu = self.cu
+        self._current()
+        graph = module.graphs.get(key)
+        if graph is None:
+            graph = self._capture(module, calls)
+            module.graphs[key] = graph
+            while len(module.graphs) > MAX_GRAPHS_PER_PROGRAM:
+                _, old = module.graphs.popitem(last=False)
+                _ok(cu.cuGraphExecDestroy(old), "cuGraphExecDestroy")
+        else:
+            module.graphs.move_to_end(key)
+        _ok(cu.cuEventRecord(self.start, self.stream), "cuEventRecord")
+        _ok(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
+        _ok(cu.cuEventRecord(self.end, self.stream), "cuEventRecord")
+        _ok(cu.cuEventSynchronize(self.end), "running the program")
+        elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
+        return float(_ok(elapsed(self.start, self.end), "cuEventElapsedTime")) / 1000.0
+
+    def _capture(self, module: CudaModule, calls: list[LaunchCall]) -> Any:
+        cu = self.cu
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _ok(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            for call in calls:
+                symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
+                pointers = [ctypes.c_uint64(p) for p in call.pointers]
+                # kernelParams: a pointer to each argument's value (the launch copies them)
+                values = [symbols, *pointers]
+                params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+                _ok(
+                    cu.cuLaunchKernel(
+                        module.functions[call.function], *call.grid, call.threads, 1, 1, 0, self.stream,
+                        ctypes.addressof(params), None,
+                    ),
+                    f"launching {call.function}",
+                )
+        finally:
+            graph = _ok(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        return _ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+
+__all__ = ["CudaDriver", "CudaModule", "CudaUnavailable"]

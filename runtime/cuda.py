@@ -1,0 +1,56 @@
+"""A GPU device: runs the CUDA programs compiled for its type (`luminal-cloud runtime --device
+cuda:0`, or `h100:1`: a GPU type of compiler/targets.py and the GPU's ordinal)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler import Artifact, Signature
+from compiler.backends.cuda import CudaProgram, Driver
+from compiler.targets import GPU_TYPES
+
+
+@dataclass
+class CudaLoaded:
+    signature: Signature
+    program: CudaProgram
+    # device memory held while loaded: the program's weights
+    resident_bytes: int
+
+
+class CudaDevice:
+    def __init__(self, target: str, driver: Driver) -> None:
+        if target not in GPU_TYPES:
+            raise ValueError(f"{target!r} is not a GPU type; known: {', '.join(GPU_TYPES)}")
+        self.target = target
+        self.driver = driver
+
+    def load(self, artifact: Artifact) -> CudaLoaded:
+        if artifact.target != self.target:
+            raise ValueError(f"artifact for {artifact.target!r} cannot load on {self.target!r}")
+        program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, self.driver)
+        return CudaLoaded(artifact.signature, program, program.resident_bytes())
+
+    def execute(
+        self, loaded: CudaLoaded, inputs: Mapping[str, np.ndarray], busy: bool = False
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """Outputs and the device seconds of the batch's kernels (CUDA events around its graph:
+        the copies in and out are not billed, as queueing is not)."""
+        outputs = loaded.program.run(inputs, busy=busy)
+        return outputs, loaded.program.last_device_seconds
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """("cuda", 0) from "cuda:0", ("h100", 1) from "h100:1", ("cpu", 0) from "cpu"."""
+    target, _, ordinal = device.partition(":")
+    if not ordinal:
+        return target, 0
+    if not ordinal.isdigit():
+        raise ValueError(f"device {device!r}: the GPU ordinal after ':' must be a number")
+    return target, int(ordinal)
+
+
+__all__ = ["CudaDevice", "CudaLoaded", "parse_device"]
