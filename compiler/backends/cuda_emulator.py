@@ -2,7 +2,7 @@
 and a compile worker without the target's GPU, which verifies a cuda program this way).
 
 The same source NVRTC compiles is compiled by the system C++ compiler behind a small header that
-gives CUDA's names CPU meanings: every thread of a block is a fiber (ucontext) of one OS thread,
+gives CUDA's names CPU meanings: every thread of a block is a fiber of one OS thread,
 blocks run one after another, `__shared__` storage is the block's (static: blocks never overlap),
 `__syncthreads` switches to the next fiber until every thread of the block has reached it, and a
 warp shuffle is an exchange through per-thread slots between two such barriers. It runs kernels
@@ -34,6 +34,7 @@ from compiler.kernels.ir import Program
 from compiler.render.cuda import render_cuda
 
 _SCHEDULER = r"""
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <ucontext.h>
@@ -42,22 +43,66 @@ lc_dim3 threadIdx, blockIdx, blockDim, gridDim;
 enum { RUNNABLE, AT_BARRIER, DONE };
 #define MAX_THREADS 1024
 #define STACK_BYTES (128 * 1024)
-static ucontext_t scheduler, fibers[MAX_THREADS];
 static char *stacks[MAX_THREADS];
 static int state[MAX_THREADS], current;
 static void (*body)(void *);
 static void *context;
 static unsigned long long slots[MAX_THREADS];
 
+#if defined(__x86_64__)
+/* A switch between fibers that saves only what the ABI says a call preserves (swapcontext also
+   saves the signal mask, a system call per switch: the emulation spent most of its time there).
+   lc_switch(&from, to): push the callee-saved registers, store the stack pointer in `from`, load
+   `to`, pop, return into the other fiber. */
+__asm__(
+    ".text\n.globl lc_switch\n.type lc_switch,@function\nlc_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n");
+void lc_switch(void **from, void *to);
+static void *scheduler_sp, *fiber_sp[MAX_THREADS];
+
+static void entry(void) {
+    body(context);
+    state[current] = DONE;
+    lc_switch(&fiber_sp[current], scheduler_sp);
+}
+static void fiber_start(unsigned t) {
+    /* the stack as lc_switch leaves a fiber: six saved registers, then where `ret` goes (entry),
+       16-byte aligned so that entry starts as a called function does */
+    void **top = (void **)(((uintptr_t)(stacks[t] + STACK_BYTES)) & ~(uintptr_t)15);
+    top -= 2;
+    top[0] = (void *)entry;
+    top[1] = 0;
+    top -= 6;
+    for (int i = 0; i < 6; ++i) top[i] = 0;
+    fiber_sp[t] = top;
+}
+static void fiber_resume(unsigned t) { lc_switch(&scheduler_sp, fiber_sp[t]); }
+void lc_emu_sync(void) {
+    state[current] = AT_BARRIER;
+    lc_switch(&fiber_sp[current], scheduler_sp);
+}
+#else
+static ucontext_t scheduler, fibers[MAX_THREADS];
 static void entry(void) {
     body(context);
     state[current] = DONE;
     swapcontext(&fibers[current], &scheduler);
 }
+static void fiber_start(unsigned t) {
+    getcontext(&fibers[t]);
+    fibers[t].uc_stack.ss_sp = stacks[t];
+    fibers[t].uc_stack.ss_size = STACK_BYTES;
+    fibers[t].uc_link = NULL;
+    makecontext(&fibers[t], entry, 0);
+}
+static void fiber_resume(unsigned t) { swapcontext(&scheduler, &fibers[t]); }
 void lc_emu_sync(void) {
     state[current] = AT_BARRIER;
     swapcontext(&fibers[current], &scheduler);
 }
+#endif
 void *lc_emu_slot(unsigned thread) { return &slots[thread]; }
 /* 0, or 1 when some threads of a block finished while others wait at a barrier (a divergent
    __syncthreads, undefined on a GPU) */
@@ -70,11 +115,7 @@ int lc_emu_run(void (*kernel_body)(void *), void *kernel_context, unsigned gx, u
         blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
         for (unsigned t = 0; t < threads; ++t) {
             if (!stacks[t]) stacks[t] = (char *)malloc(STACK_BYTES);
-            getcontext(&fibers[t]);
-            fibers[t].uc_stack.ss_sp = stacks[t];
-            fibers[t].uc_stack.ss_size = STACK_BYTES;
-            fibers[t].uc_link = NULL;
-            makecontext(&fibers[t], entry, 0);
+            fiber_start(t);
             state[t] = RUNNABLE;
         }
         for (;;) {
@@ -82,10 +123,10 @@ int lc_emu_run(void (*kernel_body)(void *), void *kernel_context, unsigned gx, u
                 if (state[t] != RUNNABLE) continue;
                 current = (int)t;
                 threadIdx.x = t, threadIdx.y = threadIdx.z = 0;
-                swapcontext(&scheduler, &fibers[t]);
+                fiber_resume(t);
             }
-            unsigned waiting = 0, done = 0;
-            for (unsigned t = 0; t < threads; ++t) waiting += state[t] == AT_BARRIER, done += state[t] == DONE;
+            unsigned done = 0;
+            for (unsigned t = 0; t < threads; ++t) done += state[t] == DONE;
             if (done == threads) break;
             if (done) return 1;
             for (unsigned t = 0; t < threads; ++t) state[t] = RUNNABLE;
@@ -158,7 +199,7 @@ def _build(source: str) -> ctypes.CDLL:
         scheduler.write_text(_SCHEDULER)
         partial = _BUILD_DIR / f"{key}-{os.getpid()}.tmp"
         done = subprocess.run(
-            [os.environ.get("CXX", "g++"), "-O1", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
+            [os.environ.get("CXX", "g++"), "-O2", "-shared", "-fPIC", "-w", "-x", "c++", str(kernels), "-x", "c", str(scheduler), "-o", str(partial)],
             capture_output=True, text=True, check=False,
         )
         if done.returncode:
