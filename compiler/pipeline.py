@@ -254,9 +254,9 @@ def compile_graph(
 def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Progress | None) -> Artifact:
     """The graph as one CUDA program for the GPU type `target`: searched and lowered as for the
     CPU, rendered as CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute
-    capability, and verified against the reference. No GPU takes part here (the compile worker
-    may have none): the kernels are verified in the CPU emulation, and one program is built, so
-    nothing is measured; the report says so."""
+    capability, and verified against the reference: on this machine's GPU when it is of that
+    type's compute capability (then also timed, by CUDA events, at the measuring sizes), else in
+    the CPU emulation, untimed (a compile worker needs no GPU); the report says which."""
     from compiler.backends.cuda_emulator import EmulatedDriver  # builds with the C++ compiler
 
     started = time.perf_counter()
@@ -280,22 +280,38 @@ def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Prog
     build_seconds = time.perf_counter() - began
     tracker.phase("verify", "cuda")
     kernel = kernel_record(program, rendered, gpu.arch, graph.size_limits)
+    driver = _gpu_of_arch(gpu.arch)
+    verified_on = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
+    binaries = {"program.ptx": ptx, "program.cubin": cubin}
     try:
-        # the program as a GPU runtime loads it (arena, launch plan), on the emulated device
-        outputs = CudaProgram(kernel, program.weights, {}, EmulatedDriver()).run(verify_inputs)
+        # the program as a GPU runtime loads it (arena, launch plan): on this machine's GPU when it
+        # is of the target's compute capability, else on the emulated device
+        loaded = CudaProgram(kernel, program.weights, binaries, driver or EmulatedDriver())
+        outputs = loaded.run(verify_inputs)
     except CompilerError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the emulation failing is the generated program's failure
-        raise VerificationFailed(f"the CUDA program failed in the CPU emulation: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
+        raise VerificationFailed(f"the CUDA program failed on {verified_on}: {exc}") from None
     max_error = max((_max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
+    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: one program, not timed"}
+    if driver is not None:
+        tracker.phase("measure")
+        cases = _measure_cases(graph, verify_inputs)
+        measuring = {"device_ms_by_size": {}}
+        for label, inputs in cases:
+            seconds = []
+            for _ in range(MEASURE_REPEATS + 1):  # the first captures the CUDA graph
+                loaded.run(inputs)
+                seconds.append(loaded.last_device_seconds)
+            measuring["device_ms_by_size"][label] = round(measure.median_ms(seconds[1:]), 4)
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,
         "strategy": "one generated program",
         "chosen": "cuda-generated",
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
-        "verified_on": "cpu emulation",
-        "measuring": {"skipped": f"no {target} GPU where this compiled: one program, not timed"},
+        "verified_on": verified_on,
+        "measuring": measuring,
         "search": search_report,
         "ir_nodes": len(graph.nodes),
         "kernels": len(program.kernels),
@@ -310,6 +326,17 @@ def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Prog
         target, graph.content_hash(), signature, graph, [kernel], report,
         {"program.ptx": ptx, "program.cubin": cubin}, program_weights,
     )
+
+
+def _gpu_of_arch(arch: str):
+    """GPU 0 through the driver API when this machine has one of that compute capability."""
+    from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+
+    try:
+        driver = CudaDriver(0)
+    except CudaUnavailable:
+        return None
+    return driver if driver.arch == arch else None
 
 
 def _candidate_report(c: _Candidate) -> dict[str, Any]:
