@@ -160,7 +160,7 @@ def test_a_product_with_more_rows_and_columns_than_a_tile_and_a_ragged_k() -> No
 
 # every this-many-th case of the node suite runs as emulated CUDA here (a build costs ~0.3 s);
 # benchmarks/onnx_conformance.py --cuda-emulated runs them all
-CUDA_SAMPLE_EVERY = 16
+CUDA_SAMPLE_EVERY = 32
 NODE_CASES = load_cases()
 
 
