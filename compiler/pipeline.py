@@ -323,8 +323,7 @@ def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Prog
     }
     signature = Signature.of(graph, memory_terms(graph, numpy_cpu.generate(graph)))
     return Artifact(
-        target, graph.content_hash(), signature, graph, [kernel], report,
-        {"program.ptx": ptx, "program.cubin": cubin}, program_weights,
+        target, graph.content_hash(), signature, graph, [kernel], report, binaries, program_weights,
     )
 
 

@@ -4,21 +4,13 @@ cuda:0`, or `h100:1`: a GPU type of compiler/targets.py and the GPU's ordinal)."
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
-from compiler import Artifact, Signature
+from compiler import Artifact
 from compiler.backends.cuda import CudaProgram, Driver
 from compiler.targets import GPU_TYPES
-
-
-@dataclass
-class CudaLoaded:
-    signature: Signature
-    program: CudaProgram
-    # device memory held while loaded: the program's weights
-    resident_bytes: int
+from runtime.runtime import LoadedProgram
 
 
 class CudaDevice:
@@ -28,14 +20,14 @@ class CudaDevice:
         self.target = target
         self.driver = driver
 
-    def load(self, artifact: Artifact) -> CudaLoaded:
+    def load(self, artifact: Artifact) -> LoadedProgram:
         if artifact.target != self.target:
             raise ValueError(f"artifact for {artifact.target!r} cannot load on {self.target!r}")
         program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, self.driver)
-        return CudaLoaded(artifact.signature, program, program.resident_bytes())
+        return LoadedProgram(artifact.signature, program, program.resident_bytes())
 
     def execute(
-        self, loaded: CudaLoaded, inputs: Mapping[str, np.ndarray], busy: bool = False
+        self, loaded: LoadedProgram, inputs: Mapping[str, np.ndarray], busy: bool = False
     ) -> tuple[dict[str, np.ndarray], float]:
         """Outputs and the device seconds of the batch's kernels (CUDA events around its graph:
         the copies in and out are not billed, as queueing is not)."""
@@ -53,4 +45,4 @@ def parse_device(device: str) -> tuple[str, int]:
     return target, int(ordinal)
 
 
-__all__ = ["CudaDevice", "CudaLoaded", "parse_device"]
+__all__ = ["CudaDevice", "parse_device"]

@@ -11,8 +11,19 @@ from typing import Protocol
 
 import numpy as np
 
-from compiler import Artifact
+from compiler import Artifact, Signature
 from runtime.batching import concat_requests, split_outputs
+
+
+@dataclass
+class LoadedProgram:
+    """A program a device has loaded and what serving it needs; the artifact itself is not kept,
+    so a program holds only the weights its code reads (a weight replaced by packed panels leaves)."""
+
+    signature: Signature
+    program: object
+    # memory held while loaded: the weights the program reads (and a CPU program's native code)
+    resident_bytes: int
 
 
 class RuntimeObserver(Protocol):

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from compiler.kernels.ir import GemmCall, LoopKernel, Program
-from compiler.kernels.lower import kernel_reads, kernel_stores, lets_reads
+from compiler.kernels.lower import kernel_reads, kernel_stores
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
@@ -124,7 +124,7 @@ def render_cuda(program: Program) -> CudaSource:
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
     for number, kernel in enumerate(program.kernels):
-        text, buffers, grid, threads = renderer.cuda_kernel(number, kernel)
+        text, buffers, grid, threads = renderer.cuda_kernel(kernel)
         name = names.get(text)
         if name is None:
             name = names[text] = f"k{number}"
@@ -141,20 +141,15 @@ class CudaRenderer(CRenderer):
         ctype = C_TYPES[self.program.buffers[buffer].dtype]
         return f"{'' if writable else 'const '}{ctype} *__restrict__ b{buffer}"
 
-    def cuda_kernel(self, number: int, kernel: LoopKernel | GemmCall) -> tuple[str, tuple[int, ...], tuple, int]:
+    def cuda_kernel(self, kernel: LoopKernel | GemmCall) -> tuple[str, tuple[int, ...], tuple, int]:
         """(the function's text, named NAME, with its buffers renumbered by position; the buffers
         it takes, in order; its grid; its threads per block)."""
-        self.number = number
         stored = sorted(kernel_stores(kernel))
         if isinstance(kernel, GemmCall):
-            reads = {kernel.a} | ({kernel.b} if kernel.b_panels is None else kernel_reads(kernel.b_panels.kernel))
-            if kernel.epilogue is not None:
-                reads |= lets_reads(kernel.epilogue)
             body, grid, threads = self.product(kernel)
         else:
-            reads = kernel_reads(kernel)
             body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel)
-        buffers = (*sorted(set(reads) - set(stored)), *stored)
+        buffers = (*sorted(kernel_reads(kernel) - set(stored)), *stored)
         parameters = ", ".join(self.parameter(b, b in stored) for b in buffers)
         text = (
             f'extern "C" __global__ void __launch_bounds__({threads}) NAME(const lc_symbols S, {parameters}) {{\n'
@@ -179,7 +174,8 @@ class CudaRenderer(CRenderer):
         lines.append(f"{indent}const int64_t {names[0]} = {rest};\n")
         return "".join(lines)
 
-    def grid_stride(self, total: str, var: str, over: str, per: str, indent: str) -> str:
+    @staticmethod
+    def grid_stride(total: str, var: str, over: str, per: str, indent: str) -> str:
         """A loop of `var` over [0, total) starting at this thread's (or block's) place."""
         return f"{indent}for (int64_t {var} = {over}; {var} < {total}; {var} += {per}) {{\n"
 
@@ -187,15 +183,13 @@ class CudaRenderer(CRenderer):
         rank = len(kernel.shape)
         total = numel(kernel.shape)
         names = [f"o{j}" for j in range(rank)]
-        ctype = C_TYPES[self.program.buffers[kernel.out].dtype]
-        store = lambda value: f"{self.target(kernel)} = ({ctype})({value});"
         lines = [
             f"    const int64_t lc_total = {dim(total)};\n",
             self.grid_stride(
                 "lc_total", "lc_e", "(int64_t)blockIdx.x * blockDim.x + threadIdx.x", "(int64_t)gridDim.x * blockDim.x", "    "
             ),
             self.unflatten("lc_e", names, kernel.shape, "        "),
-            f"        {self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, store)}\n",
+            f"        {self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, self.elementwise_store(kernel))}\n",
             "    }\n",
         ]
         return "".join(lines), (dim_ceildiv(total, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS
