@@ -41,7 +41,7 @@ from compiler.render.cuda import render_cuda
 from compiler.search import SearchBudget, measure, optimize
 from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
-from compiler.targets import GPU_TYPES, KNOWN_TARGETS, is_gpu
+from compiler.targets import EXPORTED, GPU_TYPES, KNOWN_TARGETS, PRECISION_TOLERANCE, check_precision, is_gpu
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
@@ -103,9 +103,11 @@ def compile_onnx(
     candidates: Sequence[str] | None = None,
     search: bool | None = None,
     progress: Progress | None = None,
+    precision: str = EXPORTED,
 ) -> Artifact:
+    check_precision(target, precision)
     _Tracker(progress, _wanted(candidates)).phase("parse")
-    return compile_graph(load_graph(data), target, candidates, search, progress)
+    return compile_graph(load_graph(data), target, candidates, search, progress, precision)
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -176,14 +178,17 @@ def compile_graph(
     candidates: Sequence[str] | None = None,
     search: bool | None = None,
     progress: Progress | None = None,
+    precision: str = EXPORTED,
 ) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
     rejected, not the compile; the NumPy lowering needs nothing but NumPy and is always a
     candidate. `search` turns the search on or off (None: SEARCH); `progress` is told each
-    phase as it begins (see Progress)."""
+    phase as it begins (see Progress); `precision` is one of compiler.targets.PRECISIONS that the
+    target offers (ValueError otherwise)."""
+    check_precision(target, precision)
     if is_gpu(target):
-        return _compile_cuda(graph, target, search, progress)
+        return _compile_cuda(graph, target, search, progress, precision)
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
     started = time.perf_counter()
@@ -251,7 +256,9 @@ def compile_graph(
     )
 
 
-def _compile_cuda(graph: Graph, target: str, search: bool | None, progress: Progress | None) -> Artifact:
+def _compile_cuda(
+    graph: Graph, target: str, search: bool | None, progress: Progress | None, precision: str = EXPORTED
+) -> Artifact:
     """The graph as one CUDA program for the GPU type `target`: searched and lowered as for the
     CPU, rendered as CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute
     capability, and verified against the reference: on this machine's GPU when it is of that

@@ -34,4 +34,30 @@ def is_gpu(target: str) -> bool:
     return target in GPU_TYPES
 
 
-__all__ = ["CPU", "GPU_TYPES", "KNOWN_TARGETS", "GpuType", "is_gpu"]
+# the precision a model runs in: "exported" computes in the dtypes the graph declares; a narrow
+# float stores float32 weights and intermediates in 16 bits (products on tensor cores, sums and
+# products accumulated in float32) while inputs and outputs keep their declared dtypes
+EXPORTED = "exported"
+NARROW_PRECISIONS = ("float16", "bfloat16")
+PRECISIONS = (EXPORTED, *NARROW_PRECISIONS)
+# the largest error a narrow program may show against the float32 reference, relative to the
+# largest output magnitude (or 1): a few dozen roundings of the format's unit (2^-11, 2^-8)
+PRECISION_TOLERANCE = {EXPORTED: 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
+
+
+def check_precision(target: str, precision: str) -> None:
+    """ValueError naming the problem unless `precision` is offered on `target`: narrow floats run
+    on GPU types only."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+    if precision != EXPORTED and not is_gpu(target):
+        raise ValueError(
+            f"precision {precision!r} runs on GPU targets ({', '.join(GPU_TYPES)}), not on {target!r}; "
+            f"use precision {EXPORTED!r} there"
+        )
+
+
+__all__ = [
+    "CPU", "EXPORTED", "GPU_TYPES", "KNOWN_TARGETS", "NARROW_PRECISIONS", "PRECISIONS", "PRECISION_TOLERANCE",
+    "GpuType", "check_precision", "is_gpu",
+]
