@@ -164,6 +164,45 @@ template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
     return got;
 }
 struct lc_call { const void *S; void *const *B; };
+#define __align__(n) __attribute__((aligned(n)))
+/* narrow floats: float16 through the C++ compiler's _Float16 (round to nearest even, as the GPU's
+   cvt.rn), bfloat16 by its bits */
+static inline float lc_from_f16(unsigned short h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float)v; }
+static inline unsigned short lc_to_f16(float f) { _Float16 v = (_Float16)f; unsigned short h; __builtin_memcpy(&h, &v, 2); return h; }
+static inline float lc_from_bf16(unsigned short h) { unsigned u = (unsigned)h << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
+static inline unsigned short lc_to_bf16(float f) {
+    unsigned u; __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  /* a quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+/* a warp product's 16x16 tiles, whole (the GPU spreads them over the warp's registers, in a layout
+   the code never sees): the warp's lane 0 loads, multiplies and stores them for its warp, which
+   is what the warp's 32 lanes do together between the same barriers */
+struct lc_frag_ab { float v[256]; };
+struct lc_frag_c { float v[256]; };
+static inline bool lc_lane0(void) { return (threadIdx.x & 31) == 0; }
+static inline void lc_mma_zero(lc_frag_c &d) { for (int i = 0; i < 256; ++i) d.v[i] = 0.0f; }
+static inline void lc_mma_load(lc_frag_ab &f, const unsigned short *p, int ldm, float (*from)(unsigned short)) {
+    if (lc_lane0()) for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) f.v[r * 16 + c] = from(p[r * ldm + c]);
+}
+static inline void lc_mma(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) {
+    if (!lc_lane0()) return;
+    for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) {
+        float sum = d.v[i * 16 + j];
+        for (int k = 0; k < 16; ++k) sum += a.v[i * 16 + k] * b.v[k * 16 + j];
+        d.v[i * 16 + j] = sum;
+    }
+}
+static inline void lc_mma_load_a_f16(lc_frag_ab &a, const unsigned short *p, int ldm) { lc_mma_load(a, p, ldm, lc_from_f16); }
+static inline void lc_mma_load_b_f16(lc_frag_ab &b, const unsigned short *p, int ldm) { lc_mma_load(b, p, ldm, lc_from_f16); }
+static inline void lc_mma_load_a_bf16(lc_frag_ab &a, const unsigned short *p, int ldm) { lc_mma_load(a, p, ldm, lc_from_bf16); }
+static inline void lc_mma_load_b_bf16(lc_frag_ab &b, const unsigned short *p, int ldm) { lc_mma_load(b, p, ldm, lc_from_bf16); }
+static inline void lc_mma_f16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) { lc_mma(d, a, b); }
+static inline void lc_mma_bf16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) { lc_mma(d, a, b); }
+static inline void lc_mma_store(float *p, const lc_frag_c &d, int ldm) {
+    if (lc_lane0()) for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) p[r * ldm + c] = d.v[r * 16 + c];
+}
 """
 
 _BUILD_DIR = Path(tempfile.gettempdir()) / f"luminal-cuda-emulator-{os.getuid()}"

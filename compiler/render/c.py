@@ -541,10 +541,10 @@ class CRenderer:
             return statement(self.expr(value))
         parts = []
         for let in lets:
-            ctype = C_TYPES[self.program.buffers[let.buffer].dtype]
+            ctype = self.value_type(let.buffer)
             parts.append(f"const {ctype} lc_v{let.buffer} = ({ctype})({self.expr(let.value)});")
             if let.store:
-                parts.append(f"b{let.buffer}[{index}] = lc_v{let.buffer};")
+                parts.append(f"b{let.buffer}[{index}] = {self.stored(let.buffer, f'lc_v{let.buffer}')};")
             self.locals[let.buffer] = f"lc_v{let.buffer}"
         parts.append(statement(self.expr(value)))
         for let in lets:
@@ -555,8 +555,19 @@ class CRenderer:
         return any(self.gathers(v) for v in kernel.values)
 
     def elementwise_store(self, kernel: LoopKernel):
-        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
-        return lambda value: f"{self.target(kernel)} = ({out_type})({value});"
+        return lambda value: f"{self.target(kernel)} = {self.stored(kernel.out, value)};"
+
+    def value_type(self, buffer: int) -> str:
+        """The C type a value of `buffer` is computed in (a local, an accumulator)."""
+        return C_TYPES[self.program.buffers[buffer].dtype]
+
+    def stored(self, buffer: int, value: str) -> str:
+        """`value`, computed in value_type, as `buffer` stores it."""
+        return f"({self.value_type(buffer)})({value})"
+
+    def loaded(self, buffer: int, element: str) -> str:
+        """An element read from `buffer`, as a value of its value_type."""
+        return element
 
     def window_reduction(self, kernel: LoopKernel) -> bool:
         """A float sum or max over a small window of constant extents (pooling): its loops run
@@ -1047,8 +1058,8 @@ class CRenderer:
             if self.guard:  # None under a non-affine guard: no wrapping below it
                 # inside padding's guard: an index that is never out of range whatever the guard
                 # says, so the load may run before the check and the loop vectorizes
-                return f"b{e.buffer}[({self.guard}) ? ({self.ix(e.index)}) : 0]"
-            return f"b{e.buffer}[{self.ix(e.index)}]"
+                return self.loaded(e.buffer, f"b{e.buffer}[({self.guard}) ? ({self.ix(e.index)}) : 0]")
+            return self.loaded(e.buffer, f"b{e.buffer}[{self.ix(e.index)}]")
         if isinstance(e, Const):
             return literal(e.value, e.dtype)
         if isinstance(e, IndexValue):

@@ -27,8 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from compiler.kernels.ir import GemmCall, LoopKernel, Program
+from compiler.kernels.ir import GemmCall, Load, LoopKernel, Program
 from compiler.kernels.lower import kernel_reads, kernel_stores
+from compiler.kernels.precision import narrow_dtype
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
@@ -42,8 +43,18 @@ REDUCE_THREADS = 256
 GEMM_TILE = 64
 GEMM_K_STEP = 16
 GEMM_THREADS = 256
+# a product on tensor cores: a MMA_TILE square of C per block of MMA_THREADS (four warps, each a
+# 32x32 quarter), the k step staged in shared memory, and the padding of the staged rows (keeps
+# every 16x16 fragment 32-byte aligned, as wmma loads need, and spreads rows over banks)
+MMA_TILE = 64
+MMA_K_STEP = 32
+MMA_THREADS = 128
+MMA_PAD = 8
+MMA_C_PAD = 4
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
+# a narrow float's storage type and the suffix of its conversions and warp products in the prelude
+NARROW_TYPES = {"float16": ("lc_half", "f16"), "bfloat16": ("lc_bf16", "bf16")}
 
 PRELUDE = r"""typedef signed char int8_t;
 typedef short int16_t;
@@ -83,6 +94,56 @@ __device__ __forceinline__ int64_t lc_index(int64_t v, int64_t n) {
 __device__ __forceinline__ float lc_exp2f(float x) { return exp2f(x); }
 """
 
+# Narrow floats are 16-bit storage: read into float, computed in float, rounded to nearest even as
+# they are stored; tensor-core products (wmma, 16x16x16, float32 accumulators) take them from
+# shared memory. The fragments are opaque registers, so the code never depends on their layout.
+# (The CPU emulation, compiler.backends.cuda_emulator, defines these names itself.)
+NARROW_PRELUDE = r"""typedef unsigned short lc_half;
+typedef unsigned short lc_bf16;
+#ifdef __CUDACC__
+__device__ __forceinline__ float lc_from_f16(lc_half h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ lc_half lc_to_f16(float f) { lc_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float lc_from_bf16(lc_bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
+__device__ __forceinline__ lc_bf16 lc_to_bf16(float f) { lc_bf16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+struct lc_frag_ab { unsigned r[8]; };
+struct lc_frag_c { float r[8]; };
+__device__ __forceinline__ void lc_mma_zero(lc_frag_c &d) { for (int i = 0; i < 8; ++i) d.r[i] = 0.0f; }
+#define LC_AB8(f) "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]), "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])
+#define LC_AB4(f) "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+#define LC_IN8(f) "r"(f.r[0]), "r"(f.r[1]), "r"(f.r[2]), "r"(f.r[3]), "r"(f.r[4]), "r"(f.r[5]), "r"(f.r[6]), "r"(f.r[7])
+#define LC_IN4(f) "r"(f.r[0]), "r"(f.r[1]), "r"(f.r[2]), "r"(f.r[3])
+#define LC_C8(f) "+f"(f.r[0]), "+f"(f.r[1]), "+f"(f.r[2]), "+f"(f.r[3]), "+f"(f.r[4]), "+f"(f.r[5]), "+f"(f.r[6]), "+f"(f.r[7])
+#define LC_SHARED(p) ((unsigned)__cvta_generic_to_shared(p))
+__device__ __forceinline__ void lc_mma_load_a_f16(lc_frag_ab &a, const lc_half *p, int ldm) {
+    asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;" : LC_AB8(a) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_load_b_f16(lc_frag_ab &b, const lc_half *p, int ldm) {
+    asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;" : LC_AB8(b) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_f16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) {
+    asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+                 "{%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+                 : LC_C8(d) : LC_IN8(a), LC_IN8(b));
+}
+__device__ __forceinline__ void lc_mma_load_a_bf16(lc_frag_ab &a, const lc_bf16 *p, int ldm) {
+    asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16 {%0,%1,%2,%3}, [%4], %5;" : LC_AB4(a) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_load_b_bf16(lc_frag_ab &b, const lc_bf16 *p, int ldm) {
+    asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16 {%0,%1,%2,%3}, [%4], %5;" : LC_AB4(b) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_bf16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) {
+    asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.bf16.bf16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+                 "{%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+                 : LC_C8(d) : LC_IN4(a), LC_IN4(b));
+}
+__device__ __forceinline__ void lc_mma_store(float *p, const lc_frag_c &d, int ldm) {
+    asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.shared.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+                 :: "r"(LC_SHARED(p)), "f"(d.r[0]), "f"(d.r[1]), "f"(d.r[2]), "f"(d.r[3]), "f"(d.r[4]), "f"(d.r[5]),
+                    "f"(d.r[6]), "f"(d.r[7]), "r"(ldm) : "memory");
+}
+#endif
+"""
+
 
 def _symbols_struct(count: int) -> str:
     return f"typedef struct {{ int64_t v[{max(1, count)}]; }} lc_symbols;\n"
@@ -120,7 +181,7 @@ def render_cuda(program: Program) -> CudaSource:
     differ only in the buffers they read and write (a model's repeated layers) are one function,
     launched once per kernel with its own buffers."""
     renderer = CudaRenderer(program)
-    parts = [PRELUDE, _symbols_struct(len(program.symbols))]
+    parts = [PRELUDE, *([NARROW_PRELUDE] if renderer.narrow else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
     for number, kernel in enumerate(program.kernels):
@@ -134,12 +195,41 @@ def render_cuda(program: Program) -> CudaSource:
 
 
 class CudaRenderer(CRenderer):
+    """CUDA C of a program's kernels; a buffer of a narrow float (compiler.kernels.precision) is
+    read into float and rounded as it is stored, and the products run on tensor cores."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        # the narrow float the program stores its values in, if any
+        self.narrow = narrow_dtype(program)
+
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S.v[{i}];\n" for i, s in enumerate(self.program.symbols))
 
     def parameter(self, buffer: int, writable: bool) -> str:
-        ctype = C_TYPES[self.program.buffers[buffer].dtype]
+        dtype = self.program.buffers[buffer].dtype
+        ctype = NARROW_TYPES[dtype][0] if dtype in NARROW_TYPES else C_TYPES[dtype]
         return f"{'' if writable else 'const '}{ctype} *__restrict__ b{buffer}"
+
+    def computed_dtype(self, buffer: int) -> str:
+        dtype = self.program.buffers[buffer].dtype
+        return "float32" if dtype in NARROW_TYPES else dtype
+
+    def value_type(self, buffer: int) -> str:
+        return C_TYPES[self.computed_dtype(buffer)]
+
+    def stored(self, buffer: int, value: str) -> str:
+        dtype = self.program.buffers[buffer].dtype
+        if dtype in NARROW_TYPES:
+            return f"lc_to_{NARROW_TYPES[dtype][1]}({value})"
+        return super().stored(buffer, value)
+
+    def loaded(self, buffer: int, element: str) -> str:
+        dtype = self.program.buffers[buffer].dtype
+        return f"lc_from_{NARROW_TYPES[dtype][1]}({element})" if dtype in NARROW_TYPES else element
+
+    def dtype_of(self, e) -> str:
+        return self.computed_dtype(e.buffer) if isinstance(e, Load) else e.dtype
 
     def cuda_kernel(self, kernel: LoopKernel | GemmCall) -> tuple[str, tuple[int, ...], tuple, int]:
         """(the function's text, named NAME, with its buffers renumbered by position; the buffers
@@ -196,7 +286,7 @@ class CudaRenderer(CRenderer):
 
     def reduction(self, kernel: LoopKernel) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         kind, extents = kernel.reduce
-        dtype = self.program.buffers[kernel.out].dtype
+        dtype = self.computed_dtype(kernel.out)
         out_type = C_TYPES[dtype]
         floating = dtype in ("float32", "float64")
         # float32 sums accumulate in float (a tree of partial sums, not one long chain); integers
@@ -239,39 +329,33 @@ class CudaRenderer(CRenderer):
                 "        __syncthreads();  /* lc_partial is written again for the next output */\n",
             ]
         result = "lc_acc != 0" if dtype == "bool" else "lc_acc"
-        lines.append(f"        if (threadIdx.x == 0) {self.target(kernel)} = ({out_type})({result});\n")
+        lines.append(f"        if (threadIdx.x == 0) {self.target(kernel)} = {self.stored(kernel.out, result)};\n")
         lines.append("    }\n")
         return "".join(lines), (numel(kernel.shape), 1, 1), threads
 
     def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
-        """C = A @ B per batch index, a GEMM_TILE square of C per block: each thread computes a
-        (GEMM_TILE/16)^2 lattice of it (rows ty + 16*i, columns tx + 16*j: conflict-free reads of
-        the staged tiles and coalesced stores), then the epilogue at each element it stores."""
+        """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
+        the program stores a narrow float (see product_mma), else in the product's own dtype:
+        each thread computes a (GEMM_TILE/16)^2 lattice of the tile (rows ty + 16*i, columns
+        tx + 16*j: conflict-free reads of the staged tiles and coalesced stores), then the
+        epilogue at each element it stores."""
+        if self.narrow is not None and call.dtype == "float32":
+            return self.product_mma(call)
         ctype = C_TYPES[call.dtype]
-        lines = []
-        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
         per = GEMM_TILE // 16
         tile, step = GEMM_TILE, GEMM_K_STEP
-        lines += [
-            f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n",
-            "    (void)batch;\n",
+        lines = [
+            *self.product_head(call),
             f"    __shared__ {ctype} lc_as[{step}][{tile} + 1];\n",
             f"    __shared__ {ctype} lc_bs[{step}][{tile} + 1];\n",
-            "    const int64_t t = blockIdx.z, row0 = (int64_t)blockIdx.y * " + f"{tile}, col0 = (int64_t)blockIdx.x * {tile};\n",
             "    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;\n",
-        ]
-        lines += self.batch_indices(call, "    ")
-        a_off = self.ix(self.batch_offset(call.batch, call.a_batch_strides))
-        lda = self.lda(call)
-        a_element = f"b{call.a}[{a_off} + " + (f"lc_k * {lda} + lc_i]" if call.trans_a else f"lc_i * {lda} + lc_k]")
-        lines += [
             f"    {ctype} lc_acc[{per}][{per}];\n",
             f"    for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] = 0;\n",
             f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
             f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {GEMM_THREADS}) {{\n",
             f"            const int lc_r = lc_e % {tile}, lc_c = lc_e / {tile};\n",
             "            const int64_t lc_i = row0 + lc_r, lc_k = k0 + lc_c;\n",
-            f"            lc_as[lc_c][lc_r] = (lc_i < m && lc_k < k) ? {a_element} : ({ctype})0;\n",
+            f"            lc_as[lc_c][lc_r] = (lc_i < m && lc_k < k) ? {self.a_element(call)} : ({ctype})0;\n",
             "        }\n",
             f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {GEMM_THREADS}) {{\n",
             f"            const int lc_c = lc_e % {tile}, lc_r = lc_e / {tile};\n",
@@ -294,17 +378,92 @@ class CudaRenderer(CRenderer):
             f"    for (int lc_ti = 0; lc_ti < {per}; ++lc_ti) for (int lc_tj = 0; lc_tj < {per}; ++lc_tj) {{\n",
             "        const int64_t i = row0 + ty + 16 * lc_ti, j = col0 + tx + 16 * lc_tj;\n",
             "        if (i >= m || j >= n) continue;\n",
-            f"        b{call.c}[t * m * n + i * n + j] = lc_acc[lc_ti][lc_tj];\n",
+            *self.product_store(call, "lc_acc[lc_ti][lc_tj]", "        "),
+            "    }\n",
         ]
-        if call.epilogue is not None:
-            # the epilogue reads C's own element, which holds the sum (stored first: the
-            # epilogue's expression may read it through a view the local cannot stand for)
-            store = lambda value: f"b{call.c}[t * m * n + i * n + j] = ({ctype})({value});"
-            text = self.with_lets(call.epilogue.lets, "t * m * n + i * n + j", call.epilogue.value, store)
-            lines.append(f"        {text}\n")
-        lines.append("    }\n")
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, GEMM_THREADS
+
+    def product_mma(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """C = A @ B on tensor cores: A and B staged through shared memory in the program's narrow
+        float, a MMA_TILE square of C per block of four warps, each warp a 32x32 quarter as 2x2
+        16x16x16 warp products (wmma) accumulated in float32; the sums go through shared memory
+        to the epilogue, applied as each element is stored."""
+        narrow, suffix = self.narrow, NARROW_TYPES[self.narrow][1]
+        tile, step = MMA_TILE, MMA_K_STEP
+        a_ld, b_ld, c_ld = step + MMA_PAD, tile + MMA_PAD, tile + MMA_C_PAD
+        lines = [
+            *self.product_head(call),
+            f"    __shared__ __align__(32) {NARROW_TYPES[narrow][0]} lc_as[{tile}][{a_ld}];\n",
+            f"    __shared__ __align__(32) {NARROW_TYPES[narrow][0]} lc_bs[{step}][{b_ld}];\n",
+            f"    __shared__ __align__(32) float lc_cs[{tile}][{c_ld}];\n",
+            "    const int lc_wm = (threadIdx.x / 32) / 2, lc_wn = (threadIdx.x / 32) % 2;\n",
+            "    lc_frag_c lc_acc[2][2];\n",
+            "    for (int i = 0; i < 2; ++i) for (int j = 0; j < 2; ++j) lc_mma_zero(lc_acc[i][j]);\n",
+            f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {MMA_THREADS}) {{\n",
+            f"            const int lc_r = lc_e / {step}, lc_c = lc_e % {step};\n",
+            "            const int64_t lc_i = row0 + lc_r, lc_k = k0 + lc_c;\n",
+            f"            lc_as[lc_r][lc_c] = lc_to_{suffix}((lc_i < m && lc_k < k) ? (float)({self.a_element(call)}) : 0.0f);\n",
+            "        }\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {MMA_THREADS}) {{\n",
+            f"            const int lc_r = lc_e / {tile}, lc_c = lc_e % {tile};\n",
+            "            const int64_t lc_k = k0 + lc_r, lc_j = col0 + lc_c;\n",
+            "            float lc_v = 0;\n",
+            "            if (lc_k < k && lc_j < n) {\n",
+            self.b_element(call, "                "),
+            "            }\n",
+            f"            lc_bs[lc_r][lc_c] = lc_to_{suffix}(lc_v);\n",
+            "        }\n",
+            "        __syncthreads();\n",
+            f"        for (int kk = 0; kk < {step}; kk += 16) {{\n",
+            "            lc_frag_ab lc_a[2], lc_b[2];\n",
+            f"            for (int i = 0; i < 2; ++i) lc_mma_load_a_{suffix}(lc_a[i], &lc_as[lc_wm * 32 + 16 * i][kk], {a_ld});\n",
+            f"            for (int j = 0; j < 2; ++j) lc_mma_load_b_{suffix}(lc_b[j], &lc_bs[kk][lc_wn * 32 + 16 * j], {b_ld});\n",
+            f"            for (int i = 0; i < 2; ++i) for (int j = 0; j < 2; ++j) lc_mma_{suffix}(lc_acc[i][j], lc_a[i], lc_b[j]);\n",
+            "        }\n",
+            "        __syncthreads();\n",
+            "    }\n",
+            "    for (int i = 0; i < 2; ++i) for (int j = 0; j < 2; ++j)\n",
+            f"        lc_mma_store(&lc_cs[lc_wm * 32 + 16 * i][lc_wn * 32 + 16 * j], lc_acc[i][j], {c_ld});\n",
+            "    __syncthreads();\n",
+            f"    for (int lc_e = threadIdx.x; lc_e < {tile * tile}; lc_e += {MMA_THREADS}) {{\n",
+            f"        const int64_t i = row0 + lc_e / {tile}, j = col0 + lc_e % {tile};\n",
+            "        if (i >= m || j >= n) continue;\n",
+            *self.product_store(call, f"lc_cs[lc_e / {tile}][lc_e % {tile}]", "        "),
+            "    }\n",
+        ]
+        grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
+        return "".join(lines), grid, MMA_THREADS
+
+    def product_head(self, call: GemmCall) -> list[str]:
+        """A product's sizes, its block's batch index t (t0.. per batch axis) and tile corner."""
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        tile = MMA_TILE if self.narrow is not None and call.dtype == "float32" else GEMM_TILE
+        return [
+            f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n",
+            "    (void)batch;\n",
+            f"    const int64_t t = blockIdx.z, row0 = (int64_t)blockIdx.y * {tile}, col0 = (int64_t)blockIdx.x * {tile};\n",
+            *self.batch_indices(call, "    "),
+        ]
+
+    def a_element(self, call: GemmCall) -> str:
+        """A[lc_i, lc_k] at batch index t."""
+        a_off = self.ix(self.batch_offset(call.batch, call.a_batch_strides))
+        lda = self.lda(call)
+        index = f"lc_k * {lda} + lc_i" if call.trans_a else f"lc_i * {lda} + lc_k"
+        return self.loaded(call.a, f"b{call.a}[{a_off} + {index}]")
+
+    def product_store(self, call: GemmCall, value: str, indent: str) -> list[str]:
+        """C[t, i, j] = value, then the epilogue at that element, if any: it reads C's own
+        element, which holds the sum (stored first: the epilogue's expression may read it through
+        a view the local cannot stand for)."""
+        element = f"b{call.c}[t * m * n + i * n + j]"
+        lines = [f"{indent}{element} = {self.stored(call.c, value)};\n"]
+        if call.epilogue is not None:
+            store = lambda v: f"{element} = {self.stored(call.c, v)};"
+            lines.append(f"{indent}{self.with_lets(call.epilogue.lets, 't * m * n + i * n + j', call.epilogue.value, store)}\n")
+        return lines
 
     def b_element(self, call: GemmCall, indent: str) -> str:
         """`lc_v` = B[lc_k, lc_j] at batch index t: read from its buffer, or computed from its
@@ -314,7 +473,7 @@ class CudaRenderer(CRenderer):
             b_off = self.ix(self.batch_offset(call.batch, call.b_batch_strides))
             ldb = self.ldb(call)
             index = f"lc_j * {ldb} + lc_k" if call.trans_b else f"lc_k * {ldb} + lc_j"
-            return f"{indent}lc_v = b{call.b}[{b_off} + {index}];\n"
+            return f"{indent}lc_v = {self.loaded(call.b, f'b{call.b}[{b_off} + {index}]')};\n"
         panels = call.b_panels
         assert not panels.kernel.lets, "a Panels kernel computes one value per element"
         shape = panels.kernel.shape

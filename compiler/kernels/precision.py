@@ -1,0 +1,89 @@
+"""A kernel-IR program stored in a narrower float than it computes in (the upload's `precision`).
+
+`narrow_storage(program, "float16")` gives float32 weights and temps the narrow dtype; nothing else
+changes. Expressions keep their float32 dtypes, so a renderer reads a narrow buffer into a float32
+value, computes in float32 (sums and products accumulate there), and rounds once as it stores.
+Inputs and outputs keep their dtypes: a caller sends and gets what the model declares, and the
+bytes saved are the weights' and the intermediates', which are most of what a layer moves.
+A runtime converts a weight to its buffer's dtype as it uploads it (CudaProgram), so the
+artifact keeps the graph's float32 weights and no second copy.
+
+A temp stays float32 where its values derive from a finite constant beyond the narrow format's
+range: an attention mask's float32 minimum (-3.4e38) would become -inf in float16, and a fully
+masked row's softmax NaN, where the float32 model gives a uniform row."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+
+from compiler.kernels.ir import Apply, Const, Expr, GemmCall, Guarded, Load, LoopKernel, Program
+
+# the roles whose float32 buffers a narrow precision stores narrow ("panel" buffers are never
+# stored; inputs and outputs are the model's interface)
+NARROWED_ROLES = ("weight", "temp")
+# the largest finite value of each narrow float
+NARROW_MAX = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
+# ops whose result is bounded whatever their operands (exp2 of a huge negative is 0)
+_BOUNDING_OPS = frozenset({"exp2", "sin", "less_than", "recip"})
+
+
+def narrow_storage(program: Program, dtype: str) -> Program:
+    """The program with its float32 weights and temps stored as `dtype` (float16 or bfloat16),
+    except temps whose values may exceed its finite range (see out_of_range)."""
+    if dtype not in NARROW_MAX:
+        raise ValueError(f"not a narrow float: {dtype!r}")
+    wide = out_of_range(program, NARROW_MAX[dtype])
+    buffers = [
+        replace(b, dtype=dtype) if b.dtype == "float32" and b.role in NARROWED_ROLES and b.id not in wide else b
+        for b in program.buffers
+    ]
+    return replace(program, buffers=buffers)
+
+
+def out_of_range(program: Program, limit: float) -> set[int]:
+    """Buffers whose values may be finite and beyond +-limit: computed from a finite constant
+    beyond it, or from such a buffer, through ops that do not bound their result."""
+    wide: set[int] = set()
+    for kernel in program.kernels:
+        if isinstance(kernel, LoopKernel):
+            for let in kernel.lets:
+                if _exceeds(let.value, wide, limit):
+                    wide.add(let.buffer)
+            if _exceeds(kernel.value, wide, limit):
+                wide.add(kernel.out)
+        elif isinstance(kernel, GemmCall):
+            panels = kernel.b_panels is not None and _exceeds(kernel.b_panels.kernel.value, wide, limit)
+            epilogue = kernel.epilogue is not None and any(_exceeds(v, wide, limit) for v in kernel.epilogue.values)
+            if kernel.a in wide or kernel.b in wide or panels or epilogue:
+                wide.add(kernel.c)
+    return wide
+
+
+def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:
+    if isinstance(expr, Load):
+        return expr.buffer in wide
+    if isinstance(expr, Const):
+        value = float(expr.value)
+        return math.isfinite(value) and abs(value) > limit
+    if isinstance(expr, Guarded):
+        return _exceeds(expr.value, wide, limit) or _exceeds(Const(expr.fill, expr.dtype), wide, limit)
+    if isinstance(expr, Apply):
+        if expr.op in _BOUNDING_OPS or (expr.op == "cast" and expr.dtype != "float32"):
+            return False
+        return any(_exceeds(a, wide, limit) for a in expr.args)
+    return False
+
+
+def narrow_dtype(program: Program) -> str | None:
+    """The narrow float the program stores its values in, or None when it stores none."""
+    found = {b.dtype for b in program.buffers if b.dtype in ("float16", "bfloat16")}
+    if len(found) > 1:
+        raise ValueError(f"a program stores one narrow float, not {sorted(found)}")
+    return next(iter(found), None)
+
+
+__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_dtype", "narrow_storage", "out_of_range"]
