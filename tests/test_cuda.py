@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -18,10 +19,12 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
+from compiler.kernels.precision import narrow_storage, out_of_range
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
-from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, render_cuda
+from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, MMA_THREADS, render_cuda
 from compiler.shape import dim_from_json, evaluate
+from compiler.targets import PRECISION_TOLERANCE
 from tests.conftest import FIXTURES
 
 MODELS = ["torch_mlp", "torch_cnn", "bert_dynamo", "gpt2_dynamo", "resnet_dynamo"]
@@ -332,11 +335,156 @@ def test_a_gpu_runtime_that_cannot_start_says_why(tmp_path) -> None:
         build_runtime(settings, store, "cuda:99")
 
 
+# ---- narrow precisions: float16 and bfloat16 storage, tensor-core products ---------------------
+
+NARROW = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _narrow_close(got: np.ndarray, want: np.ndarray, precision: str, what: str) -> None:
+    """Within the precision's verification tolerance, relative to the largest expected value."""
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    error = float(np.abs(got.astype(np.float64) - want).max(initial=0.0))
+    assert error <= PRECISION_TOLERANCE[precision] * scale, f"{what}: error {error:.3g} at scale {scale:.3g}"
+
+
+def test_a_narrow_program_stores_16_bits_and_multiplies_on_tensor_cores() -> None:
+    program = narrow_storage(_program(_softmax_after_gemm()), "float16")
+    assert {b.dtype for b in program.buffers if b.role in ("weight", "temp")} == {"float16"}
+    assert {b.dtype for b in program.buffers if b.role in ("input", "output")} == {"float32"}
+    rendered = render_cuda(program)
+    product = _kernel_source(rendered.source, 0)
+    # operands staged as halves, 16x16x16 warp products accumulated in float, sums staged for the epilogue
+    assert "__shared__ __align__(32) lc_half lc_as[64][40];" in product
+    assert "lc_mma_f16(lc_acc[i][j], lc_a[i], lc_b[j]);" in product
+    assert "lc_mma_store(&lc_cs[lc_wm * 32 + 16 * i][lc_wn * 32 + 16 * j], lc_acc[i][j], 68);" in product
+    # a weight is read into float; the output tile is rounded once as it is stored
+    assert re.search(r"lc_v = lc_from_f16\(b\d+\[", product)
+    assert re.search(r"b\d+\[t \* m \* n \+ i \* n \+ j\] = lc_to_f16\(lc_cs\[", product)
+    assert rendered.launches[0].threads == MMA_THREADS
+    assert re.search(r"const lc_half \*__restrict__ b\d+", product)
+    bf16 = render_cuda(narrow_storage(_program(_softmax_after_gemm()), "bfloat16")).source
+    assert "lc_mma_bf16(lc_acc[i][j], lc_a[i], lc_b[j]);" in bf16 and "lc_half *" not in bf16.split("#endif")[-1]
+
+
+@pytest.mark.parametrize("precision", sorted(NARROW))
+@pytest.mark.parametrize("model", ["torch_cnn", "bert_dynamo"])
+def test_a_narrow_program_compiles_to_ptx_and_an_sm90_cubin_with_its_warp_products(model: str, precision: str) -> None:
+    program = narrow_storage(_program((FIXTURES / f"{model}.onnx").read_bytes()), precision)
+    ptx, cubin = compile_cuda(render_cuda(program).source, "sm_90")
+    kind = "f16" if precision == "float16" else "bf16"
+    assert re.search(rb"wmma\.mma\.sync\.aligned\.row\.row\.m16n16k16\.f32\.", ptx)
+    assert f"wmma.load.a.sync.aligned.row.m16n16k16.shared.{kind}".encode() in ptx
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("precision", sorted(NARROW))
+@pytest.mark.parametrize("model", MODELS)
+def test_a_narrow_program_computes_what_the_float32_reference_does_within_its_tolerance(model: str, precision: str) -> None:
+    data = (FIXTURES / f"{model}.onnx").read_bytes()
+    graph = load_graph(data)
+    emulated = emulate(narrow_storage(_program(data), precision), graph.size_limits)
+    inputs = sample_inputs(graph, seed=3, int_high=1, symbol_size=2)
+    got = emulated.run(inputs)
+    for name, want in run_graph(graph, inputs).items():
+        assert got[name].dtype == want.dtype  # the interface keeps the exported dtypes
+        _narrow_close(got[name], want, precision, name)
+
+
+@pytest.mark.parametrize("precision", sorted(NARROW))
+def test_a_stored_value_rounds_to_the_nearest_narrow_float_as_numpy_does(precision: str) -> None:
+    # the max of x and 69 -infs into a narrow temp, then doubled into the float32 output: every
+    # output is twice the narrow rounding of x, bit for bit (ties to even, overflow to inf, NaN kept)
+    nodes = [helper.make_node("ReduceMax", ["x"], ["r"], axes=[1], keepdims=0), helper.make_node("Add", ["r", "r"], ["y"])]
+    graph_proto = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 70])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = narrow_storage(lower(load_graph(data)), precision)  # unfused: r is a temp
+    assert any(b.role == "temp" and b.dtype == precision for b in program.buffers)
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    special = [65519.0, 65520.0, -65520.0, 1e30, np.nan, np.inf, -np.inf, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-25]
+    values = np.concatenate([bits.view(np.float32), np.array(special, np.float32)])
+    x = np.full((len(values), 70), -np.inf, np.float32)
+    x[:, 33] = values
+    got = emulate(program).run({"x": x})["y"]
+    with np.errstate(all="ignore"):  # overflow to inf and NaN are cases here
+        want = values.astype(NARROW[precision]).astype(np.float32) * 2
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_product_on_tensor_cores_with_ragged_tiles_and_batches() -> None:
+    # edge tiles, a ragged last k step and a batch of products with their own operands
+    rng = np.random.default_rng(5)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    graph_proto = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, "m", 37]), helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 37, 150])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, "m", 150])],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = narrow_storage(_program(data), "float16")
+    assert isinstance(program.kernels[0], GemmCall)
+    x = rng.standard_normal((3, 70, 37)).astype(np.float32)
+    w = rng.standard_normal((3, 37, 150)).astype(np.float32)
+    got = emulate(program).run({"x": x, "w": w})["y"]
+    # the operands are rounded to float16 and the sums kept in float32: as NumPy computes it
+    want = x.astype(np.float16).astype(np.float32) @ w.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_mask_of_the_float32_minimum_stays_float32_so_a_fully_masked_row_is_uniform() -> None:
+    # scores + (1 - mask) * float32 min, softmax: in float16 the minimum would be -inf, and a
+    # row with every position masked NaN where the float32 model gives 1/n
+    minimum = numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "minimum")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    nodes = [
+        helper.make_node("Sub", ["one", "mask"], ["inverted"]),
+        helper.make_node("Mul", ["inverted", "minimum"], ["bias"]),
+        helper.make_node("Add", ["scores", "bias"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["y"], axis=-1),
+    ]
+    graph_proto = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 16]), helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], [minimum, one],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    base = lower(load_graph(data))  # unfused: the masked scores are a temp
+    assert out_of_range(base, 65504.0)
+    program = narrow_storage(base, "float16")
+    wide = [b for b in program.buffers if b.role == "temp" and b.dtype == "float32"]
+    assert wide and all(b.id in out_of_range(base, 65504.0) for b in wide)
+    scores = np.random.default_rng(6).standard_normal((2, 16)).astype(np.float32)
+    mask = np.stack([np.zeros(16, np.float32), (np.arange(16) < 5).astype(np.float32)])
+    got = emulate(program).run({"scores": scores, "mask": mask})["y"]
+    np.testing.assert_allclose(got[0], np.full(16, 1 / 16), rtol=1e-6)
+    expected = np.exp(scores[1, :5] - scores[1, :5].max())
+    np.testing.assert_allclose(got[1, :5], expected / expected.sum(), rtol=1e-2)
+    assert not got[1, 5:].any()
+
+
+def test_a_narrow_precision_compiles_for_a_gpu_type_and_is_refused_on_the_cpu() -> None:
+    from compiler import compile_onnx
+
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    report = compile_onnx(data, "h100", precision="bfloat16").report
+    assert report["precision"]["chosen"] == "bfloat16" and report["precision"]["tolerance"] == PRECISION_TOLERANCE["bfloat16"]
+    assert report["precision"]["products"].startswith("tensor cores: bfloat16")
+    assert 0 < report["verify_max_abs_error"] <= PRECISION_TOLERANCE["bfloat16"]
+    with pytest.raises(ValueError, match="precision 'float16' runs on GPU targets .* not on 'cpu'"):
+        compile_onnx(data, "cpu", precision="float16")
+    with pytest.raises(ValueError, match="unknown precision 'float8'"):
+        compile_onnx(data, "h100", precision="float8")
+
+
 # ---- on a GPU (skipped without one) -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("precision", ["exported", *sorted(NARROW)])
 @pytest.mark.parametrize("model", MODELS)
-def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str) -> None:
+def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str, precision: str) -> None:
     from compiler import compile_onnx
     from compiler.backends.cuda import CudaProgram
     from compiler.targets import GPU_TYPES
@@ -344,7 +492,8 @@ def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str) -> None
     driver = _gpu_driver()
     target = next((t for t, gpu in GPU_TYPES.items() if gpu.arch == driver.arch), "cuda")  # else its PTX
     data = (FIXTURES / f"{model}.onnx").read_bytes()
-    artifact = compile_onnx(data, target)
+    artifact = compile_onnx(data, target, precision=precision)
+    assert artifact.report["verified_on"] != "cpu emulation"
     program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
     graph = load_graph(data)
     for size, seed in ((1, 0), (5, 1), (5, 2)):  # the third replays the graph the second captured
@@ -352,4 +501,7 @@ def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str) -> None
         got = program.run(inputs)
         assert program.last_device_seconds > 0
         for name, want in run_graph(graph, inputs).items():
-            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
+            if precision == "exported":
+                np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
+            else:
+                _narrow_close(got[name], want, precision, f"{name} size={size}")

@@ -41,7 +41,7 @@ def narrow_storage(program: Program, dtype: str) -> Program:
         replace(b, dtype=dtype) if b.dtype == "float32" and b.role in NARROWED_ROLES and b.id not in wide else b
         for b in program.buffers
     ]
-    return replace(program, buffers=buffers)
+    return replace(program, buffers=buffers, narrow=dtype)
 
 
 def out_of_range(program: Program, limit: float) -> set[int]:
@@ -78,12 +78,4 @@ def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:
     return False
 
 
-def narrow_dtype(program: Program) -> str | None:
-    """The narrow float the program stores its values in, or None when it stores none."""
-    found = {b.dtype for b in program.buffers if b.dtype in ("float16", "bfloat16")}
-    if len(found) > 1:
-        raise ValueError(f"a program stores one narrow float, not {sorted(found)}")
-    return next(iter(found), None)
-
-
-__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_dtype", "narrow_storage", "out_of_range"]
+__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_storage", "out_of_range"]

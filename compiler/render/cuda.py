@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from compiler.kernels.ir import GemmCall, Load, LoopKernel, Program
 from compiler.kernels.lower import kernel_reads, kernel_stores
-from compiler.kernels.precision import narrow_dtype
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
@@ -200,8 +199,8 @@ class CudaRenderer(CRenderer):
 
     def __init__(self, program: Program) -> None:
         super().__init__(program)
-        # the narrow float the program stores its values in, if any
-        self.narrow = narrow_dtype(program)
+        # the narrow float the program stores its values in and multiplies in, if any
+        self.narrow = program.narrow
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S.v[{i}];\n" for i, s in enumerate(self.program.symbols))
