@@ -30,6 +30,8 @@ class VersionCreated(BaseModel):
     version: int
     status: str
     target: str
+    # "exported" (the dtypes the graph declares), "float16" or "bfloat16" (GPU types only)
+    precision: str
 
 
 class CompileProgress(BaseModel):
@@ -48,6 +50,7 @@ class VersionPublic(BaseModel):
     version: int
     status: str
     target: str
+    precision: str
     created_at: datetime
     signature: SignaturePublic | None = None
     report: dict[str, Any] | None = None
@@ -87,6 +90,7 @@ class VersionSummary(BaseModel):
     version: int
     status: str
     target: str
+    precision: str
     created_at: datetime
     # the aliases pointing at this version
     aliases: list[str]

@@ -25,6 +25,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from cloud.errors import Unreachable
 from cloud.settings import Settings
+from compiler.targets import EXPORTED
 
 
 def utcnow() -> datetime:
@@ -93,6 +94,9 @@ class ModelVersion(Base):
     # queued -> compiling -> ready | failed
     status: Mapped[str] = mapped_column(String(16), default="queued")
     target: Mapped[str] = mapped_column(String(32))
+    # the float the model runs in: "exported" (its declared dtypes) or a narrower one on a GPU
+    # type (compiler.targets.PRECISIONS)
+    precision: Mapped[str] = mapped_column(String(16), default=EXPORTED, server_default=EXPORTED)
     # object-store key of the uploaded graph (content addressed)
     graph_key: Mapped[str] = mapped_column(String(256))
     graph_bytes: Mapped[int] = mapped_column(Integer)

@@ -134,7 +134,7 @@ def graph_digest(graph_key: str) -> str:
 def artifact_key(graph_key: str, target: str, options: Mapping[str, object] | None = None) -> str:
     """Artifacts are cached by (uploaded graph, target, compiler version, compile options): the
     options (candidates measured, search on or off, the CPU type a cpu program was built and
-    measured on) enter as a digest, so that changing any of them compiles again."""
+    measured on, a narrow precision) enter as a digest, so that changing any of them compiles again."""
     digest = hashlib.sha256(json.dumps(dict(options or {}), sort_keys=True).encode()).hexdigest()[:16]
     return f"{artifacts_prefix(graph_key)}/{target}/{COMPILER_VERSION}/{digest}"
 

@@ -21,6 +21,7 @@ from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, N
 from cloud.storage import ObjectStore, artifacts_prefix, graph_key, spool
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
+from compiler.targets import EXPORTED, check_precision
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 STATUSES = ("queued", "compiling", "ready", "failed")
@@ -99,17 +100,28 @@ class Registry:
 
     # -- uploads --
     def create_version(
-        self, tenant_id: int, name: str, source: BinaryIO, target: str, max_bytes: int | None = None
+        self,
+        tenant_id: int,
+        name: str,
+        source: BinaryIO,
+        target: str,
+        max_bytes: int | None = None,
+        precision: str = EXPORTED,
     ) -> ModelVersion:
         """A new version from the ONNX file read from `source`, spooled to disk (at most
         `max_bytes`, else PayloadTooLarge) and streamed to the store: never whole in memory
-        but while the parser checks it."""
+        but while the parser checks it. It compiles for `target` in `precision` (a narrow float
+        on a GPU type only, else InvalidRequest)."""
         if not NAME_PATTERN.match(name):
             raise InvalidRequest(
                 f"model name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'"
             )
         if target not in self.targets:
             raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
+        try:
+            check_precision(target, precision)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         with spool(source, max_bytes) as graph:
             if graph.size == 0:
                 raise InvalidModelFile("the uploaded file is empty")
@@ -123,14 +135,16 @@ class Registry:
                     with self._insert_lock:
                         if not self.store.exists(key):
                             self.store.put_file(key, graph.path)
-                        return self._insert_version(tenant_id, name, key, graph.size, target)
+                        return self._insert_version(tenant_id, name, key, graph.size, target, precision)
                 except IntegrityError:
                     if attempt == _INSERT_ATTEMPTS - 1:
                         raise
                     time.sleep(random.uniform(0, 0.01 * (attempt + 1)))
         raise AssertionError("unreachable")
 
-    def _insert_version(self, tenant_id: int, name: str, key: str, size: int, target: str) -> ModelVersion:
+    def _insert_version(
+        self, tenant_id: int, name: str, key: str, size: int, target: str, precision: str
+    ) -> ModelVersion:
         with self.db.session() as session:
             model = session.scalar(
                 select(Model).where(Model.tenant_id == tenant_id, Model.name == name).with_for_update()
@@ -146,6 +160,7 @@ class Registry:
                 number=model.last_version,
                 status="queued",
                 target=target,
+                precision=precision,
                 graph_key=key,
                 graph_bytes=size,
             )

@@ -46,7 +46,7 @@ def ort(data: bytes, inputs: dict) -> list[np.ndarray]:
 @pytest.fixture
 def deployed(client, keys):
     created = upload(client, keys["alice"], "mlp", MLP)
-    assert created == {"name": "mlp", "version": 1, "status": "queued", "target": "cpu"}
+    assert created == {"name": "mlp", "version": 1, "status": "queued", "target": "cpu", "precision": "exported"}
     assert wait_for(client, keys["alice"], "mlp", 1)["status"] == "ready"
     return "mlp"
 
@@ -60,6 +60,9 @@ def test_upload_compile_and_infer_match_onnxruntime(client, keys, deployed) -> N
     [version] = model["versions"]
     assert version["signature"]["inputs"] == [{"name": "x", "shape": ["batch", 8], "dtype": "float32"}]
     assert version["report"]["kernels"] > 0 and version["error"] is None
+    assert version["precision"] == "exported"
+    listed = client.get("/v1/models/mlp/versions", headers=auth(keys["alice"])).json()["versions"]
+    assert [(v["target"], v["precision"]) for v in listed] == [("cpu", "exported")]
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     response = infer(client, keys["alice"], "mlp", {"x": x.tolist()})
     assert response.status_code == 200, response.text
@@ -128,6 +131,38 @@ def test_upload_over_the_limit_gets_413(client, keys, settings) -> None:
 def test_bad_upload_fields_get_400(client, keys, form, message) -> None:
     response = client.post("/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("precision", "message"),
+    [
+        ("float16", "precision 'float16' runs on GPU targets"),  # a narrow float on the cpu
+        ("float8", "unknown precision 'float8'; known: exported, float16, bfloat16"),
+    ],
+)
+def test_a_precision_the_target_cannot_run_gets_400_naming_it(client, keys, precision, message) -> None:
+    form = {"name": "half", "target": "cpu", "precision": precision}
+    response = client.post("/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and message in error["message"]
+    assert client.get("/v1/models/half", headers=auth(keys["alice"])).status_code == 404
+
+
+def test_a_gpu_upload_keeps_the_precision_it_asked_for(tmp_path) -> None:
+    settings = make_settings(tmp_path / "gpu", targets=("cpu", "h100"))
+    db = open_database(settings)
+    try:
+        key = create_key(db, "alice")
+    finally:
+        db.dispose()
+    with TestClient(create_app(settings)) as client:
+        created = upload(client, key, "mlp", MLP, target="h100", precision="bfloat16")
+        assert (created["target"], created["precision"]) == ("h100", "bfloat16")
+        wait_for(client, key, "mlp", 1)  # however the compile ends, the version keeps its precision
+        [version] = client.get("/v1/models/mlp", headers=auth(key)).json()["versions"]
+        [summary] = client.get("/v1/models/mlp/versions", headers=auth(key)).json()["versions"]
+        assert version["precision"] == summary["precision"] == "bfloat16"
 
 
 def test_unsupported_ops_fail_the_version_with_the_missing_ops(client, keys) -> None:

@@ -75,7 +75,7 @@ def test_a_compiler_crash_fails_the_version_without_revealing_paths(tmp_path: Pa
         tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
         version = registry.create_version(tenant, "mlp", io.BytesIO(MLP), "cpu")
 
-        def crash(data: bytes, target: str, progress=None) -> Artifact:
+        def crash(data: bytes, target: str, progress=None, precision="exported") -> Artifact:
             raise RuntimeError(f"cannot open {tmp_path}/data/objects/artifacts/abc/weights.npz")
 
         monkeypatch.setattr("worker.compile.compile_onnx", crash)
@@ -91,7 +91,7 @@ def test_the_cache_reuses_an_artifact_only_for_the_same_options_and_cpu(tmp_path
     services = build_services(make_settings(tmp_path / "data"))
     compiled: list[tuple[int, str]] = []
 
-    def counting(version_id: int, data: bytes, target: str, progress=None) -> Artifact:
+    def counting(version_id: int, data: bytes, target: str, progress=None, precision="exported") -> Artifact:
         compiled.append((version_id, target))
         return compile_onnx(data, target, candidates=("native-blas",), progress=progress)
 

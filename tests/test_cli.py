@@ -83,6 +83,7 @@ def test_tables_and_json_for_models_versions_status_promote_rollback_usage(deplo
     status = run("status", "m", "--version", "prod").stdout
     assert re.search(r"^version\s+2$", status, re.MULTILINE)
     assert re.search(r"^aliases\s+prod$", status, re.MULTILINE)
+    assert re.search(r"^precision\s+exported$", status, re.MULTILINE)
     assert re.search(r"^compiled\s+\S+ s, chosen ", status, re.MULTILINE)
     assert json.loads(run("status", "m", "--json").stdout)["status"] == "ready"
 
@@ -136,6 +137,12 @@ def test_exit_codes_and_one_line_messages(deployed, keys, tmp_path) -> None:
 
     message = one_line_error(cli("status", "nope", url=deployed, key=keys["alice"]), 1)
     assert "404" in message and "'nope'" in message
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(V1)
+    half = cli("deploy", str(model), "--name", "half", "--precision", "float16", url=deployed, key=keys["alice"])
+    message = one_line_error(half, 1)
+    assert "400" in message and "precision 'float16' runs on GPU targets" in message
 
     assert cli("promote", "m", "prod", "not-a-number").returncode == 2  # argparse's own usage error
 

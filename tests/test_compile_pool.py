@@ -17,13 +17,17 @@ from api.main import create_app
 from api.services import build_services
 from cloud.auth import authenticate, create_key
 from cloud.errors import Unavailable
+from cloud.storage import artifact_key
+from compiler import Artifact, compile_onnx
+from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.pipeline import PHASES
 from registry import INTERRUPTED
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
 from worker import pool
-from worker.compile import ProgressWriter, compile_version
+from worker.compile import ProgressWriter, cache_key, compile_options, compile_version
 from worker.pool import FairQueue
+from worker.sandbox import CompileCrashed, Sandbox
 
 # eight passes over 1.6 GB: about half a minute of compiling here; one pass needs 1.6 GB at once
 SLOW_GRAPH = heavy_compile_model(repeats=8).SerializeToString()
@@ -223,3 +227,48 @@ def test_a_late_progress_write_does_not_cover_the_final_report(tmp_path: Path) -
         assert registry.get_version(version.id).report == {"chosen": "native-blas"}
     finally:
         services.close()
+
+
+# -- precision
+
+
+def test_the_worker_compiles_a_version_in_its_precision_and_caches_each_apart(tmp_path: Path) -> None:
+    services = build_services(make_settings(tmp_path / "data", targets=("cpu", "h100")))
+    data = mlp().SerializeToString()
+    stand_in = compile_onnx(data)  # what the fake returns: the compile's arguments are the point
+    compiled: list[tuple[int, str, str]] = []
+
+    def recording(version_id: int, data: bytes, target: str, progress=None, precision="exported") -> Artifact:
+        compiled.append((version_id, target, precision))
+        return stand_in
+
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        exported = registry.create_version(tenant, "mlp", io.BytesIO(data), "h100")
+        half = registry.create_version(tenant, "mlp", io.BytesIO(data), "h100", precision="float16")
+        half_again = registry.create_version(tenant, "mlp", io.BytesIO(data), "h100", precision="float16")
+        for version in (exported, half, half_again):
+            assert compile_version(version.id, registry, recording) == "ready"
+        # the same bytes and target in another precision compile again; in the same one, not
+        assert compiled == [(exported.id, "h100", "exported"), (half.id, "h100", "float16")]
+        keys = [registry.get_version(v.id).artifact_key for v in (exported, half, half_again)]
+        assert keys[0] != keys[1] == keys[2]
+    finally:
+        services.close()
+
+
+def test_the_cache_key_names_a_narrow_precision_and_keeps_the_exported_keys() -> None:
+    options, graph = compile_options(), "graphs/abc"
+    # the keys before precisions existed: exported artifacts stored then are found again
+    assert cache_key(graph, "h100", options, "exported") == artifact_key(graph, "h100", options)
+    assert cache_key(graph, "cpu", options) == artifact_key(graph, "cpu", {**options, "cpu": cpu_fingerprint()})
+    keys = {cache_key(graph, "h100", options, p) for p in ("exported", "float16", "bfloat16")}
+    assert len(keys) == 3
+
+
+def test_the_sandbox_hands_the_precision_to_the_compile_in_its_child() -> None:
+    sandbox = Sandbox(timeout_s=60, memory_bytes=4 * 1024**3)
+    # the compiler refuses a narrow float on the cpu before any work: the child got the precision
+    with pytest.raises(CompileCrashed, match="ValueError"):
+        sandbox.compile(1, mlp().SerializeToString(), "cpu", precision="float16")

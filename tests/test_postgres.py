@@ -171,6 +171,29 @@ def test_the_aliases_revision_keeps_existing_versions_and_numbers_on(settings: S
         db.dispose()
 
 
+def test_the_precision_revision_gives_existing_versions_the_exported_precision(settings: Settings) -> None:
+    command.upgrade(alembic_config(settings.database_url), "0003")
+    engine = create_engine(settings.database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO tenants (name, created_at) VALUES ('alice', now())"))
+            connection.execute(text("INSERT INTO models (tenant_id, name, created_at) VALUES (1, 'm', now())"))
+            connection.execute(
+                text(
+                    "INSERT INTO model_versions (model_id, number, status, target, graph_key, graph_bytes,"
+                    " created_at, updated_at) VALUES (1, 1, 'ready', 'cpu', 'graphs/1', 1, now(), now())"
+                )
+            )
+    finally:
+        engine.dispose()
+    db = open_database(settings)  # to head, as a server's start does
+    try:
+        registry = Registry(db, LocalObjectStore(settings.objects_dir), settings.targets)
+        assert [v.precision for v in registry.get_model(1, "m").versions] == ["exported"]
+    finally:
+        db.dispose()
+
+
 def test_racing_writers_of_the_same_requests_leave_one_record_each(settings: Settings) -> None:
     db = open_database(settings)
     ledger = Ledger(db)

@@ -158,6 +158,20 @@ def test_deploy_raises_deploy_failed_with_the_compile_error(server, keys, tmp_pa
         asyncio.run(deploy_async())
 
 
+def test_deploy_sends_the_precision_and_the_server_names_one_it_refuses(tmp_path) -> None:
+    settings = make_settings(tmp_path / "data", targets=("cpu", "h100"))
+    db = open_database(settings)
+    key = create_key(db, "carol")
+    db.dispose()
+    data = mlp().SerializeToString()
+    with BackgroundServer(settings) as live, Client(live.url, key, progress_stream=io.StringIO()) as client:
+        with pytest.raises(InvalidRequest, match="precision 'float16' runs on GPU targets"):
+            client.deploy(data, name="half", precision="float16")  # the target is cpu
+        created = client.deploy(data, name="half", target="h100", precision="bfloat16", wait=False)
+        [listed] = client.versions("half")["versions"]
+    assert created["precision"] == listed["precision"] == "bfloat16"
+
+
 def compiling_server() -> httpx.MockTransport:
     """A server on which an upload is queued, compiles through two progress reports, then is
     ready."""

@@ -18,6 +18,7 @@ from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
 from compiler.pipeline import CANDIDATES, SEARCH, Progress
+from compiler.targets import EXPORTED
 from registry import Registry
 from worker.sandbox import CompileCancelled
 
@@ -38,14 +39,18 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 
 
 class CompileFn(Protocol):
-    """(version id, graph bytes, target) -> artifact, in this process or in a sandbox's child,
-    telling `progress` what the compile is doing as it goes."""
+    """(version id, graph bytes, target, precision) -> artifact, in this process or in a
+    sandbox's child, telling `progress` what the compile is doing as it goes."""
 
-    def __call__(self, version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact: ...
+    def __call__(
+        self, version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+    ) -> Artifact: ...
 
 
-def compile_here(version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact:
-    return compile_onnx(data, target, progress=progress)
+def compile_here(
+    version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+) -> Artifact:
+    return compile_onnx(data, target, progress=progress, precision=precision)
 
 
 class ProgressWriter:
@@ -106,9 +111,12 @@ def compile_options(candidates: Sequence[str] = CANDIDATES, search: bool = SEARC
     return {"candidates": list(candidates), "search": search}
 
 
-def cache_key(graph_key: str, target: str, options: Mapping[str, object]) -> str:
+def cache_key(graph_key: str, target: str, options: Mapping[str, object], precision: str = EXPORTED) -> str:
     """Where a compile with these options stores its artifact: a cpu program is built for, and
-    measured on, the CPU type of the worker that compiles it, which is part of the key."""
+    measured on, the CPU type of the worker that compiles it, which is part of the key; so is a
+    narrow precision (left out for "exported", so the keys of artifacts stored before stay)."""
+    if precision != EXPORTED:
+        options = {**options, "precision": precision}
     if target == "cpu":
         options = {**options, "cpu": cpu_fingerprint()}
     return artifact_key(graph_key, target, options)
@@ -117,10 +125,10 @@ def cache_key(graph_key: str, target: str, options: Mapping[str, object]) -> str
 def compile_version(
     version_id: int, registry: Registry, compile_fn: CompileFn = compile_here, options: Mapping[str, object] | None = None
 ) -> str | None:
-    """Compile a queued version with `compile_fn`, which compiles with `options` (the defaults'
-    when None); idempotent, and an artifact compiled before from the same bytes with the same
-    options is reused. Returns the final status (None if deleted or stopped midway, which leaves
-    it to be resumed)."""
+    """Compile a queued version for its target in its precision with `compile_fn`, which
+    compiles with `options` (the defaults' when None); idempotent, and an artifact compiled
+    before from the same bytes with the same options and precision is reused. Returns the final
+    status (None if deleted or stopped midway, which leaves it to be resumed)."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -129,13 +137,16 @@ def compile_version(
     registry.set_status(version_id, "compiling", report=None)
     started = time.perf_counter()
     store = registry.store
-    key = cache_key(version.graph_key, version.target, compile_options() if options is None else options)
+    key = cache_key(
+        version.graph_key, version.target, compile_options() if options is None else options, version.precision
+    )
     progress = ProgressWriter(registry, version_id)
     try:
         artifact = _cached_artifact(store, key)
         cached = artifact is not None
         if artifact is None:
-            artifact = compile_fn(version_id, store.get(version.graph_key), version.target, progress=progress)
+            data = store.get(version.graph_key)
+            artifact = compile_fn(version_id, data, version.target, progress=progress, precision=version.precision)
             save_artifact(store, key, artifact)
     except CompileCancelled:
         return None

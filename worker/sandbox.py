@@ -20,6 +20,7 @@ from typing import Any
 
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
 from compiler.pipeline import Progress
+from compiler.targets import EXPORTED
 
 # a child sends a progress message at most this often within one phase (a new phase at once)
 PROGRESS_INTERVAL_S = 0.25
@@ -65,12 +66,13 @@ def _compile_child(
     memory_bytes: int,
     candidates: tuple[str, ...] | None,
     search: bool | None = None,
+    precision: str = EXPORTED,
 ) -> None:
     os.setpgid(0, 0)  # its own process group: stopping it stops the C compiler it may be running
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn))
+        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn), precision)
         conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
@@ -113,13 +115,15 @@ class Sandbox:
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
 
-    def compile(self, version_id: int, data: bytes, target: str, progress: Progress | None = None) -> Artifact:
-        """The artifact, compiled in a child; `progress` is called (in this thread) with each
-        progress event the child sends while it compiles."""
+    def compile(
+        self, version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+    ) -> Artifact:
+        """The artifact, compiled in a child for `target` in `precision`; `progress` is called
+        (in this thread) with each progress event the child sends while it compiles."""
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
             target=_compile_child,
-            args=(sender, data, target, self.memory_bytes, self.candidates, self.search),
+            args=(sender, data, target, self.memory_bytes, self.candidates, self.search, precision),
             daemon=True,
             name=f"compile-{version_id}",
         )

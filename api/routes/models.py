@@ -22,6 +22,7 @@ from cloud.db import Model, ModelVersion
 from cloud.settings import Settings
 from cloud.validation import symbol_limits
 from compiler import Signature
+from compiler.targets import EXPORTED
 from registry import report_and_progress
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -33,13 +34,22 @@ async def upload_model(
     file: Annotated[UploadFile, File(description="an ONNX model")],
     name: Annotated[str, Form()],
     target: Annotated[str, Form()] = "cpu",
+    precision: Annotated[str, Form(description="exported, or float16 or bfloat16 on a GPU target")] = EXPORTED,
 ) -> VersionCreated:
     # the part is already a file (Starlette spools parts over 1 MiB to disk): streamed on from there
     version = await run_in_threadpool(
-        services.registry.create_version, tenant.id, name, file.file, target, services.settings.max_upload_bytes
+        services.registry.create_version,
+        tenant.id,
+        name,
+        file.file,
+        target,
+        services.settings.max_upload_bytes,
+        precision=precision,
     )
     services.compiler.submit(version.id, tenant.id)
-    return VersionCreated(name=name, version=version.number, status=version.status, target=target)
+    return VersionCreated(
+        name=name, version=version.number, status=version.status, target=target, precision=version.precision
+    )
 
 
 def _summary(model: Model) -> ModelSummary:
@@ -78,6 +88,7 @@ def _version(version: ModelVersion, settings: Settings) -> VersionPublic:
         version=version.number,
         status=version.status,
         target=version.target,
+        precision=version.precision,
         created_at=version.created_at,
         signature=_signature(version.signature, settings),
         report=report,

@@ -44,6 +44,7 @@ async def list_versions(name: str, tenant: CurrentTenant, services: ServicesDep)
             version=v.number,
             status=v.status,
             target=v.target,
+            precision=v.precision,
             created_at=v.created_at,
             aliases=pointing.get(v.id, []),
             error=v.error,

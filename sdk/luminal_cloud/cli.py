@@ -67,12 +67,17 @@ def _deploy(args: argparse.Namespace) -> None:
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     with _client(args) as client:
-        version = client.deploy(path, args.name, target=args.target, wait=not args.no_wait, progress=not args.json)
+        version = client.deploy(
+            path, args.name, target=args.target, wait=not args.no_wait, progress=not args.json, precision=args.precision
+        )
     if args.json:
         _print_json(version)
     else:
         number = version.get("version")
-        print(f"{args.name} v{number}: {version['status']} (target {version.get('target', args.target)})")
+        precision = version.get("precision", args.precision)
+        # only a narrow precision is named: "exported" is the default
+        shown = "" if precision == "exported" else f", {precision}"
+        print(f"{args.name} v{number}: {version['status']} (target {version.get('target', args.target)}{shown})")
 
 
 def _load_input(spec: str) -> tuple[str, np.ndarray]:
@@ -148,6 +153,7 @@ def _status(args: argparse.Namespace) -> None:
         ("version", f"{chosen['version']}" + ("" if ref is not None else " (newest)")),
         ("status", chosen["status"]),
         ("target", chosen["target"]),
+        ("precision", chosen.get("precision", "exported")),
         ("created", _table.cell(chosen["created_at"])),
         ("aliases", ", ".join(chosen["aliases"]) or "-"),
     ]
@@ -266,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("file", help="the ONNX file to upload")
     deploy.add_argument("--name", required=True, help="the model's name (a new version when it exists)")
     deploy.add_argument("--target", default="cpu", help="the device type to compile for (default: cpu)")
+    deploy.add_argument(
+        "--precision",
+        default="exported",
+        help="run in the model's own dtypes (exported, the default), or float16 or bfloat16 on a GPU target",
+    )
     deploy.add_argument("--no-wait", action="store_true", help="return once uploaded, without waiting for the compile")
 
     predict = _verb(commands, "predict", _predict, "run a model on inputs from .npy files")

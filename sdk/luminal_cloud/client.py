@@ -173,13 +173,17 @@ class Calls(Driven):
         wait: bool = True,
         timeout: float = 600.0,
         progress: bool = True,
+        precision: str = "exported",
     ) -> Steps[dict[str, Any]]:
-        """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph); with
-        wait=True, return the version once it is ready, or raise DeployFailed with the compile
-        error. On a terminal (and unless progress=False) a progress bar shows the upload, then
-        the compile's status, phase and candidates measured, and elapsed time."""
+        """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph) to
+        compile for `target`, in `precision`: "exported" (the dtypes the model declares), or
+        "float16" or "bfloat16" on a GPU target (weights and intermediates in 16 bits; inputs
+        and outputs keep their dtypes). With wait=True, return the version once it is ready, or
+        raise DeployFailed with the compile error. On a terminal (and unless progress=False) a
+        progress bar shows the upload, then the compile's status, phase and candidates
+        measured, and elapsed time."""
         filename, data = _model_file(model, name)
-        return (yield from self._deploy(filename, data, name, target, wait, timeout, progress))
+        return (yield from self._deploy(filename, data, name, target, precision, wait, timeout, progress))
 
     @operation
     def deploy_torch(
@@ -196,22 +200,32 @@ class Calls(Driven):
         wait: bool = True,
         timeout: float = 600.0,
         progress: bool = True,
+        precision: str = "exported",
     ) -> Steps[dict[str, Any]]:
         """Export a torch.nn.Module with torch.onnx.export here (example_inputs: a tensor or a
         tuple of them; inputs are named "input", or input_0, input_1, ... unless input_names
-        says) and deploy it like `deploy`. Needs the extra: pip install 'luminal-cloud-sdk[torch]'."""
+        says) and deploy it like `deploy` (target and precision included). Needs the extra:
+        pip install 'luminal-cloud-sdk[torch]'."""
         data = export_onnx(module, example_inputs, input_names, output_names, dynamic_axes, opset_version)
-        return (yield from self._deploy(f"{name}.onnx", data, name, target, wait, timeout, progress))
+        return (yield from self._deploy(f"{name}.onnx", data, name, target, precision, wait, timeout, progress))
 
     def _deploy(
-        self, filename: str, data: bytes, name: str, target: str, wait: bool, timeout: float, progress: bool
+        self,
+        filename: str,
+        data: bytes,
+        name: str,
+        target: str,
+        precision: str,
+        wait: bool,
+        timeout: float,
+        progress: bool,
     ) -> Steps[dict[str, Any]]:
         shown = _progress.Progress(self._progress_stream or sys.stdout, progress)
         request = self._request(
             "POST",
             "/v1/models",
             files={"file": (filename, data, "application/octet-stream")},
-            data={"name": name, "target": target},
+            data={"name": name, "target": target, "precision": precision},
         )
         if shown.shown:
             body = request.read()
