@@ -20,6 +20,9 @@ class CpuDevice:
         program = executable(artifact)
         return LoadedProgram(artifact.signature, program, program.resident_bytes())
 
+    def release(self, loaded: LoadedProgram) -> None:
+        """Nothing to do: a CPU program's memory goes with its last reference."""
+
     def execute(
         self, loaded: LoadedProgram, inputs: Mapping[str, np.ndarray], busy: bool = False
     ) -> tuple[dict[str, np.ndarray], float]:

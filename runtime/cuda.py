@@ -26,6 +26,11 @@ class CudaDevice:
         program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, self.driver)
         return LoadedProgram(artifact.signature, program, program.resident_bytes())
 
+    def release(self, loaded: LoadedProgram) -> None:
+        """Frees the program's device memory: its weights, arena and module (the runtime calls
+        this once no batch uses it)."""
+        loaded.program.close()
+
     def execute(
         self, loaded: LoadedProgram, inputs: Mapping[str, np.ndarray], busy: bool = False
     ) -> tuple[dict[str, np.ndarray], float]:

@@ -77,6 +77,10 @@ class Runtime:
         # artifact key -> (loaded program, last used); most recently used last
         self._loaded: OrderedDict[str, tuple[object, float]] = OrderedDict()
         self._sizes: dict[str, int] = {}
+        # batches under way per loaded program (by id), and programs unloaded while in use: the
+        # device releases a program (a GPU's memory) only once no batch uses it
+        self._users: dict[int, int] = {}
+        self._retired: dict[int, object] = {}
         # one batch at a time on the device, so measured time is the batch's alone
         self._device_lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -90,41 +94,64 @@ class Runtime:
         return sum(self._sizes.values())
 
     def _ensure_loaded(self, key: str) -> tuple[object, float]:
+        """The loaded program, counted as in use until _done_with."""
         with self._load_lock:
-            if key in self._loaded:
-                program, _ = self._loaded.pop(key)
-                self._loaded[key] = (program, time.monotonic())
-                return program, 0.0
-            started = time.perf_counter()
-            artifact = self._fetch(key)
-            program = self.device.load(artifact)
-            load_seconds = time.perf_counter() - started
-            self._loaded[key] = (program, time.monotonic())
-            self._sizes[key] = program.resident_bytes
-            while len(self._loaded) > 1 and (
-                len(self._loaded) > self._max_loaded
-                or (self.memory_budget_bytes is not None and self.loaded_bytes > self.memory_budget_bytes)
-            ):
-                evicted, _ = self._loaded.popitem(last=False)
-                self._sizes.pop(evicted, None)
-            self.observer.model_loaded(self.device.target, load_seconds)
-            self.observer.models_loaded_now(self.device.target, len(self._loaded))
+            program, load_seconds = self._load(key)
+            self._users[id(program)] = self._users.get(id(program), 0) + 1
             return program, load_seconds
+
+    def _done_with(self, program: object) -> None:
+        with self._load_lock:
+            self._users[id(program)] -= 1
+            if not self._users[id(program)]:
+                del self._users[id(program)]
+                if self._retired.pop(id(program), None) is not None:
+                    self.device.release(program)
+
+    def _drop(self, key: str) -> None:
+        """Forget a loaded program (under _load_lock); released now, or after its last batch."""
+        program, _ = self._loaded.pop(key)
+        self._sizes.pop(key, None)
+        if self._users.get(id(program)):
+            self._retired[id(program)] = program
+        else:
+            self.device.release(program)
+
+    def _load(self, key: str) -> tuple[object, float]:
+        """The loaded program and the seconds its loading took (0 when it was loaded), under
+        _load_lock; the least recently used leave past the count or the memory budget."""
+        if key in self._loaded:
+            program, _ = self._loaded.pop(key)
+            self._loaded[key] = (program, time.monotonic())
+            return program, 0.0
+        started = time.perf_counter()
+        artifact = self._fetch(key)
+        program = self.device.load(artifact)
+        load_seconds = time.perf_counter() - started
+        self._loaded[key] = (program, time.monotonic())
+        self._sizes[key] = program.resident_bytes
+        while len(self._loaded) > 1 and (
+            len(self._loaded) > self._max_loaded
+            or (self.memory_budget_bytes is not None and self.loaded_bytes > self.memory_budget_bytes)
+        ):
+            self._drop(next(iter(self._loaded)))
+        self.observer.model_loaded(self.device.target, load_seconds)
+        self.observer.models_loaded_now(self.device.target, len(self._loaded))
+        return program, load_seconds
 
     def unload_idle(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         with self._load_lock:
             idle = [k for k, (_, used) in self._loaded.items() if now - used >= self._idle_unload_s]
             for key in idle:
-                del self._loaded[key]
-                self._sizes.pop(key, None)
+                self._drop(key)
             self.observer.models_loaded_now(self.device.target, len(self._loaded))
         return idle
 
     def unload(self, key: str) -> None:
         with self._load_lock:
-            self._loaded.pop(key, None)
-            self._sizes.pop(key, None)
+            if key in self._loaded:
+                self._drop(key)
             self.observer.models_loaded_now(self.device.target, len(self._loaded))
 
     def run_batch(
@@ -133,9 +160,12 @@ class Runtime:
         """`busy`: more requests are waiting for the device (a program then keeps its threads
         for large work only, leaving the CPU to the server taking those requests)."""
         program, load_seconds = self._ensure_loaded(key)
-        signature = program.signature
-        batch = concat_requests(signature, requests)
-        with self._device_lock:
-            outputs, exec_seconds = self.device.execute(program, batch, busy=busy)
+        try:
+            signature = program.signature
+            batch = concat_requests(signature, requests)
+            with self._device_lock:
+                outputs, exec_seconds = self.device.execute(program, batch, busy=busy)
+        finally:
+            self._done_with(program)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)
 

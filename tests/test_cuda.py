@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.cuda import CudaBuildFailed, compile_cuda
-from compiler.backends.cuda_emulator import EmulatedArtifact, emulate
+from compiler.backends.cuda_emulator import EmulatedArtifact, EmulatedDriver, emulate
 from compiler.conformance import load_cases, run_case
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import load_graph
@@ -333,6 +333,106 @@ def test_a_gpu_runtime_that_cannot_start_says_why(tmp_path) -> None:
             build_runtime(settings, store, "cuda:0")
     with pytest.raises(LuminalError, match="device 'cuda:99' cannot be used: "):
         build_runtime(settings, store, "cuda:99")
+
+
+def test_a_gathered_index_out_of_range_is_an_index_error_as_on_the_cpu() -> None:
+    table = numpy_helper.from_array(np.arange(15, dtype=np.float32).reshape(5, 3), "table")
+    graph_proto = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])], [table],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = emulate(_program(data))
+    np.testing.assert_array_equal(program.run({"ids": np.array([4, -1, 0])})["y"], numpy_helper.to_array(table)[[4, 4, 0]])
+    with pytest.raises(IndexError, match="an index is out of bounds"):
+        program.run({"ids": np.array([1, 5])})
+    # the flag is cleared: the next good call succeeds
+    np.testing.assert_array_equal(program.run({"ids": np.array([2])})["y"], numpy_helper.to_array(table)[[2]])
+
+
+class _CountingDriver(EmulatedDriver):
+    """The emulated device, counting what is allocated and not yet freed."""
+
+    def live(self) -> int:
+        return len(self._blocks)
+
+
+def _runtime_of(artifacts: dict, driver, **options):
+    from runtime import CudaDevice, Runtime
+
+    return Runtime(CudaDevice("h100", driver), artifacts.__getitem__, **options)
+
+
+@pytest.fixture(scope="module")
+def gpu_artifacts() -> dict:
+    from compiler import compile_onnx
+
+    return {name: compile_onnx((FIXTURES / f"{name}.onnx").read_bytes(), "h100") for name in ("torch_mlp", "torch_cnn")}
+
+
+def _run_once(runtime, name: str, artifacts: dict) -> None:
+    graph = artifacts[name].graph
+    request = sample_inputs(graph, seed=0, symbol_size=2)
+    (outputs,) = runtime.run_batch(name, [request], [2]).outputs
+    for output, want in run_graph(graph, request).items():
+        np.testing.assert_allclose(outputs[output], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_gpu_runtime_frees_the_device_memory_of_what_it_evicts_and_unloads(gpu_artifacts) -> None:
+    driver = _CountingDriver()
+    # room for one program's weights: loading the second evicts the first
+    budget = max(a.report["weights_bytes"] for a in gpu_artifacts.values()) + 1
+    runtime = _runtime_of(gpu_artifacts, driver, memory_budget_bytes=budget)
+    _run_once(runtime, "torch_mlp", gpu_artifacts)
+    mlp_blocks = driver.live()  # its weights and its arena
+    _run_once(runtime, "torch_cnn", gpu_artifacts)
+    assert runtime.loaded_keys == ["torch_cnn"]
+    cnn_blocks = sum(b["role"] == "weight" for b in gpu_artifacts["torch_cnn"].kernels[0]["layout"]["buffers"]) + 1
+    assert driver.live() == cnn_blocks, (mlp_blocks, driver.live())
+    assert runtime.unload_idle(now=10**9) == ["torch_cnn"]
+    assert driver.live() == 0
+
+
+def test_a_program_evicted_during_its_batch_is_freed_after_the_batch(gpu_artifacts) -> None:
+    import threading
+
+    from runtime import CudaDevice
+
+    started, finish = threading.Event(), threading.Event()
+
+    class SlowDevice(CudaDevice):
+        def execute(self, loaded, inputs, busy=False):
+            if not finish.is_set():
+                started.set()
+                finish.wait(30)
+            return super().execute(loaded, inputs, busy)
+
+    from runtime import Runtime
+
+    driver = _CountingDriver()
+    runtime = Runtime(SlowDevice("h100", driver), gpu_artifacts.__getitem__, max_loaded=1)
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            _run_once(runtime, "torch_mlp", gpu_artifacts)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert started.wait(30)
+    # the second model's load evicts the first, whose batch is still running: not freed yet
+    loaded_before = driver.live()
+    with runtime._load_lock:
+        runtime._load("torch_cnn")
+    assert runtime.loaded_keys == ["torch_cnn"] and driver.live() > loaded_before
+    finish.set()
+    thread.join(30)
+    assert not errors, errors
+    cnn_weights = sum(b["role"] == "weight" for b in gpu_artifacts["torch_cnn"].kernels[0]["layout"]["buffers"])
+    assert driver.live() == cnn_weights  # the first program's weights and arena went with its batch
 
 
 # ---- narrow precisions: float16 and bfloat16 storage, tensor-core products ---------------------

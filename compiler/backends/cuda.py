@@ -127,6 +127,12 @@ class Driver(Protocol):
         """Runs the calls in order and returns the device seconds they took; the same key means
         the same calls (a driver may capture them once, as a CUDA graph, and replay it)."""
 
+    def bad_index(self, module: Any) -> bool:
+        """Whether the last call gathered with an index out of range (lc_bad_index), cleared."""
+
+    def unload(self, module: Any) -> None:
+        """The module (and whatever the driver keeps for its calls) leaves the device."""
+
 
 def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits: Mapping[str, int]) -> dict[str, Any]:
     """What an artifact keeps of a CUDA program besides its PTX and cubin."""
@@ -171,12 +177,25 @@ class CudaProgram:
                 self._weight_bytes += array.nbytes
         self._arena, self._arena_bytes = 0, 0
         self._lock = threading.Lock()
+        self._closed = False
         # the device seconds of the last call's launches (CUDA events on a GPU): what is billed
         self.last_device_seconds = 0.0
 
     def resident_bytes(self) -> int:
         """Device memory held while loaded: the weights (the arena is per call's size)."""
         return self._weight_bytes
+
+    def close(self) -> None:
+        """Frees the weights, the arena and the module on the device (after a call under way)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for address in [*self._addresses.values(), *([self._arena] if self._arena else [])]:
+                self.driver.free(address)
+            self._addresses.clear()
+            self._arena, self._arena_bytes = 0, 0
+            self.driver.unload(self.module)
 
     def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
         """The outputs (`busy` is for CPU programs' threads: a GPU runs one call at a time)."""
@@ -191,6 +210,8 @@ class CudaProgram:
             total += -(-max(1, array.nbytes) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
         symbols = np.array([bindings[s] for s in self.symbols] or [0], np.int64)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this program was unloaded from its device")
             if total > self._arena_bytes:
                 if self._arena:
                     self.driver.free(self._arena)
@@ -209,6 +230,8 @@ class CudaProgram:
                 calls.append(LaunchCall(function, blocks, threads, symbols, tuple(address.get(b, 0) for b in buffers)))
             key = (tuple(sorted(bindings.items())), self._arena)
             self.last_device_seconds = self.driver.execute(self.module, calls, key)
+            if self.driver.bad_index(self.module):
+                raise IndexError("an index is out of bounds for the axis it selects from")
             for buffer_id, array in outputs.items():
                 if array.nbytes:
                     self.driver.download(address[buffer_id], array)

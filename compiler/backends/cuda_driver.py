@@ -53,6 +53,8 @@ class CudaModule:
         self.module = module
         self.functions = functions
         self.graphs: OrderedDict[Hashable, Any] = OrderedDict()
+        # the device address of the module's lc_bad_index flag
+        self.bad_index: Any = None
 
 
 class CudaDriver:
@@ -92,7 +94,32 @@ class CudaDriver:
         module = _ok(self.cu.cuModuleLoadData(image), f"loading the program for {self.arch}")
         names = {launch["kernel"] for launch in kernel["launches"]}
         functions = {name: _ok(self.cu.cuModuleGetFunction(module, name.encode()), f"function {name}") for name in names}
-        return CudaModule(module, functions)
+        loaded = CudaModule(module, functions)
+        loaded.bad_index, _ = _ok(self.cu.cuModuleGetGlobal(module, b"lc_bad_index"), "the module's lc_bad_index")
+        return loaded
+
+    def unload(self, module: CudaModule) -> None:
+        """The module's captured graphs and code leave the device."""
+        self._current()
+        for graph in module.graphs.values():
+            _ok(self.cu.cuGraphExecDestroy(graph), "cuGraphExecDestroy")
+        module.graphs.clear()
+        _ok(self.cu.cuModuleUnload(module.module), "cuModuleUnload")
+
+    def bad_index(self, module: CudaModule) -> bool:
+        """Whether the last call gathered with an index out of range (the flag is then cleared)."""
+        self._current()
+        flag = np.zeros(1, np.int32)
+        _ok(self.cu.cuMemcpyDtoHAsync(flag.ctypes.data, module.bad_index, 4, self.stream), "reading lc_bad_index")
+        _ok(self.cu.cuStreamSynchronize(self.stream), "reading lc_bad_index")
+        if flag[0]:
+            _ok(self.cu.cuMemsetD32Async(module.bad_index, 0, 1, self.stream), "clearing lc_bad_index")
+        return bool(flag[0])
+
+    def close(self) -> None:
+        """Gives the primary context back (the device's memory is freed once every user has)."""
+        _ok(self.cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        _ok(self.cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
 
     def alloc(self, nbytes: int) -> int:
         self._current()
@@ -102,14 +129,19 @@ class CudaDriver:
         self._current()
         _ok(self.cu.cuMemFree(self.cu.CUdeviceptr(address)), "cuMemFree")
 
+    # copies go on the program's stream: a plain cuMemcpy runs on the legacy default stream, which
+    # a non-blocking stream's kernels do not wait for
     def upload(self, address: int, array: np.ndarray) -> None:
         self._current()
         array = np.ascontiguousarray(array)
-        _ok(self.cu.cuMemcpyHtoD(self.cu.CUdeviceptr(address), array.ctypes.data, array.nbytes), "copying to the device")
+        _ok(self.cu.cuMemcpyHtoDAsync(self.cu.CUdeviceptr(address), array.ctypes.data, array.nbytes, self.stream), "copying to the device")
+        # the host array may be freed once this returns
+        _ok(self.cu.cuStreamSynchronize(self.stream), "copying to the device")
 
     def download(self, address: int, array: np.ndarray) -> None:
         self._current()
-        _ok(self.cu.cuMemcpyDtoH(array.ctypes.data, self.cu.CUdeviceptr(address), array.nbytes), "copying from the device")
+        _ok(self.cu.cuMemcpyDtoHAsync(array.ctypes.data, self.cu.CUdeviceptr(address), array.nbytes, self.stream), "copying from the device")
+        _ok(self.cu.cuStreamSynchronize(self.stream), "copying from the device")
 
     def execute(self, module: CudaModule, calls: list[LaunchCall], key: Hashable) -> float:
         """The calls as one CUDA graph (captured on the first call with this key), timed by events."""
@@ -151,7 +183,10 @@ class CudaDriver:
                 )
         finally:
             graph = _ok(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
-        return _ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        try:
+            return _ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        finally:
+            _ok(cu.cuGraphDestroy(graph), "cuGraphDestroy")  # the executable graph is a copy
 
 
 __all__ = ["CudaDriver", "CudaModule", "CudaUnavailable"]

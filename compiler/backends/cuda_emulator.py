@@ -273,6 +273,14 @@ class EmulatedDriver:
     def download(self, address: int, array: np.ndarray) -> None:
         ctypes.memmove(array.ctypes.data, address, array.nbytes)
 
+    def unload(self, module: ctypes.CDLL) -> None:
+        pass  # the library stays mapped: others built from the same source share it
+
+    def bad_index(self, module: ctypes.CDLL) -> bool:
+        flag = ctypes.c_int.in_dll(module, "lc_bad_index")
+        found, flag.value = bool(flag.value), 0
+        return found
+
     def execute(self, module: ctypes.CDLL, calls: list[LaunchCall], key) -> float:
         started = time.perf_counter()
         for call in calls:
