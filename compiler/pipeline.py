@@ -34,7 +34,7 @@ from compiler.ir import Graph, Op
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel, Program
 from compiler.kernels.lower import NotNative, lower
-from compiler.kernels.precision import NARROWED_ROLES, narrow_storage
+from compiler.kernels.precision import NARROWED_ROLES, narrow_storage, tf32_products
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
@@ -42,7 +42,15 @@ from compiler.render.cuda import render_cuda
 from compiler.search import SearchBudget, measure, optimize
 from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
-from compiler.targets import EXPORTED, GPU_TYPES, KNOWN_TARGETS, PRECISION_TOLERANCE, check_precision, is_gpu
+from compiler.targets import (
+    EXPORTED,
+    GPU_TYPES,
+    KNOWN_TARGETS,
+    PRECISION_TOLERANCE,
+    TF32,
+    check_precision,
+    is_gpu,
+)
 
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
@@ -284,7 +292,9 @@ def _compile_cuda(
             [(f"{exc} on {target} (a graph exported in float16 or bfloat16 is not compiled for GPUs yet: "
              "export it in float32 and upload it with precision 'float16' or 'bfloat16')")]
         ) from None
-    if precision != EXPORTED:
+    if precision == TF32:
+        program = tf32_products(program)
+    elif precision != EXPORTED:
         program = narrow_storage(program, precision)
     rendered = render_cuda(program)
     tracker.phase("build", "cuda")
@@ -347,6 +357,8 @@ def _precision_report(program: Program, precision: str, tolerance: float) -> dic
     report: dict[str, Any] = {"chosen": precision, "tolerance": tolerance}
     if precision == EXPORTED:
         return {**report, "products": "CUDA cores, in the exported dtypes"}
+    if precision == TF32:
+        return {**report, "products": "tensor cores: tf32 operands, float32 sums (wmma 16x16x8); float32 storage"}
     floats = [b for b in program.buffers if b.role in NARROWED_ROLES and b.dtype in ("float32", precision)]
     return {
         **report,

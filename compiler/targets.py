@@ -36,18 +36,21 @@ def is_gpu(target: str) -> bool:
 
 # the precision a model runs in: "exported" computes in the dtypes the graph declares; a narrow
 # float stores float32 weights and intermediates in 16 bits (products on tensor cores, sums and
-# products accumulated in float32) while inputs and outputs keep their declared dtypes
+# products accumulated in float32) while inputs and outputs keep their declared dtypes; "tf32"
+# keeps float32 everywhere but runs float32 products on tensor cores with operands rounded to
+# 10 mantissa bits (what PyTorch's allow_tf32 does)
 EXPORTED = "exported"
 NARROW_PRECISIONS = ("float16", "bfloat16")
-PRECISIONS = (EXPORTED, *NARROW_PRECISIONS)
-# the largest error a narrow program may show against the float32 reference, relative to the
-# largest output magnitude (or 1): a few dozen roundings of the format's unit (2^-11, 2^-8)
-PRECISION_TOLERANCE = {EXPORTED: 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
+TF32 = "tf32"
+PRECISIONS = (EXPORTED, TF32, *NARROW_PRECISIONS)
+# the largest error a program may show against the float32 reference, relative to the largest
+# output magnitude (or 1): a few dozen roundings of the format's unit (2^-11, 2^-11, 2^-8)
+PRECISION_TOLERANCE = {EXPORTED: 1e-3, TF32: 1e-2, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 def check_precision(target: str, precision: str) -> None:
-    """ValueError naming the problem unless `precision` is offered on `target`: narrow floats run
-    on GPU types only."""
+    """ValueError naming the problem unless `precision` is offered on `target`: every one but
+    "exported" runs on GPU types only."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
     if precision != EXPORTED and not is_gpu(target):
@@ -58,6 +61,6 @@ def check_precision(target: str, precision: str) -> None:
 
 
 __all__ = [
-    "CPU", "EXPORTED", "GPU_TYPES", "KNOWN_TARGETS", "NARROW_PRECISIONS", "PRECISIONS", "PRECISION_TOLERANCE",
+    "CPU", "EXPORTED", "GPU_TYPES", "KNOWN_TARGETS", "NARROW_PRECISIONS", "PRECISIONS", "PRECISION_TOLERANCE", "TF32",
     "GpuType", "check_precision", "is_gpu",
 ]

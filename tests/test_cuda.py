@@ -19,7 +19,7 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
-from compiler.kernels.precision import narrow_storage, out_of_range
+from compiler.kernels.precision import narrow_storage, out_of_range, tf32_products
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, MMA_THREADS, render_cuda
@@ -466,23 +466,27 @@ def test_a_narrow_program_stores_16_bits_and_multiplies_on_tensor_cores() -> Non
     assert "lc_mma_bf16(lc_acc[i][j], lc_a[i], lc_b[j]);" in bf16 and "lc_half *" not in bf16.split("#endif")[-1]
 
 
-@pytest.mark.parametrize("precision", sorted(NARROW))
+def _in_precision(program, precision: str):
+    return tf32_products(program) if precision == "tf32" else narrow_storage(program, precision)
+
+
+@pytest.mark.parametrize("precision", [*sorted(NARROW), "tf32"])
 @pytest.mark.parametrize("model", ["torch_cnn", "bert_dynamo"])
-def test_a_narrow_program_compiles_to_ptx_and_an_sm90_cubin_with_its_warp_products(model: str, precision: str) -> None:
-    program = narrow_storage(_program((FIXTURES / f"{model}.onnx").read_bytes()), precision)
+def test_a_program_on_tensor_cores_compiles_to_ptx_and_an_sm90_cubin_with_its_warp_products(model: str, precision: str) -> None:
+    program = _in_precision(_program((FIXTURES / f"{model}.onnx").read_bytes()), precision)
     ptx, cubin = compile_cuda(render_cuda(program).source, "sm_90")
-    kind = "f16" if precision == "float16" else "bf16"
-    assert re.search(rb"wmma\.mma\.sync\.aligned\.row\.row\.m16n16k16\.f32\.", ptx)
-    assert f"wmma.load.a.sync.aligned.row.m16n16k16.shared.{kind}".encode() in ptx
+    shape, kind = {"float16": ("m16n16k16", "f16"), "bfloat16": ("m16n16k16", "bf16"), "tf32": ("m16n16k8", "tf32")}[precision]
+    assert f"wmma.mma.sync.aligned.row.row.{shape}.f32.".encode() in ptx
+    assert f"wmma.load.a.sync.aligned.row.{shape}.shared.{kind}".encode() in ptx
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("precision", sorted(NARROW))
+@pytest.mark.parametrize("precision", [*sorted(NARROW), "tf32"])
 @pytest.mark.parametrize("model", MODELS)
-def test_a_narrow_program_computes_what_the_float32_reference_does_within_its_tolerance(model: str, precision: str) -> None:
+def test_a_program_in_a_narrower_precision_computes_what_the_float32_reference_does_within_its_tolerance(model: str, precision: str) -> None:
     data = (FIXTURES / f"{model}.onnx").read_bytes()
     graph = load_graph(data)
-    emulated = emulate(narrow_storage(_program(data), precision), graph.size_limits)
+    emulated = emulate(_in_precision(_program(data), precision), graph.size_limits)
     inputs = sample_inputs(graph, seed=3, int_high=1, symbol_size=2)
     got = emulated.run(inputs)
     for name, want in run_graph(graph, inputs).items():
@@ -532,6 +536,15 @@ def test_a_product_on_tensor_cores_with_ragged_tiles_and_batches() -> None:
     # the operands are rounded to float16 and the sums kept in float32: as NumPy computes it
     want = x.astype(np.float16).astype(np.float32) @ w.astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # in tf32: operands rounded to 10 mantissa bits, to nearest with ties away from zero
+    got = emulate(tf32_products(_program(data))).run({"x": x, "w": w})["y"]
+    np.testing.assert_allclose(got, _tf32(x) @ _tf32(w), rtol=1e-5, atol=1e-4)
+    assert np.abs(got - x @ w).max() > 1e-4  # it did round
+
+
+def _tf32(array: np.ndarray) -> np.ndarray:
+    bits = array.astype(np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def test_a_mask_of_the_float32_minimum_stays_float32_so_a_fully_masked_row_is_uniform() -> None:
@@ -577,12 +590,16 @@ def test_a_narrow_precision_compiles_for_a_gpu_type_and_is_refused_on_the_cpu() 
         compile_onnx(data, "cpu", precision="float16")
     with pytest.raises(ValueError, match="unknown precision 'float8'"):
         compile_onnx(data, "h100", precision="float8")
+    report = compile_onnx(data, "h100", precision="tf32").report
+    assert report["precision"]["chosen"] == "tf32" and report["precision"]["products"].startswith("tensor cores: tf32")
+    with pytest.raises(ValueError, match="precision 'tf32' runs on GPU targets"):
+        compile_onnx(data, "cpu", precision="tf32")
 
 
 # ---- on a GPU (skipped without one) -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["exported", *sorted(NARROW)])
+@pytest.mark.parametrize("precision", ["exported", "tf32", *sorted(NARROW)])
 @pytest.mark.parametrize("model", MODELS)
 def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str, precision: str) -> None:
     from compiler import compile_onnx

@@ -200,6 +200,20 @@ static inline void lc_mma_load_a_bf16(lc_frag_ab &a, const unsigned short *p, in
 static inline void lc_mma_load_b_bf16(lc_frag_ab &b, const unsigned short *p, int ldm) { lc_mma_load(b, p, ldm, lc_from_bf16); }
 static inline void lc_mma_f16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) { lc_mma(d, a, b); }
 static inline void lc_mma_bf16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) { lc_mma(d, a, b); }
+/* tf32: 10 mantissa bits, rounded to nearest with ties away from zero (cvt.rna) */
+static inline float lc_to_tf32(float f) {
+    unsigned u; __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    float r; __builtin_memcpy(&r, &u, 4); return r;
+}
+/* tf32 products are 16x8 (A) by 8x16 (B): the tiles hold them in their first columns or rows */
+static inline void lc_mma_load_a_tf32(lc_frag_ab &a, const float *p, int ldm) {
+    if (lc_lane0()) for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) a.v[r * 16 + c] = c < 8 ? p[r * ldm + c] : 0.0f;
+}
+static inline void lc_mma_load_b_tf32(lc_frag_ab &b, const float *p, int ldm) {
+    if (lc_lane0()) for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) b.v[r * 16 + c] = r < 8 ? p[r * ldm + c] : 0.0f;
+}
+static inline void lc_mma_tf32(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) { lc_mma(d, a, b); }
 static inline void lc_mma_store(float *p, const lc_frag_c &d, int ldm) {
     if (lc_lane0()) for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) p[r * ldm + c] = d.v[r * 16 + c];
 }

@@ -316,9 +316,9 @@ class Program:
     slots: dict[int, int] = field(default_factory=dict)
     # every weight a buffer names: the graph's, and operands repacked for a library call
     weights: dict[str, Any] = field(default_factory=dict)
-    # the narrow float (float16, bfloat16) the program stores weights and temps in and multiplies
-    # on tensor cores, or None (compiler.kernels.precision)
-    narrow: str | None = None
+    # the input format of the program's float32 products on tensor cores (float16, bfloat16,
+    # tf32), or None: products in their own dtype (compiler.kernels.precision)
+    tensor_cores: str | None = None
 
     def buffer(self, i: int) -> Buffer:
         return self.buffers[i]

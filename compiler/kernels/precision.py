@@ -1,4 +1,5 @@
-"""A kernel-IR program stored in a narrower float than it computes in (the upload's `precision`).
+"""A kernel-IR program in the precision an upload asks for (its `precision` option): stored in a
+narrower float than it computes in, or with its products on TF32 tensor cores.
 
 `narrow_storage(program, "float16")` gives float32 weights and temps the narrow dtype; nothing else
 changes. Expressions keep their float32 dtypes, so a renderer reads a narrow buffer into a float32
@@ -41,7 +42,13 @@ def narrow_storage(program: Program, dtype: str) -> Program:
         replace(b, dtype=dtype) if b.dtype == "float32" and b.role in NARROWED_ROLES and b.id not in wide else b
         for b in program.buffers
     ]
-    return replace(program, buffers=buffers, narrow=dtype)
+    return replace(program, buffers=buffers, tensor_cores=dtype)
+
+
+def tf32_products(program: Program) -> Program:
+    """The program with its float32 products on tensor cores in TF32: operands rounded to 10
+    mantissa bits, sums in float32; everything else, storage included, stays float32."""
+    return replace(program, tensor_cores="tf32")
 
 
 def out_of_range(program: Program, limit: float) -> set[int]:
@@ -78,4 +85,4 @@ def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:
     return False
 
 
-__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_storage", "out_of_range"]
+__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_storage", "out_of_range", "tf32_products"]

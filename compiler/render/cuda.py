@@ -48,12 +48,31 @@ GEMM_THREADS = 256
 MMA_TILE = 64
 MMA_K_STEP = 32
 MMA_THREADS = 128
-MMA_PAD = 8
+MMA_PAD_BYTES = 16
 MMA_C_PAD = 4
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
-# a narrow float's storage type and the suffix of its conversions and warp products in the prelude
+# a narrow float's storage type and the suffix of its conversions in the prelude
 NARROW_TYPES = {"float16": ("lc_half", "f16"), "bfloat16": ("lc_bf16", "bf16")}
+
+
+@dataclass(frozen=True)
+class MmaFormat:
+    """A tensor-core input format: the type its operands are staged in, its k per warp product,
+    its bytes an element, and the suffix of its prelude functions (lc_to_<suffix>, lc_mma_<suffix>...)."""
+
+    staged: str
+    k: int
+    itemsize: int
+    suffix: str
+
+
+MMA_FORMATS = {
+    "float16": MmaFormat("lc_half", 16, 2, "f16"),
+    "bfloat16": MmaFormat("lc_bf16", 16, 2, "bf16"),
+    # float32 operands rounded to 10 mantissa bits (nearest, ties away), as cuBLAS's TF32 mode does
+    "tf32": MmaFormat("float", 8, 4, "tf32"),
+}
 
 PRELUDE = r"""typedef signed char int8_t;
 typedef short int16_t;
@@ -94,8 +113,8 @@ __device__ __forceinline__ float lc_exp2f(float x) { return exp2f(x); }
 """
 
 # Narrow floats are 16-bit storage: read into float, computed in float, rounded to nearest even as
-# they are stored; tensor-core products (wmma, 16x16x16, float32 accumulators) take them from
-# shared memory. The fragments are opaque registers, so the code never depends on their layout.
+# they are stored; tensor-core products (wmma 16x16x16, or 16x16x8 for tf32; float32 accumulators)
+# take their operands from shared memory. The fragments are opaque registers, so the code never depends on their layout.
 # (The CPU emulation, compiler.backends.cuda_emulator, defines these names itself.)
 NARROW_PRELUDE = r"""typedef unsigned short lc_half;
 typedef unsigned short lc_bf16;
@@ -132,6 +151,18 @@ __device__ __forceinline__ void lc_mma_load_b_bf16(lc_frag_ab &b, const lc_bf16 
 }
 __device__ __forceinline__ void lc_mma_bf16(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) {
     asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.bf16.bf16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+                 "{%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+                 : LC_C8(d) : LC_IN4(a), LC_IN4(b));
+}
+__device__ __forceinline__ float lc_to_tf32(float f) { unsigned u; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(f)); return __uint_as_float(u); }
+__device__ __forceinline__ void lc_mma_load_a_tf32(lc_frag_ab &a, const float *p, int ldm) {
+    asm volatile("wmma.load.a.sync.aligned.row.m16n16k8.shared.tf32 {%0,%1,%2,%3}, [%4], %5;" : LC_AB4(a) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_load_b_tf32(lc_frag_ab &b, const float *p, int ldm) {
+    asm volatile("wmma.load.b.sync.aligned.row.m16n16k8.shared.tf32 {%0,%1,%2,%3}, [%4], %5;" : LC_AB4(b) : "r"(LC_SHARED(p)), "r"(ldm));
+}
+__device__ __forceinline__ void lc_mma_tf32(lc_frag_c &d, const lc_frag_ab &a, const lc_frag_ab &b) {
+    asm volatile("wmma.mma.sync.aligned.row.row.m16n16k8.f32.tf32.tf32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
                  "{%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3,%4,%5,%6,%7};"
                  : LC_C8(d) : LC_IN4(a), LC_IN4(b));
 }
@@ -180,7 +211,7 @@ def render_cuda(program: Program) -> CudaSource:
     differ only in the buffers they read and write (a model's repeated layers) are one function,
     launched once per kernel with its own buffers."""
     renderer = CudaRenderer(program)
-    parts = [PRELUDE, *([NARROW_PRELUDE] if renderer.narrow else []), _symbols_struct(len(program.symbols))]
+    parts = [PRELUDE, *([NARROW_PRELUDE] if renderer.tensor_cores else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
     for number, kernel in enumerate(program.kernels):
@@ -195,12 +226,13 @@ def render_cuda(program: Program) -> CudaSource:
 
 class CudaRenderer(CRenderer):
     """CUDA C of a program's kernels; a buffer of a narrow float (compiler.kernels.precision) is
-    read into float and rounded as it is stored, and the products run on tensor cores."""
+    read into float and rounded as it is stored; products run on tensor cores where the program
+    says (Program.tensor_cores)."""
 
     def __init__(self, program: Program) -> None:
         super().__init__(program)
-        # the narrow float the program stores its values in and multiplies in, if any
-        self.narrow = program.narrow
+        # the input format of the program's products on tensor cores, if they run there
+        self.tensor_cores = program.tensor_cores
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S.v[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -334,12 +366,12 @@ class CudaRenderer(CRenderer):
 
     def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
-        the program stores a narrow float (see product_mma), else in the product's own dtype:
+        the program asks for them (see product_mma), else in the product's own dtype:
         each thread computes a (GEMM_TILE/16)^2 lattice of the tile (rows ty + 16*i, columns
         tx + 16*j: conflict-free reads of the staged tiles and coalesced stores), then the
         epilogue at each element it stores."""
-        if self.narrow is not None and call.dtype == "float32":
-            return self.product_mma(call)
+        if self.tensor_cores is not None and call.dtype == "float32":
+            return self.product_mma(call, MMA_FORMATS[self.tensor_cores])
         ctype = C_TYPES[call.dtype]
         per = GEMM_TILE // 16
         tile, step = GEMM_TILE, GEMM_K_STEP
@@ -383,18 +415,19 @@ class CudaRenderer(CRenderer):
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, GEMM_THREADS
 
-    def product_mma(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
-        """C = A @ B on tensor cores: A and B staged through shared memory in the program's narrow
-        float, a MMA_TILE square of C per block of four warps, each warp a 32x32 quarter as 2x2
-        16x16x16 warp products (wmma) accumulated in float32; the sums go through shared memory
-        to the epilogue, applied as each element is stored."""
-        narrow, suffix = self.narrow, NARROW_TYPES[self.narrow][1]
+    def product_mma(self, call: GemmCall, mma: MmaFormat) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """C = A @ B on tensor cores: A and B staged through shared memory in the format's type,
+        a MMA_TILE square of C per block of four warps, each warp a 32x32 quarter as 2x2 16x16
+        warp products (wmma, k of the format's) accumulated in float32; the sums go through shared
+        memory to the epilogue, applied as each element is stored."""
+        suffix = mma.suffix
         tile, step = MMA_TILE, MMA_K_STEP
-        a_ld, b_ld, c_ld = step + MMA_PAD, tile + MMA_PAD, tile + MMA_C_PAD
+        pad = MMA_PAD_BYTES // mma.itemsize
+        a_ld, b_ld, c_ld = step + pad, tile + pad, tile + MMA_C_PAD
         lines = [
             *self.product_head(call),
-            f"    __shared__ __align__(32) {NARROW_TYPES[narrow][0]} lc_as[{tile}][{a_ld}];\n",
-            f"    __shared__ __align__(32) {NARROW_TYPES[narrow][0]} lc_bs[{step}][{b_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_as[{tile}][{a_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_bs[{step}][{b_ld}];\n",
             f"    __shared__ __align__(32) float lc_cs[{tile}][{c_ld}];\n",
             "    const int lc_wm = (threadIdx.x / 32) / 2, lc_wn = (threadIdx.x / 32) % 2;\n",
             "    lc_frag_c lc_acc[2][2];\n",
@@ -415,7 +448,7 @@ class CudaRenderer(CRenderer):
             f"            lc_bs[lc_r][lc_c] = lc_to_{suffix}(lc_v);\n",
             "        }\n",
             "        __syncthreads();\n",
-            f"        for (int kk = 0; kk < {step}; kk += 16) {{\n",
+            f"        for (int kk = 0; kk < {step}; kk += {mma.k}) {{\n",
             "            lc_frag_ab lc_a[2], lc_b[2];\n",
             f"            for (int i = 0; i < 2; ++i) lc_mma_load_a_{suffix}(lc_a[i], &lc_as[lc_wm * 32 + 16 * i][kk], {a_ld});\n",
             f"            for (int j = 0; j < 2; ++j) lc_mma_load_b_{suffix}(lc_b[j], &lc_bs[kk][lc_wn * 32 + 16 * j], {b_ld});\n",
@@ -438,7 +471,7 @@ class CudaRenderer(CRenderer):
     def product_head(self, call: GemmCall) -> list[str]:
         """A product's sizes, its block's batch index t (t0.. per batch axis) and tile corner."""
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
-        tile = MMA_TILE if self.narrow is not None and call.dtype == "float32" else GEMM_TILE
+        tile = MMA_TILE if self.tensor_cores is not None and call.dtype == "float32" else GEMM_TILE
         return [
             f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n",
             "    (void)batch;\n",
