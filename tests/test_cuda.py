@@ -268,11 +268,12 @@ def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_c
     loaded = CudaProgram(kernel_record(program, render_cuda(program), "sm_90", graph.size_limits), program.weights, {}, driver)
     weights = sum(b.role == "weight" for b in program.buffers)
     assert len(driver.allocs) == weights
-    for batch in (4, 4, 2, 9):
+    for batch in (4, 4, 2, 5):
         inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
         np.testing.assert_allclose(loaded.run(inputs)["output"], run_graph(graph, inputs)["output"], rtol=1e-4, atol=1e-5)
     # an arena for the first call, reused by the equal and the smaller one, replaced by the larger
-    assert len(driver.allocs) == weights + 2 and driver.allocs[-1] > driver.allocs[-2]
+    # (at least doubled: a runtime's growing batches replace it a few times, not at every size)
+    assert len(driver.allocs) == weights + 2 and driver.allocs[-1] >= 2 * driver.allocs[-2]
     # equal calls are the same launches (a GPU driver replays its captured graph)
     assert driver.keys[0] == driver.keys[1] != driver.keys[2]
     assert loaded.resident_bytes() == sum(w.nbytes for k, w in program.weights.items() if any(b.name == k for b in program.buffers))

@@ -215,7 +215,10 @@ class CudaProgram:
             if total > self._arena_bytes:
                 if self._arena:
                     self.driver.free(self._arena)
-                self._arena, self._arena_bytes = self.driver.alloc(total), total
+                # at least doubled: a runtime's batches grow a few times, not once per size (each
+                # new arena address invalidates the graphs captured for the old one)
+                size = max(total, 2 * self._arena_bytes)
+                self._arena, self._arena_bytes = self.driver.alloc(size), size
             address = {**self._addresses, **{b: self._arena + o for b, o in offsets.items()}}
             for buffer_id, array in arrays.items():
                 if array.nbytes:
