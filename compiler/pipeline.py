@@ -25,7 +25,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, Signature
 from compiler.backends import native_cpu
-from compiler.backends.cuda import CudaProgram, compile_cuda, kernel_record
+from compiler.backends.cuda import CudaBuildFailed, CudaProgram, compile_cuda, kernel_record
 from compiler.codegen import numpy_cpu
 from compiler.dtypes import is_float, numpy_dtype
 from compiler.errors import CompilerError, UnsupportedModel
@@ -38,7 +38,7 @@ from compiler.kernels.precision import NARROWED_ROLES, narrow_storage, tf32_prod
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
-from compiler.render.cuda import render_cuda
+from compiler.render.cuda import DEFAULT_SCHEDULE, SCHEDULES, CudaSchedule, CudaSource, render_cuda
 from compiler.search import SearchBudget, measure, optimize
 from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
@@ -272,9 +272,9 @@ def _compile_cuda(
     CPU, rendered as CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute
     capability, and verified against the reference: on this machine's GPU when it is of that
     type's compute capability (then also timed, by CUDA events, at the measuring sizes), else in
-    the CPU emulation, untimed (a compile worker needs no GPU); the report says which."""
-    from compiler.backends.cuda_emulator import EmulatedDriver  # builds with the C++ compiler
-
+    the CPU emulation, untimed (a compile worker needs no GPU); the report says which. On a GPU
+    every schedule that can differ (CudaSchedule) is built, verified and timed, and the fastest
+    kept; elsewhere the default one."""
     started = time.perf_counter()
     gpu = GPU_TYPES[target]
     tracker = _Tracker(progress, ("cuda",))
@@ -296,43 +296,40 @@ def _compile_cuda(
         program = tf32_products(program)
     elif precision != EXPORTED:
         program = narrow_storage(program, precision)
-    rendered = render_cuda(program)
-    tracker.phase("build", "cuda")
-    began = time.perf_counter()
-    ptx, cubin = compile_cuda(rendered.source, gpu.arch)
-    build_seconds = time.perf_counter() - began
-    tracker.phase("verify", "cuda")
-    kernel = kernel_record(program, rendered, gpu.arch, graph.size_limits)
     driver = _gpu_of_arch(gpu.arch)
     verified_on = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
-    binaries = {"program.ptx": ptx, "program.cubin": cubin}
-    try:
-        # the program as a GPU runtime loads it (arena, launch plan): on this machine's GPU when it
-        # is of the target's compute capability, else on the emulated device
-        loaded = CudaProgram(kernel, program.weights, binaries, driver or EmulatedDriver())
-        outputs = loaded.run(verify_inputs)
-    except CompilerError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
-        raise VerificationFailed(f"the CUDA program failed on {verified_on}: {exc}") from None
     tolerance = PRECISION_TOLERANCE[precision]
-    max_error = max((_max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
-    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: one program, not timed"}
+    # schedules are compared by measurement, so only on a GPU of the target's type; elsewhere the
+    # default one is built and verified in the emulation
+    schedules = _cuda_schedules(program) if driver is not None else [DEFAULT_SCHEDULE]
+    cases = _measure_cases(graph, verify_inputs) if driver is not None else []
+    tracker = _Tracker(progress, [schedule.name for schedule in schedules])
+    built: list[_CudaCandidate] = []
+    for schedule in schedules:
+        try:
+            built.append(_cuda_candidate(program, schedule, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
+        except (CudaBuildFailed, VerificationFailed) as exc:
+            if len(schedules) == 1:
+                raise
+            built.append(_CudaCandidate(schedule, error=str(exc)))
+    racing = [c for c in built if c.error is None]
+    if not racing:
+        raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
+    chosen = min(racing, key=lambda c: sum(c.device_ms.values()) if c.device_ms else 0.0)
+    for candidate in built:
+        if candidate is not chosen and candidate.loaded is not None:
+            candidate.loaded.close()
+    rendered, kernel, binaries, max_error = chosen.rendered, chosen.kernel, chosen.binaries, chosen.max_error
+    build_seconds = sum(c.build_seconds for c in built)
+    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
     if driver is not None:
-        tracker.phase("measure")
-        cases = _measure_cases(graph, verify_inputs)
-        measuring = {"device_ms_by_size": {}}
-        for label, inputs in cases:
-            seconds = []
-            for _ in range(MEASURE_REPEATS + 1):  # the first captures the CUDA graph
-                loaded.run(inputs)
-                seconds.append(loaded.last_device_seconds)
-            measuring["device_ms_by_size"][label] = round(measure.median_ms(seconds[1:]), 4)
+        measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
+    chosen.loaded.close()
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,
-        "strategy": "one generated program",
-        "chosen": "cuda-generated",
+        "strategy": "one generated program, its schedule chosen by device time",
+        "chosen": chosen.schedule.name,
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
         "verified_on": verified_on,
         "precision": _precision_report(program, precision, tolerance),
@@ -350,6 +347,67 @@ def _compile_cuda(
     return Artifact(
         target, graph.content_hash(), signature, graph, [kernel], report, binaries, program_weights,
     )
+
+
+@dataclass
+class _CudaCandidate:
+    """One schedule of a CUDA program, built and verified (and timed, on a GPU), or why not."""
+
+    schedule: CudaSchedule
+    rendered: CudaSource | None = None
+    kernel: dict[str, Any] | None = None
+    binaries: dict[str, bytes] = field(default_factory=dict)
+    loaded: CudaProgram | None = None
+    build_seconds: float = 0.0
+    max_error: float = 0.0
+    # median device ms by measuring size (on a GPU only)
+    device_ms: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _cuda_schedules(program: Program) -> list[CudaSchedule]:
+    """The schedules worth comparing: they differ in CUDA-core products, so one where there are none."""
+    products = any(isinstance(k, GemmCall) and not (program.tensor_cores and k.dtype == "float32") for k in program.kernels)
+    return list(SCHEDULES.values()) if products else [DEFAULT_SCHEDULE]
+
+
+def _cuda_candidate(
+    program: Program, schedule: CudaSchedule, arch: str, graph: Graph,
+    case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], tolerance: float, driver, cases: list, tracker: _Tracker,
+) -> _CudaCandidate:
+    """The program rendered in `schedule`, built by NVRTC, run on the verification inputs as a GPU
+    runtime loads it (arena, launch plan): on `driver`, this machine's GPU of the target's compute
+    capability, then timed at each measuring size; else on the emulated device."""
+    from compiler.backends.cuda_emulator import EmulatedDriver  # builds with the C++ compiler
+
+    verify_inputs, expected = case
+    rendered = render_cuda(program, schedule)
+    tracker.phase("build", schedule.name)
+    began = time.perf_counter()
+    ptx, cubin = compile_cuda(rendered.source, arch)
+    build_seconds = time.perf_counter() - began
+    kernel = kernel_record(program, rendered, arch, graph.size_limits)
+    binaries = {"program.ptx": ptx, "program.cubin": cubin}
+    tracker.phase("verify", schedule.name)
+    where = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
+    try:
+        loaded = CudaProgram(kernel, program.weights, binaries, driver or EmulatedDriver())
+        outputs = loaded.run(verify_inputs)
+    except CompilerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
+        raise VerificationFailed(f"the CUDA program ({schedule.name}) failed on {where}: {exc}") from None
+    max_error = max((_max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
+    device_ms = {}
+    if cases:
+        tracker.timed(schedule.name)
+        for label, inputs in cases:
+            seconds = []
+            for _ in range(MEASURE_REPEATS + 1):  # the first captures the CUDA graph
+                loaded.run(inputs)
+                seconds.append(loaded.last_device_seconds)
+            device_ms[label] = round(measure.median_ms(seconds[1:]), 4)
+    return _CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, max_error, device_ms)
 
 
 def _precision_report(program: Program, precision: str, tolerance: float) -> dict[str, Any]:

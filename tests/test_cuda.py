@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.backends.cuda import CudaBuildFailed, compile_cuda
+from compiler.backends.cuda import CudaBuildFailed, CudaProgram, compile_cuda, kernel_record
 from compiler.backends.cuda_emulator import EmulatedArtifact, EmulatedDriver, emulate
 from compiler.conformance import load_cases, run_case
 from compiler.errors import UnsupportedModel
@@ -22,7 +22,14 @@ from compiler.kernels.lower import lower
 from compiler.kernels.precision import narrow_storage, out_of_range, tf32_products
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
-from compiler.render.cuda import ELEMENTWISE_THREADS, GEMM_TILE, MMA_THREADS, render_cuda
+from compiler.render.cuda import (
+    ELEMENTWISE_THREADS,
+    GEMM_TILE,
+    LARGE_THREADS,
+    MMA_THREADS,
+    SCHEDULES,
+    render_cuda,
+)
 from compiler.shape import dim_from_json, evaluate
 from compiler.targets import PRECISION_TOLERANCE
 from tests.conftest import FIXTURES
@@ -197,7 +204,7 @@ def test_a_model_uploaded_for_a_gpu_type_compiles_to_cuda_and_waits_for_a_gpu_ru
         version = wait_for(client, key, "mlp", 1)
         assert version["status"] == "ready", version
         report = client.get("/v1/models/mlp", headers=auth(key)).json()["versions"][0]["report"]
-        assert report["chosen"] == "cuda-generated"
+        assert report["chosen"] == "cuda-tile64"  # the default schedule: none is timed without a GPU
         assert report["target"]["arch"] == "sm_90" and report["verified_on"] == "cpu emulation"
         assert report["verify_max_abs_error"] < 1e-4
         # no GPU runtime in this server: the request is refused, not run elsewhere
@@ -434,6 +441,74 @@ def test_a_program_evicted_during_its_batch_is_freed_after_the_batch(gpu_artifac
     assert not errors, errors
     cnn_weights = sum(b["role"] == "weight" for b in gpu_artifacts["torch_cnn"].kernels[0]["layout"]["buffers"])
     assert driver.live() == cnn_weights  # the first program's weights and arena went with its batch
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_large_product_schedule_computes_what_the_reference_does(model: str) -> None:
+    data = (FIXTURES / f"{model}.onnx").read_bytes()
+    graph = load_graph(data)
+    program = _program(data)
+    rendered = render_cuda(program, SCHEDULES["cuda-tile128"])
+    products = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    # two staged buffers, the next step's elements loaded into registers under this step's products
+    assert "__shared__ float lc_as[2][8][128 + 4];" in _kernel_source(rendered.source, products[0])
+    assert all(rendered.launches[n].threads == LARGE_THREADS for n in products)
+    emulated = CudaProgram(kernel_record(program, rendered, "emulated", graph.size_limits), program.weights, {}, EmulatedDriver())
+    for size, seed in ((1, 0), (3, 1)):
+        inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
+        for name, want in run_graph(graph, inputs).items():
+            np.testing.assert_allclose(emulated.run(inputs)[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
+
+
+class _TimedEmulation(EmulatedDriver):
+    """The emulated device posing as an H100 whose device time is the given seconds per call of
+    a program whose source holds `marker` (else 1 s), and that corrupts the outputs of a program
+    whose source holds `broken`."""
+
+    name, arch = "emulated H100", "sm_90"
+
+    def __init__(self, marker: str, seconds: float, broken: str | None = None) -> None:
+        super().__init__()
+        self.marker, self.seconds, self.broken = marker, seconds, broken
+
+    def load(self, kernel, binaries):
+        module = super().load(kernel, binaries)
+        self.sources = getattr(self, "sources", {})
+        self.sources[id(module)] = kernel["source"]
+        return module
+
+    def execute(self, module, calls, key) -> float:
+        super().execute(module, calls, key)
+        self.last_source = self.sources[id(module)]
+        return self.seconds if self.marker in self.last_source else 1.0
+
+    def download(self, address: int, array: np.ndarray) -> None:
+        super().download(address, array)  # (a call's outputs, after its execute)
+        if self.broken is not None and self.broken in self.last_source and array.dtype == np.float32:
+            array += 1.0
+
+
+@pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-tile128"), (2.0, "cuda-tile64")])
+def test_on_a_gpu_every_schedule_is_built_verified_timed_and_the_fastest_kept(monkeypatch, seconds: float, chosen: str) -> None:
+    from compiler import compile_onnx, pipeline
+
+    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", seconds))
+    artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
+    report = artifact.report
+    assert report["chosen"] == chosen and report["verified_on"] == "emulated H100 (sm_90)"
+    timed = report["measuring"]["device_ms_by_size"]
+    assert set(timed) == set(SCHEDULES) and all(set(t) == set(timed["cuda-tile64"]) for t in timed.values())
+    assert ("lc_ra[" in artifact.kernels[0]["source"]) == (chosen == "cuda-tile128")
+
+
+def test_on_a_gpu_a_schedule_that_disagrees_with_the_reference_is_dropped(monkeypatch) -> None:
+    from compiler import compile_onnx, pipeline
+
+    # the large schedule's program is the faster, but its outputs are wrong
+    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", 0.5, broken="lc_ra["))
+    report = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100").report
+    assert report["chosen"] == "cuda-tile64"
+    assert "max error" in report["measuring"]["device_ms_by_size"]["cuda-tile128"]
 
 
 # ---- narrow precisions: float16 and bfloat16 storage, tensor-core products ---------------------

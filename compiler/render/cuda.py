@@ -50,6 +50,13 @@ MMA_K_STEP = 32
 MMA_THREADS = 128
 MMA_PAD_BYTES = 16
 MMA_C_PAD = 4
+# the large product: a LARGE_TILE square of C per block of LARGE_THREADS, LARGE_PER^2 elements a
+# thread, a k step of LARGE_K_STEP, the next step's tiles loaded into registers while this one's
+# are multiplied (two shared buffers, one barrier a step)
+LARGE_TILE = 128
+LARGE_PER = 8
+LARGE_K_STEP = 8
+LARGE_THREADS = 256
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
 # a narrow float's storage type and the suffix of its conversions in the prelude
@@ -199,6 +206,20 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class CudaSchedule:
+    """How a program's kernels are laid out on the GPU, a compile candidate: `product_tile` is the
+    square of C a block of a CUDA-core product computes (GEMM_TILE, or LARGE_TILE: more work per
+    thread and the next k step's loads under this one's arithmetic, for large products)."""
+
+    name: str
+    product_tile: int = GEMM_TILE
+
+
+SCHEDULES = {"cuda-tile64": CudaSchedule("cuda-tile64", GEMM_TILE), "cuda-tile128": CudaSchedule("cuda-tile128", LARGE_TILE)}
+DEFAULT_SCHEDULE = SCHEDULES["cuda-tile64"]
+
+
+@dataclass(frozen=True)
 class CudaSource:
     """A program as one CUDA C translation unit and the launches that run it, in order."""
 
@@ -206,11 +227,11 @@ class CudaSource:
     launches: tuple[Launch, ...]
 
 
-def render_cuda(program: Program) -> CudaSource:
-    """The program's CUDA C and launch plan (every kernel; none runs on the host). Kernels that
-    differ only in the buffers they read and write (a model's repeated layers) are one function,
-    launched once per kernel with its own buffers."""
-    renderer = CudaRenderer(program)
+def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> CudaSource:
+    """The program's CUDA C and launch plan (every kernel; none runs on the host) in `schedule`.
+    Kernels that differ only in the buffers they read and write (a model's repeated layers) are
+    one function, launched once per kernel with its own buffers."""
+    renderer = CudaRenderer(program, schedule)
     parts = [PRELUDE, *([NARROW_PRELUDE] if renderer.tensor_cores else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
@@ -229,8 +250,9 @@ class CudaRenderer(CRenderer):
     read into float and rounded as it is stored; products run on tensor cores where the program
     says (Program.tensor_cores)."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> None:
         super().__init__(program)
+        self.schedule = schedule
         # the input format of the program's products on tensor cores, if they run there
         self.tensor_cores = program.tensor_cores
 
@@ -372,11 +394,13 @@ class CudaRenderer(CRenderer):
         epilogue at each element it stores."""
         if self.tensor_cores is not None and call.dtype == "float32":
             return self.product_mma(call, MMA_FORMATS[self.tensor_cores])
+        if self.schedule.product_tile == LARGE_TILE:
+            return self.product_large(call)
         ctype = C_TYPES[call.dtype]
         per = GEMM_TILE // 16
         tile, step = GEMM_TILE, GEMM_K_STEP
         lines = [
-            *self.product_head(call),
+            *self.product_head(call, tile),
             f"    __shared__ {ctype} lc_as[{step}][{tile} + 1];\n",
             f"    __shared__ {ctype} lc_bs[{step}][{tile} + 1];\n",
             "    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;\n",
@@ -425,7 +449,7 @@ class CudaRenderer(CRenderer):
         pad = MMA_PAD_BYTES // mma.itemsize
         a_ld, b_ld, c_ld = step + pad, tile + pad, tile + MMA_C_PAD
         lines = [
-            *self.product_head(call),
+            *self.product_head(call, tile),
             f"    __shared__ __align__(32) {mma.staged} lc_as[{tile}][{a_ld}];\n",
             f"    __shared__ __align__(32) {mma.staged} lc_bs[{step}][{b_ld}];\n",
             f"    __shared__ __align__(32) float lc_cs[{tile}][{c_ld}];\n",
@@ -468,10 +492,92 @@ class CudaRenderer(CRenderer):
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, MMA_THREADS
 
-    def product_head(self, call: GemmCall) -> list[str]:
+    def product_large(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """C = A @ B, a LARGE_TILE square of C per block, each thread a LARGE_PER^2 lattice of it
+        (rows ty + 16*i, columns tx + 16*j); while a k step's staged tiles are multiplied, the
+        next step's elements are already loaded into registers, then stored into the other pair of
+        shared buffers: one barrier a step."""
+        ctype = C_TYPES[call.dtype]
+        tile, step, per, threads = LARGE_TILE, LARGE_K_STEP, LARGE_PER, LARGE_THREADS
+        loads = tile * step // threads  # elements of A's (and B's) tile a thread loads
+        lines = [
+            *self.product_head(call, tile),
+            f"    __shared__ {ctype} lc_as[2][{step}][{tile} + 4];\n",
+            f"    __shared__ {ctype} lc_bs[2][{step}][{tile} + 4];\n",
+            "    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;\n",
+            f"    {ctype} lc_acc[{per}][{per}];\n",
+            f"    for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] = 0;\n",
+            f"    {ctype} lc_ra[{loads}], lc_rb[{loads}];\n",
+            *self.large_loads(call, "0", "    "),
+            *self.large_stores("0", "    "),
+            "    __syncthreads();\n",
+            "    int lc_cur = 0;\n",
+            f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
+            f"        const bool lc_more = k0 + {step} < k;\n",
+            "        if (lc_more) {\n",
+            *self.large_loads(call, f"k0 + {step}", "            "),
+            "        }\n",
+            "        #pragma unroll\n",
+            f"        for (int kk = 0; kk < {step}; ++kk) {{\n",
+            f"            {ctype} lc_a[{per}], lc_b[{per}];\n",
+            f"            for (int i = 0; i < {per}; ++i) lc_a[i] = lc_as[lc_cur][kk][ty + 16 * i];\n",
+            f"            for (int j = 0; j < {per}; ++j) lc_b[j] = lc_bs[lc_cur][kk][tx + 16 * j];\n",
+            f"            for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] += lc_a[i] * lc_b[j];\n",
+            "        }\n",
+            "        if (lc_more) {\n",
+            *self.large_stores("lc_cur ^ 1", "            "),
+            "        }\n",
+            "        __syncthreads();\n",
+            "        lc_cur ^= 1;\n",
+            "    }\n",
+            f"    for (int lc_ti = 0; lc_ti < {per}; ++lc_ti) for (int lc_tj = 0; lc_tj < {per}; ++lc_tj) {{\n",
+            "        const int64_t i = row0 + ty + 16 * lc_ti, j = col0 + tx + 16 * lc_tj;\n",
+            "        if (i >= m || j >= n) continue;\n",
+            *self.product_store(call, "lc_acc[lc_ti][lc_tj]", "        "),
+            "    }\n",
+        ]
+        grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
+        return "".join(lines), grid, threads
+
+    def large_loads(self, call: GemmCall, k0: str, indent: str) -> list[str]:
+        """This thread's elements of A's and B's tiles at k step k0, into registers lc_ra, lc_rb:
+        A's element e is (row e % tile, k e / tile), B's (k e / tile, column e % tile)."""
+        ctype = C_TYPES[call.dtype]
+        tile, loads = LARGE_TILE, LARGE_TILE * LARGE_K_STEP // LARGE_THREADS
+        inner = indent + "    "
+        return [
+            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
+            f"{inner}const int lc_e = threadIdx.x + lc_l * {LARGE_THREADS};\n",
+            f"{inner}{{\n",
+            f"{inner}    const int64_t lc_i = row0 + lc_e % {tile}, lc_k = {k0} + lc_e / {tile};\n",
+            f"{inner}    lc_ra[lc_l] = (lc_i < m && lc_k < k) ? {self.a_element(call)} : ({ctype})0;\n",
+            f"{inner}}}\n",
+            f"{inner}{{\n",
+            f"{inner}    const int64_t lc_k = {k0} + lc_e / {tile}, lc_j = col0 + lc_e % {tile};\n",
+            f"{inner}    {ctype} lc_v = 0;\n",
+            f"{inner}    if (lc_k < k && lc_j < n) {{\n",
+            self.b_element(call, inner + "        "),
+            f"{inner}    }}\n",
+            f"{inner}    lc_rb[lc_l] = lc_v;\n",
+            f"{inner}}}\n",
+            f"{indent}}}\n",
+        ]
+
+    @staticmethod
+    def large_stores(buffer: str, indent: str) -> list[str]:
+        """This thread's registers lc_ra, lc_rb into the staged tiles' `buffer`."""
+        tile, loads = LARGE_TILE, LARGE_TILE * LARGE_K_STEP // LARGE_THREADS
+        return [
+            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
+            f"{indent}    const int lc_e = threadIdx.x + lc_l * {LARGE_THREADS};\n",
+            f"{indent}    lc_as[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_ra[lc_l];\n",
+            f"{indent}    lc_bs[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_rb[lc_l];\n",
+            f"{indent}}}\n",
+        ]
+
+    def product_head(self, call: GemmCall, tile: int) -> list[str]:
         """A product's sizes, its block's batch index t (t0.. per batch axis) and tile corner."""
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
-        tile = MMA_TILE if self.tensor_cores is not None and call.dtype == "float32" else GEMM_TILE
         return [
             f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, k = {dim(call.k)}, batch = {batch};\n",
             "    (void)batch;\n",
@@ -519,4 +625,4 @@ class CudaRenderer(CRenderer):
         return "".join(lines)
 
 
-__all__ = ["CudaRenderer", "CudaSource", "Launch", "render_cuda"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "CudaRenderer", "CudaSchedule", "CudaSource", "Launch", "render_cuda"]
