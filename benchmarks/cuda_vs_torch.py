@@ -1,0 +1,385 @@
+"""Our CUDA programs against PyTorch on one GPU, eager and torch.compile (mode reduce-overhead,
+which replays CUDA graphs), in float32 with TF32 off and in float16, all measured in one run.
+
+    python3 benchmarks/cuda_vs_torch.py                          # every model, both precisions
+    python3 benchmarks/cuda_vs_torch.py --models mlp,bert --precisions float16 --repeats 30
+    python3 benchmarks/cuda_vs_torch.py --write docs/performance.md
+    python3 benchmarks/cuda_vs_torch.py --dry-run                # no GPU: tiny models, the CPU emulation
+
+It needs torch, torchvision and transformers besides the project (the GPU machines' image has
+them). The models: an MLP 256-512-512-10 (batch 1 and 64); ResNet-50 (torchvision, 224x224, batch
+1 and 8); a BERT encoder of all-MiniLM-L6-v2's shape (transformers' BertModel: 6 layers, 384 wide,
+12 heads; sequence 128, batch 1, 8 and 32); GPT-2 small (GPT2LMHeadModel: 12 layers, 768 wide;
+sequence 128, batch 1 and 8, no KV cache). Weights are random (seed 0): speed does not depend on them.
+
+Each model is exported once to ONNX (torch.onnx.export with dynamic batch and sequence) and
+compiled by our compiler for this GPU's type once per precision: float32 is the upload option
+precision="exported", float16 is precision="float16" (weights and intermediates in float16,
+products on tensor cores, float32 sums). It runs through CudaProgram on the driver, as a GPU
+runtime serves a request: inputs copied in, the launch plan replayed as one CUDA graph, outputs
+copied out. PyTorch runs the same module (`.half()` for float16) on inputs already on the GPU.
+
+Times are medians of synchronized wall-clock per call after warm-ups; for ours also the CUDA-event
+time around the graph launch (what is billed). `ours/compile` divides our wall time by
+torch.compile's (below 1 is faster); `ours dev/compile` our device time. `max err` compares our
+outputs with eager's at the same precision, relative to eager's largest magnitude. Compile
+seconds: ours is the whole compile (search, NVRTC, verification and timing on this GPU) once per
+model and precision; torch.compile's is its first call at each size (it compiles per shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+SECTION_BEGIN, SECTION_END = "<!-- cuda-benchmark:begin -->", "<!-- cuda-benchmark:end -->"
+WARMUPS = 3
+SEQUENCE = 128
+
+
+@dataclass(frozen=True)
+class Model:
+    """A torch module to build, its inputs at a batch size, and the batch sizes measured."""
+
+    name: str
+    build: Callable[[bool], object]
+    inputs: Callable[[int, bool], dict[str, np.ndarray]]
+    batches: tuple[int, ...]
+    # the ONNX input axes that are dynamic: {input: {axis: symbol}}
+    dynamic: dict[str, dict[int, str]]
+
+
+def _mlp(tiny: bool):
+    from torch import nn
+
+    widths = (16, 32, 32, 10) if tiny else (256, 512, 512, 10)
+    layers: list = []
+    for index in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[index], widths[index + 1]))
+        if index < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _resnet50(tiny: bool):
+    import torchvision
+
+    # a dry run emulates every thread on the CPU: ResNet-18's blocks, not ResNet-50's wide ones
+    return torchvision.models.resnet18(weights=None, num_classes=10) if tiny else torchvision.models.resnet50(weights=None)
+
+
+def _bert(tiny: bool):
+    from torch import nn
+    from transformers import BertConfig, BertModel
+
+    if tiny:
+        config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    else:  # all-MiniLM-L6-v2's shape
+        config = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+    config._attn_implementation = "eager"  # exports to plain ops; sdpa's export differs by version
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = BertModel(config, add_pooling_layer=False)
+
+        def forward(self, input_ids, attention_mask):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    return Encoder()
+
+
+def _gpt2(tiny: bool):
+    from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if tiny:
+        config = GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    else:  # GPT-2 small
+        config = GPT2Config()
+    config._attn_implementation = "eager"
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt2 = GPT2LMHeadModel(config)
+
+        def forward(self, input_ids):
+            return self.gpt2(input_ids=input_ids, use_cache=False).logits
+
+    return Decoder()
+
+
+def _sequence(tiny: bool) -> int:
+    return 8 if tiny else SEQUENCE
+
+
+def _ids(batch: int, tiny: bool, vocab: int) -> np.ndarray:
+    return np.random.default_rng(batch).integers(0, 100 if tiny else vocab, (batch, _sequence(tiny)), dtype=np.int64)
+
+
+MODELS = {
+    "mlp": Model(
+        "mlp", _mlp, lambda b, tiny: {"x": np.random.default_rng(b).standard_normal((b, 16 if tiny else 256), dtype=np.float32)},
+        (1, 64), {"x": {0: "batch"}},
+    ),
+    "resnet50": Model(
+        "resnet50", _resnet50,
+        lambda b, tiny: {"image": np.random.default_rng(b).standard_normal((b, 3, *((32, 32) if tiny else (224, 224))), dtype=np.float32)},
+        (1, 8), {"image": {0: "batch"}},
+    ),
+    "bert": Model(
+        "bert", _bert,
+        lambda b, tiny: {"input_ids": _ids(b, tiny, 30522), "attention_mask": np.ones((b, _sequence(tiny)), np.int64)},
+        (1, 8, 32), {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+    ),
+    "gpt2": Model("gpt2", _gpt2, lambda b, tiny: {"input_ids": _ids(b, tiny, 50257)}, (1, 8), {"input_ids": {0: "batch", 1: "seq"}}),
+}
+
+
+def export_onnx(module, example: dict[str, np.ndarray], dynamic: dict[str, dict[int, str]]) -> bytes:
+    """The module as ONNX bytes with its dynamic axes (the dynamo exporter; TorchScript's if it fails)."""
+    import io
+
+    import onnx
+    import torch
+    from torch.export import Dim
+
+    args = tuple(torch.from_numpy(v) for v in example.values())
+    dims = {symbol: Dim(symbol, min=1, max=1024) for axes in dynamic.values() for symbol in axes.values()}
+    try:
+        program = torch.onnx.export(
+            module, args, input_names=list(example), output_names=["output"], dynamo=True,
+            dynamic_shapes=tuple({axis: dims[symbol] for axis, symbol in dynamic[name].items()} for name in example),
+        )
+        return program.model_proto.SerializeToString()
+    except Exception as exc:  # noqa: BLE001 - the older exporter is the fallback
+        print(f"  dynamo export failed ({type(exc).__name__}: {str(exc)[:200]}); TorchScript exporter", flush=True)
+    buffer = io.BytesIO()
+    torch.onnx.export(
+        module, args, buffer, input_names=list(example), output_names=["output"], opset_version=17, dynamo=False,
+        dynamic_axes={name: dict(axes) for name, axes in dynamic.items()},
+    )
+    return onnx.load_from_string(buffer.getvalue()).SerializeToString()
+
+
+def median_ms(run: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
+    for _ in range(WARMUPS):
+        run()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def torch_ms(module, tensors: list, repeats: int, synchronize: Callable[[], None]) -> float:
+    return median_ms(lambda: module(*tensors), repeats, synchronize)
+
+
+def program_ms(program, feeds: dict[str, np.ndarray], repeats: int) -> tuple[float, float]:
+    """Our wall-clock and device (CUDA events) medians; run() returns once the outputs are back."""
+    device_seconds: list[float] = []
+
+    def run() -> None:
+        program.run(feeds)
+        device_seconds.append(program.last_device_seconds)
+
+    wall_ms = median_ms(run, repeats, lambda: None)
+    return wall_ms, 1000 * statistics.median(device_seconds[WARMUPS:])
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    precision: str
+    ours_ms: float
+    ours_device_ms: float
+    eager_ms: float
+    compiled_ms: float
+    error: float
+    ours_compile_s: float
+    torch_compile_s: float
+
+
+def measure_model(spec: Model, precisions: list[str], repeats: int, dry_run: bool, device, driver, target: str) -> list[Row]:
+    import torch
+
+    from compiler import compile_onnx
+    from compiler.backends.cuda import CudaProgram
+
+    torch.manual_seed(0)
+    module = spec.build(dry_run).eval()
+    batches = spec.batches[:2] if dry_run else spec.batches
+    started = time.perf_counter()
+    data = export_onnx(module, spec.inputs(2, dry_run), spec.dynamic)
+    print(f"{spec.name}: exported in {time.perf_counter() - started:.1f} s ({len(data) / 1e6:.1f} MB)", flush=True)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for precision in precisions:
+        started = time.perf_counter()
+        artifact = compile_onnx(data, target, precision="exported" if precision == "float32" else precision)
+        ours_compile_s = time.perf_counter() - started
+        print(f"  ours {precision}: compiled in {ours_compile_s:.1f} s ({artifact.report['functions']} functions, {artifact.report['kernels']} kernels)", flush=True)
+        program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
+        # a copy per precision: half() in place would round the float32 run's weights too
+        torch_module = copy.deepcopy(module).to(device)
+        torch_module = torch_module.half() if precision == "float16" else torch_module
+        compiled = torch.compile(torch_module, mode="reduce-overhead") if not dry_run else None
+        for batch in batches:
+            feeds = spec.inputs(batch, dry_run)
+            tensors = [torch.from_numpy(v).to(device) for v in feeds.values()]
+            if precision == "float16":
+                tensors = [t.half() if t.is_floating_point() else t for t in tensors]
+            with torch.inference_mode():
+                want = torch_module(*tensors).float().cpu().numpy()
+                eager_ms = torch_ms(torch_module, tensors, repeats, synchronize)
+                torch_compile_s = compiled_ms = math.nan
+                if compiled is not None:
+                    began = time.perf_counter()
+                    compiled(*tensors)
+                    synchronize()
+                    torch_compile_s = time.perf_counter() - began
+                    compiled_ms = torch_ms(compiled, tensors, repeats, synchronize)
+            got = program.run(feeds)["output"]
+            error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
+            ours_ms, ours_device_ms = program_ms(program, feeds, repeats)
+            row = Row(
+                spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s,
+                torch_compile_s,
+            )
+            print("  " + " | ".join(_cells(row)), flush=True)
+            rows.append(row)
+        program.close()
+    return rows
+
+
+HEADER = [
+    "model", "batch", "precision", "ours ms", "ours device ms", "eager ms", "torch.compile ms", "ours/compile",
+    "ours dev/compile", "ours/eager", "max err", "compile s ours / torch",
+]
+
+
+def _ratio(a: float, b: float) -> str:
+    return "n/a" if not (b > 0 and math.isfinite(a) and math.isfinite(b)) else f"{a / b:.2f}"
+
+
+def _cells(row: Row) -> list[str]:
+    return [
+        row.model, str(row.batch), row.precision, f"{row.ours_ms:.3f}", f"{row.ours_device_ms:.3f}", f"{row.eager_ms:.3f}",
+        "n/a" if math.isnan(row.compiled_ms) else f"{row.compiled_ms:.3f}", _ratio(row.ours_ms, row.compiled_ms),
+        _ratio(row.ours_device_ms, row.compiled_ms), _ratio(row.ours_ms, row.eager_ms), f"{row.error:.1e}",
+        f"{row.ours_compile_s:.1f} / " + ("n/a" if math.isnan(row.torch_compile_s) else f"{row.torch_compile_s:.1f}"),
+    ]
+
+
+def table(rows: list[Row]) -> list[str]:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return lines
+
+
+def summary(rows: list[Row]) -> list[str]:
+    lines = []
+    for label, pick in (("wall", lambda r: r.ours_ms), ("device", lambda r: r.ours_device_ms)):
+        ratios = [pick(r) / r.compiled_ms for r in rows if r.compiled_ms > 0]
+        if ratios:
+            geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            lines.append(f"Geometric mean of ours ({label}) / torch.compile over {len(ratios)} rows: **{geomean:.2f}x** (goal <= 1.0).")
+    if rows:
+        slowest = max(rows, key=lambda r: r.ours_compile_s)
+        lines.append(f"Longest compile of ours: {slowest.ours_compile_s:.1f} s ({slowest.model}, {slowest.precision}; goal < 60 s).")
+    return lines
+
+
+def revision() -> str:
+    """The commit measured, with -dirty when tracked files differ from it."""
+    try:
+        described = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return described.stdout.strip()
+
+
+def write_section(path: Path, body: list[str]) -> None:
+    text = path.read_text() if path.exists() else ""
+    section = "\n".join([SECTION_BEGIN, *body, SECTION_END])
+    if SECTION_BEGIN in text and SECTION_END in text:
+        before, rest = text.split(SECTION_BEGIN, 1)
+        text = before + section + rest.split(SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--precisions", default="float32,float16", help="float32 (TF32 off), float16")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--dry-run", action="store_true", help="tiny models, torch eager on the CPU, ours on the CPU emulation")
+    parser.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    args = parser.parse_args()
+    import torch
+
+    from compiler.targets import GPU_TYPES
+
+    if args.dry_run:
+        from compiler.backends.cuda_emulator import EmulatedDriver
+
+        device, driver, target, gpu = torch.device("cpu"), EmulatedDriver(), "h100", "the CPU emulation (dry run)"
+        args.repeats = min(args.repeats, 3)
+    else:
+        from compiler.backends.cuda_driver import CudaDriver
+
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32: the issue's rule
+        torch.backends.cudnn.allow_tf32 = False
+        device, driver = torch.device("cuda"), CudaDriver(0)
+        target = next((t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == driver.arch), "cuda")
+        gpu = f"{driver.name} ({driver.arch}, compiled for target {target!r})"
+    started = time.perf_counter()
+    rows = []
+    for name in args.models.split(","):
+        rows += measure_model(MODELS[name], args.precisions.split(","), args.repeats, args.dry_run, device, driver, target)
+    lines = table(rows) + [""] + summary(rows)
+    print("\n".join(lines))
+    if args.write:
+        import transformers
+
+        body = [
+            "## The CUDA target against PyTorch eager and torch.compile",
+            "",
+            "What `benchmarks/cuda_vs_torch.py` measures (its docstring says how). This run:",
+            "",
+            f"    python3 benchmarks/cuda_vs_torch.py {' '.join(sys.argv[1:])}",
+            "",
+            f"Measured {datetime.date.today().isoformat()} on {gpu}, torch {torch.__version__}, transformers",
+            f"{transformers.__version__}, at commit {revision()}, {args.repeats} timed calls a row after {WARMUPS} warm-ups;",
+            f"the whole run took {time.perf_counter() - started:.0f} s.",
+            "",
+            *lines,
+        ]
+        write_section(args.write, body)
+
+
+if __name__ == "__main__":
+    main()
