@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cloud.errors import Unavailable
 from compiler import Artifact, Signature
 from runtime.batching import concat_requests, split_outputs
 
@@ -108,6 +109,16 @@ class Runtime:
                 if self._retired.pop(id(program), None) is not None:
                     self.device.release(program)
 
+    def _drop_unused(self, keep: str) -> bool:
+        """Unloads the least recently used program other than `keep` that no batch is using
+        (under _load_lock); False when there is none."""
+        for key, (program, _) in self._loaded.items():
+            if key != keep and not self._users.get(id(program)):
+                self._drop(key)
+                self.observer.models_loaded_now(self.device.target, len(self._loaded))
+                return True
+        return False
+
     def _drop(self, key: str) -> None:
         """Forget a loaded program (under _load_lock); released now, or after its last batch."""
         program, _ = self._loaded.pop(key)
@@ -126,7 +137,14 @@ class Runtime:
             return program, 0.0
         started = time.perf_counter()
         artifact = self._fetch(key)
-        program = self.device.load(artifact)
+        while True:
+            try:
+                program = self.device.load(artifact)
+                break
+            except MemoryError as exc:
+                # room made by unloading the least recently used programs no batch is using
+                if not self._drop_unused(keep=key):
+                    raise Unavailable(f"model {key!r} does not fit in this device's free memory: {exc}") from None
         load_seconds = time.perf_counter() - started
         self._loaded[key] = (program, time.monotonic())
         self._sizes[key] = program.resident_bytes
@@ -164,7 +182,16 @@ class Runtime:
             signature = program.signature
             batch = concat_requests(signature, requests)
             with self._device_lock:
-                outputs, exec_seconds = self.device.execute(program, batch, busy=busy)
+                while True:
+                    try:
+                        outputs, exec_seconds = self.device.execute(program, batch, busy=busy)
+                        break
+                    except MemoryError:
+                        # a GPU's batch memory is its program's arena: other programs' weights
+                        # leave first; with none left to unload, the batch is too large
+                        with self._load_lock:
+                            if not self._drop_unused(keep=key):
+                                raise
         finally:
             self._done_with(program)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)

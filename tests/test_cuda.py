@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.backends.cuda import CudaBuildFailed, CudaProgram, compile_cuda, kernel_record
+from compiler.backends.cuda import ARENA_ALIGNMENT, CudaBuildFailed, CudaProgram, compile_cuda, kernel_record
 from compiler.backends.cuda_emulator import EmulatedArtifact, EmulatedDriver, emulate
 from compiler.conformance import load_cases, run_case
 from compiler.errors import UnsupportedModel
@@ -251,8 +251,6 @@ def test_a_float16_model_for_a_gpu_type_is_refused_with_the_reason() -> None:
 
 
 def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_call() -> None:
-    from compiler.backends.cuda import CudaProgram, kernel_record
-    from compiler.backends.cuda_emulator import EmulatedDriver
 
     class Recording(EmulatedDriver):
         def __init__(self) -> None:
@@ -441,6 +439,63 @@ def test_a_program_evicted_during_its_batch_is_freed_after_the_batch(gpu_artifac
     assert not errors, errors
     cnn_weights = sum(b["role"] == "weight" for b in gpu_artifacts["torch_cnn"].kernels[0]["layout"]["buffers"])
     assert driver.live() == cnn_weights  # the first program's weights and arena went with its batch
+
+
+class _SmallGpu(_CountingDriver):
+    """The emulated device with `capacity` bytes: an allocation past it is a MemoryError, as
+    CudaDriver raises for CUDA_ERROR_OUT_OF_MEMORY."""
+
+    def __init__(self, capacity: int = 2**62) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def used(self) -> int:
+        return sum(raw.nbytes - ARENA_ALIGNMENT for raw in self._blocks.values())
+
+    def alloc(self, nbytes: int) -> int:
+        if self.used() + nbytes > self.capacity:
+            raise MemoryError(f"the GPU has {self.capacity - self.used()} bytes free; {nbytes} were asked for")
+        return super().alloc(nbytes)
+
+
+def _request(artifacts: dict, name: str, size: int) -> dict[str, np.ndarray]:
+    return sample_inputs(artifacts[name].graph, seed=size, symbol_size=size)
+
+
+def test_a_gpu_out_of_memory_unloads_what_no_batch_uses_then_fails_only_the_batch_too_large(gpu_artifacts) -> None:
+    from cloud.errors import Unavailable
+
+    # what each needs, on a device without a limit: the small CNN's weights, its arena at batch 2 and 8
+    probe = _SmallGpu()
+    sizes = _runtime_of(gpu_artifacts, probe)
+    _run_once(sizes, "torch_mlp", gpu_artifacts)
+    mlp_bytes = probe.used()
+    sizes.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
+    cnn_at_2 = probe.used() - mlp_bytes
+    sizes.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 8)], [8])
+    cnn_at_8 = probe.used() - mlp_bytes
+    assert cnn_at_8 > cnn_at_2 + mlp_bytes  # the batch of 8's arena is what needs the room
+    # room for both at batch 2, and for the CNN alone at batch 8
+    driver = _SmallGpu(capacity=cnn_at_8 + 1024)
+    assert mlp_bytes + cnn_at_2 <= driver.capacity < mlp_bytes + cnn_at_8
+    runtime = _runtime_of(gpu_artifacts, driver)
+    _run_once(runtime, "torch_mlp", gpu_artifacts)
+    runtime.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
+    assert runtime.loaded_keys == ["torch_mlp", "torch_cnn"]
+    request = _request(gpu_artifacts, "torch_cnn", 8)
+    (outputs,) = runtime.run_batch("torch_cnn", [request], [8]).outputs
+    assert runtime.loaded_keys == ["torch_cnn"]  # the MLP made room
+    np.testing.assert_allclose(outputs["output"], run_graph(gpu_artifacts["torch_cnn"].graph, request)["output"], rtol=1e-4, atol=1e-5)
+    # a batch too large for the device alone fails with MemoryError (the engine then fails only
+    # the request that is too large); the program still serves what fits
+    with pytest.raises(MemoryError, match="bytes free"):
+        runtime.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 64)], [64])
+    runtime.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
+    # a model whose weights do not fit even alone is unavailable, and leaves nothing behind
+    tiny = _SmallGpu(capacity=1024)
+    with pytest.raises(Unavailable, match="does not fit in this device's free memory"):
+        _runtime_of(gpu_artifacts, tiny).run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
+    assert tiny.live() == 0
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -169,12 +169,19 @@ class CudaProgram:
         self._temps = [b for b in self.buffers if b.role == "temp" and b.id in self.slots]
         self._addresses: dict[int, int] = {}
         self._weight_bytes = 0
-        for b in self.buffers:
-            if b.role == "weight":
-                array = np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))
-                self._addresses[b.id] = driver.alloc(max(1, array.nbytes))
-                driver.upload(self._addresses[b.id], array)
-                self._weight_bytes += array.nbytes
+        try:
+            for b in self.buffers:
+                if b.role == "weight":
+                    array = np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))
+                    self._addresses[b.id] = driver.alloc(max(1, array.nbytes))
+                    driver.upload(self._addresses[b.id], array)
+                    self._weight_bytes += array.nbytes
+        except BaseException:
+            # (the device has no room for them, say): what was uploaded leaves with the module
+            for address in self._addresses.values():
+                driver.free(address)
+            driver.unload(self.module)
+            raise
         self._arena, self._arena_bytes = 0, 0
         self._lock = threading.Lock()
         self._closed = False
@@ -213,12 +220,16 @@ class CudaProgram:
             if self._closed:
                 raise RuntimeError("this program was unloaded from its device")
             if total > self._arena_bytes:
-                if self._arena:
-                    self.driver.free(self._arena)
                 # at least doubled: a runtime's batches grow a few times, not once per size (each
                 # new arena address invalidates the graphs captured for the old one)
-                size = max(total, 2 * self._arena_bytes)
-                self._arena, self._arena_bytes = self.driver.alloc(size), size
+                grown = max(total, 2 * self._arena_bytes)
+                if self._arena:
+                    self.driver.free(self._arena)
+                    self._arena, self._arena_bytes = 0, 0  # (consistent if the allocation fails)
+                try:
+                    self._arena, self._arena_bytes = self.driver.alloc(grown), grown
+                except MemoryError:
+                    self._arena, self._arena_bytes = self.driver.alloc(total), total  # exactly what it needs
             address = {**self._addresses, **{b: self._arena + o for b, o in offsets.items()}}
             for buffer_id, array in arrays.items():
                 if array.nbytes:

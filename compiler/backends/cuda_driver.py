@@ -122,8 +122,15 @@ class CudaDriver:
         _ok(self.cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
 
     def alloc(self, nbytes: int) -> int:
+        """A device allocation; MemoryError when the GPU has no room for it (a runtime then frees
+        what it can and tries again, or fails the request that asked for too much)."""
         self._current()
-        return int(_ok(self.cu.cuMemAlloc(max(1, nbytes)), f"allocating {nbytes} bytes of device memory"))
+        cu = self.cu
+        status, address = cu.cuMemAlloc(max(1, nbytes))
+        if status == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            free, total = _ok(cu.cuMemGetInfo(), "cuMemGetInfo")
+            raise MemoryError(f"the GPU has {free} of its {total} bytes free; {nbytes} were asked for")
+        return int(_ok((status, address), f"allocating {nbytes} bytes of device memory"))
 
     def free(self, address: int) -> None:
         self._current()
