@@ -251,7 +251,6 @@ def test_a_float16_model_for_a_gpu_type_is_refused_with_the_reason() -> None:
 
 
 def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_call() -> None:
-
     class Recording(EmulatedDriver):
         def __init__(self) -> None:
             super().__init__()
