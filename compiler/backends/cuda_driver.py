@@ -184,7 +184,7 @@ class CudaDriver:
                 _ok(
                     cu.cuLaunchKernel(
                         module.functions[call.function], *call.grid, call.threads, 1, 1, 0, self.stream,
-                        ctypes.addressof(params), None,
+                        ctypes.addressof(params), 0,  # (extra is a void pointer: 0, not None)
                     ),
                     f"launching {call.function}",
                 )
