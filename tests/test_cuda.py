@@ -806,6 +806,7 @@ def test_the_driver_adapter_runs_through_cuda_bindings_against_a_stand_in_libcud
         capture_output=True, text=True, check=False,
     )
     assert build.returncode == 0, build.stderr
+    import ast
     import json
 
     program = _program((FIXTURES / "torch_mlp.onnx").read_bytes())
@@ -822,7 +823,7 @@ def test_the_driver_adapter_runs_through_cuda_bindings_against_a_stand_in_libcud
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    states = [eval(line[6:]) for line in lines if line.startswith("STATE ")]  # noqa: S307 - our own dict
+    states = [ast.literal_eval(line[6:]) for line in lines if line.startswith("STATE ")]
     # sizes 3, 3, 5: the first captured once and replayed, the second (a larger arena) captured
     assert states[0]["captures"] == 2 and states[0]["retained"] == 1 and states[0]["modules"] == 1
     # then size 3 twice in the grown arena (captured once more); closed, nothing is held
