@@ -366,8 +366,8 @@ class _CudaCandidate:
 
 
 def _cuda_schedules(program: Program) -> list[CudaSchedule]:
-    """The schedules worth comparing: they differ in CUDA-core products, so one where there are none."""
-    products = any(isinstance(k, GemmCall) and not (program.tensor_cores and k.dtype == "float32") for k in program.kernels)
+    """The schedules worth comparing: they differ in products, so one where there are none."""
+    products = any(isinstance(k, GemmCall) for k in program.kernels)
     return list(SCHEDULES.values()) if products else [DEFAULT_SCHEDULE]
 
 

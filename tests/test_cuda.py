@@ -726,6 +726,23 @@ def test_a_narrow_precision_compiles_for_a_gpu_type_and_is_refused_on_the_cpu() 
         compile_onnx(data, "cpu", precision="tf32")
 
 
+@pytest.mark.parametrize("precision", ["tf32", *sorted(NARROW)])
+@pytest.mark.parametrize("model", ["torch_cnn", "bert_dynamo"])
+def test_the_large_schedule_on_tensor_cores_computes_what_the_reference_does(model: str, precision: str) -> None:
+    data = (FIXTURES / f"{model}.onnx").read_bytes()
+    graph = load_graph(data)
+    program = _in_precision(_program(data), precision)
+    rendered = render_cuda(program, SCHEDULES["cuda-tile128"])
+    products = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    # eight warps of 2x4 warp products, each warp's sums through its own scratch to the epilogue
+    source = _kernel_source(rendered.source, products[0])
+    assert "lc_frag_c lc_acc[2][4];" in source and "__syncwarp();" in source
+    emulated = CudaProgram(kernel_record(program, rendered, "emulated", graph.size_limits), program.weights, {}, EmulatedDriver())
+    inputs = sample_inputs(graph, seed=4, int_high=1, symbol_size=3)
+    for name, want in run_graph(graph, inputs).items():
+        _narrow_close(emulated.run(inputs)[name], want, precision, name)
+
+
 # ---- the driver adapter through cuda-bindings, against a stand-in libcuda -----------------------
 
 _DRIVE = r"""

@@ -155,6 +155,9 @@ int lc_emu_run(void (*)(void *), void *, unsigned, unsigned, unsigned, unsigned)
 #define __shared__ static
 static inline float __int_as_float(int i) { float f; __builtin_memcpy(&f, &i, 4); return f; }
 static inline void __syncthreads(void) { lc_emu_sync(); }
+/* a warp's barrier as the block's: right where every warp of the block reaches it alike (the
+   renderer's uses: a uniform loop over a warp's fragments) */
+static inline void __syncwarp(unsigned mask = 0xffffffffu) { lc_emu_sync(); }
 template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
     *(T *)lc_emu_slot(threadIdx.x) = value;
     lc_emu_sync();

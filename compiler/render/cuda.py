@@ -50,6 +50,9 @@ MMA_K_STEP = 32
 MMA_THREADS = 128
 MMA_PAD_BYTES = 16
 MMA_C_PAD = 4
+# the large tensor-core product's k step, in bytes of a staged row (its two buffers of each tile
+# stay within the 48 KB of static shared memory)
+MMA_STEP_BYTES = 64
 # the large product: a LARGE_TILE square of C per block of LARGE_THREADS, LARGE_PER^2 elements a
 # thread, a k step of LARGE_K_STEP, the next step's tiles loaded into registers while this one's
 # are multiplied (two shared buffers, one barrier a step)
@@ -208,8 +211,8 @@ class Launch:
 @dataclass(frozen=True)
 class CudaSchedule:
     """How a program's kernels are laid out on the GPU, a compile candidate: `product_tile` is the
-    square of C a block of a CUDA-core product computes (GEMM_TILE, or LARGE_TILE: more work per
-    thread and the next k step's loads under this one's arithmetic, for large products)."""
+    square of C a block of a product computes (GEMM_TILE, MMA_TILE on tensor cores; or LARGE_TILE:
+    more work per thread or warp, and the next k step's loads under this one's arithmetic)."""
 
     name: str
     product_tile: int = GEMM_TILE
@@ -393,6 +396,8 @@ class CudaRenderer(CRenderer):
         tx + 16*j: conflict-free reads of the staged tiles and coalesced stores), then the
         epilogue at each element it stores."""
         if self.tensor_cores is not None and call.dtype == "float32":
+            if self.schedule.product_tile == LARGE_TILE:
+                return self.product_mma_large(call, MMA_FORMATS[self.tensor_cores])
             return self.product_mma(call, MMA_FORMATS[self.tensor_cores])
         if self.schedule.product_tile == LARGE_TILE:
             return self.product_large(call)
@@ -455,7 +460,7 @@ class CudaRenderer(CRenderer):
             f"    __shared__ __align__(32) float lc_cs[{tile}][{c_ld}];\n",
             "    const int lc_wm = (threadIdx.x / 32) / 2, lc_wn = (threadIdx.x / 32) % 2;\n",
             "    lc_frag_c lc_acc[2][2];\n",
-            "    for (int i = 0; i < 2; ++i) for (int j = 0; j < 2; ++j) lc_mma_zero(lc_acc[i][j]);\n",
+            "    _Pragma(\"unroll\") for (int i = 0; i < 2; ++i) _Pragma(\"unroll\") for (int j = 0; j < 2; ++j) lc_mma_zero(lc_acc[i][j]);\n",
             f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
             f"        for (int lc_e = threadIdx.x; lc_e < {tile * step}; lc_e += {MMA_THREADS}) {{\n",
             f"            const int lc_r = lc_e / {step}, lc_c = lc_e % {step};\n",
@@ -480,7 +485,7 @@ class CudaRenderer(CRenderer):
             "        }\n",
             "        __syncthreads();\n",
             "    }\n",
-            "    for (int i = 0; i < 2; ++i) for (int j = 0; j < 2; ++j)\n",
+            "    _Pragma(\"unroll\") for (int i = 0; i < 2; ++i) _Pragma(\"unroll\") for (int j = 0; j < 2; ++j)\n",
             f"        lc_mma_store(&lc_cs[lc_wm * 32 + 16 * i][lc_wn * 32 + 16 * j], lc_acc[i][j], {c_ld});\n",
             "    __syncthreads();\n",
             f"    for (int lc_e = threadIdx.x; lc_e < {tile * tile}; lc_e += {MMA_THREADS}) {{\n",
@@ -491,6 +496,101 @@ class CudaRenderer(CRenderer):
         ]
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, MMA_THREADS
+
+    def product_mma_large(self, call: GemmCall, mma: MmaFormat) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """C = A @ B on tensor cores, a LARGE_TILE square of C per block of eight warps, each a
+        32x64 part as 2x4 warp products; the next k step's elements are loaded into registers
+        while this step's are multiplied, then staged into the other pair of shared buffers (one
+        barrier a step). Each warp takes its sums through its own 16x16 scratch to the epilogue."""
+        tile, threads = LARGE_TILE, LARGE_THREADS
+        step = MMA_STEP_BYTES // mma.itemsize  # 32 16-bit elements, 16 tf32 ones: 64 bytes a row
+        pad = MMA_PAD_BYTES // mma.itemsize
+        a_ld, b_ld, c_ld = step + pad, tile + pad, 16 + MMA_C_PAD
+        loads = tile * step // threads
+        suffix = mma.suffix
+        lines = [
+            *self.product_head(call, tile),
+            f"    __shared__ __align__(32) {mma.staged} lc_as[2][{tile}][{a_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_bs[2][{step}][{b_ld}];\n",
+            f"    __shared__ __align__(32) float lc_cs[{threads // 32}][16][{c_ld}];\n",
+            "    const int lc_warp = threadIdx.x / 32, lc_lane = threadIdx.x % 32;\n",
+            "    const int lc_wm = lc_warp / 2, lc_wn = lc_warp % 2;\n",
+            "    lc_frag_c lc_acc[2][4];\n",
+            "    _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) lc_mma_zero(lc_acc[fi][fj]);\n",
+            f"    float lc_ra[{loads}], lc_rb[{loads}];\n",
+            *self.mma_loads(call, step, "0", "    "),
+            *self.mma_stores(suffix, step, "0", "    "),
+            "    __syncthreads();\n",
+            "    int lc_cur = 0;\n",
+            f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
+            f"        const bool lc_more = k0 + {step} < k;\n",
+            "        if (lc_more) {\n",
+            *self.mma_loads(call, step, f"k0 + {step}", "            "),
+            "        }\n",
+            f"        for (int kk = 0; kk < {step}; kk += {mma.k}) {{\n",
+            "            lc_frag_ab lc_a[2], lc_b[4];\n",
+            f"            _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) lc_mma_load_a_{suffix}(lc_a[fi], &lc_as[lc_cur][lc_wm * 32 + 16 * fi][kk], {a_ld});\n",
+            f"            _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) lc_mma_load_b_{suffix}(lc_b[fj], &lc_bs[lc_cur][kk][lc_wn * 64 + 16 * fj], {b_ld});\n",
+            f"            _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) lc_mma_{suffix}(lc_acc[fi][fj], lc_a[fi], lc_b[fj]);\n",
+            "        }\n",
+            "        if (lc_more) {\n",
+            *self.mma_stores(suffix, step, "lc_cur ^ 1", "            "),
+            "        }\n",
+            "        __syncthreads();\n",
+            "        lc_cur ^= 1;\n",
+            "    }\n",
+            "    _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) {\n",
+            f"        lc_mma_store(&lc_cs[lc_warp][0][0], lc_acc[fi][fj], {c_ld});\n",
+            "        __syncwarp();\n",
+            "        for (int lc_e = lc_lane; lc_e < 256; lc_e += 32) {\n",
+            "            const int64_t i = row0 + lc_wm * 32 + 16 * fi + lc_e / 16, j = col0 + lc_wn * 64 + 16 * fj + lc_e % 16;\n",
+            "            if (i < m && j < n) {\n",
+            *self.product_store(call, "lc_cs[lc_warp][lc_e / 16][lc_e % 16]", "                "),
+            "            }\n",
+            "        }\n",
+            "        __syncwarp();  /* the scratch is written again for the next fragment */\n",
+            "    }\n",
+        ]
+        grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
+        return "".join(lines), grid, threads
+
+    def mma_loads(self, call: GemmCall, step: int, k0: str, indent: str) -> list[str]:
+        """This thread's elements of A's [tile][step] and B's [step][tile] tiles at k step k0, as
+        float, into registers lc_ra, lc_rb (consecutive threads read consecutive k of A's rows
+        and consecutive columns of B's)."""
+        tile, threads = LARGE_TILE, LARGE_THREADS
+        loads = tile * step // threads
+        inner = indent + "    "
+        return [
+            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
+            f"{inner}const int lc_e = threadIdx.x + lc_l * {threads};\n",
+            f"{inner}{{\n",
+            f"{inner}    const int64_t lc_i = row0 + lc_e / {step}, lc_k = {k0} + lc_e % {step};\n",
+            f"{inner}    lc_ra[lc_l] = (lc_i < m && lc_k < k) ? (float)({self.a_element(call)}) : 0.0f;\n",
+            f"{inner}}}\n",
+            f"{inner}{{\n",
+            f"{inner}    const int64_t lc_k = {k0} + lc_e / {tile}, lc_j = col0 + lc_e % {tile};\n",
+            f"{inner}    float lc_v = 0;\n",
+            f"{inner}    if (lc_k < k && lc_j < n) {{\n",
+            self.b_element(call, inner + "        "),
+            f"{inner}    }}\n",
+            f"{inner}    lc_rb[lc_l] = lc_v;\n",
+            f"{inner}}}\n",
+            f"{indent}}}\n",
+        ]
+
+    @staticmethod
+    def mma_stores(suffix: str, step: int, buffer: str, indent: str) -> list[str]:
+        """This thread's registers, converted to the staged type, into the tiles' `buffer`."""
+        tile, threads = LARGE_TILE, LARGE_THREADS
+        loads = tile * step // threads
+        return [
+            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
+            f"{indent}    const int lc_e = threadIdx.x + lc_l * {threads};\n",
+            f"{indent}    lc_as[{buffer}][lc_e / {step}][lc_e % {step}] = lc_to_{suffix}(lc_ra[lc_l]);\n",
+            f"{indent}    lc_bs[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_to_{suffix}(lc_rb[lc_l]);\n",
+            f"{indent}}}\n",
+        ]
 
     def product_large(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B, a LARGE_TILE square of C per block, each thread a LARGE_PER^2 lattice of it
