@@ -34,7 +34,14 @@ from compiler.ir import Graph, Op
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel, Program
 from compiler.kernels.lower import NotNative, lower
-from compiler.kernels.precision import NARROWED_ROLES, narrow_storage, tf32_products
+from compiler.kernels.precision import (
+    NARROWED_ROLES,
+    computed_in_float32,
+    narrow_storage,
+    narrow_values,
+    tf32_products,
+    with_interface_dtypes,
+)
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
@@ -283,15 +290,19 @@ def _compile_cuda(
     searching = SEARCH if search is None else search
     if searching:
         tracker.phase("search")
-    program_graph, search_report = _search(graph, searching)
+    exported_narrow = narrow_values(graph)
+    # a graph exported in a narrow float computes in float32 and stores in its format (below)
+    computed = computed_in_float32(graph) if exported_narrow else graph
+    program_graph, search_report = _search(computed, searching)
     tracker.phase("lower", "cuda")
     try:
         program = fuse(lower(program_graph))
     except NotNative as exc:
-        raise UnsupportedModel(
-            [(f"{exc} on {target} (a graph exported in float16 or bfloat16 is not compiled for GPUs yet: "
-             "export it in float32 and upload it with precision 'float16' or 'bfloat16')")]
-        ) from None
+        raise UnsupportedModel([f"{exc} on {target}"]) from None
+    if exported_narrow is not None:
+        program = with_interface_dtypes(program, graph)
+        if precision in (EXPORTED, TF32):
+            precision = exported_narrow
     if precision == TF32:
         program = tf32_products(program)
     elif precision != EXPORTED:

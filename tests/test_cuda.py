@@ -237,17 +237,30 @@ def test_a_cuda_artifact_carries_its_source_launch_plan_ptx_and_cubin() -> None:
         executable(loaded)
 
 
-def test_a_float16_model_for_a_gpu_type_is_refused_with_the_reason() -> None:
+def test_a_model_exported_in_float16_computes_in_float32_and_keeps_its_float16_interface() -> None:
     from compiler import compile_onnx
 
-    node = helper.make_node("Relu", ["x"], ["y"])
+    data = (FIXTURES / "attention_fp16_dynamo.onnx").read_bytes()
+    artifact = compile_onnx(data, "h100")
+    report = artifact.report
+    assert report["precision"]["chosen"] == "float16" and report["precision"]["products"].startswith("tensor cores: float16")
+    layout = artifact.kernels[0]["layout"]["buffers"]
+    assert {b["dtype"] for b in layout if b["role"] in ("input", "output")} == {"float16"}
+    graph = load_graph(data)
+    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, EmulatedDriver())
+    inputs = sample_inputs(graph, seed=5, symbol_size=3)
+    got, want = program.run(inputs)["output"], run_graph(graph, inputs)["output"]
+    assert got.dtype == np.float16
+    _narrow_close(got, want.astype(np.float64), "float16", "output")
+    # a graph in both narrow floats is refused, naming them
+    node = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)
     graph_proto = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["batch", 4])],
     )
-    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    with pytest.raises(UnsupportedModel, match="float16 values on h100"):
-        compile_onnx(data, "h100")
+    mixed = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    with pytest.raises(UnsupportedModel, match="a graph computing in both bfloat16 and float16"):
+        compile_onnx(mixed, "h100")
 
 
 def test_a_loaded_program_keeps_its_weights_and_one_arena_grown_to_the_largest_call() -> None:

@@ -319,19 +319,29 @@ def emulate(program: Program, size_limits: dict[str, int] | None = None) -> Cuda
 
 
 class EmulatedArtifact:
-    """An artifact's graph lowered as for the native target, rendered as CUDA C and emulated; a
-    graph that does not lower to kernels (float16 values) is refused as unsupported."""
+    """An artifact's graph lowered and rendered as CUDA C as a GPU compile does it (a float16 or
+    bfloat16 graph computed in float32, stored in its format) and emulated; a graph that does not
+    lower to kernels is refused as unsupported."""
 
     def __init__(self, artifact) -> None:
         from compiler.errors import UnsupportedModel
         from compiler.kernels.fusion import fuse
         from compiler.kernels.lower import NotNative, lower
+        from compiler.kernels.precision import (
+            computed_in_float32,
+            narrow_storage,
+            narrow_values,
+            with_interface_dtypes,
+        )
 
         self.graph = artifact.graph
+        narrow = narrow_values(self.graph)
         try:
-            program = fuse(lower(self.graph))
+            program = fuse(lower(computed_in_float32(self.graph) if narrow else self.graph))
         except NotNative as exc:
             raise UnsupportedModel([f"not lowered to kernels: {exc}"]) from None
+        if narrow:
+            program = narrow_storage(with_interface_dtypes(program, self.graph), narrow)
         self.program = emulate(program)
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

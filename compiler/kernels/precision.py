@@ -9,6 +9,9 @@ bytes saved are the weights' and the intermediates', which are most of what a la
 A runtime converts a weight to its buffer's dtype as it uploads it (CudaProgram), so the
 artifact keeps the graph's float32 weights and no second copy.
 
+A graph exported in float16 or bfloat16 is computed the same way: in float32 (computed_in_float32
+before lowering), its inputs, outputs, weights and temps stored in its format.
+
 A temp stays float32 where its values derive from a finite constant beyond the narrow format's
 range: an attention mask's float32 minimum (-3.4e38) would become -inf in float16, and a fully
 masked row's softmax NaN, where the float32 model gives a uniform row."""
@@ -21,6 +24,8 @@ from dataclasses import replace
 import ml_dtypes
 import numpy as np
 
+from compiler.errors import UnsupportedModel
+from compiler.ir import Graph
 from compiler.kernels.ir import Apply, Const, Expr, GemmCall, Guarded, Load, LoopKernel, Program
 
 # the roles whose float32 buffers a narrow precision stores narrow ("panel" buffers are never
@@ -43,6 +48,35 @@ def narrow_storage(program: Program, dtype: str) -> Program:
         for b in program.buffers
     ]
     return replace(program, buffers=buffers, tensor_cores=dtype)
+
+
+def narrow_values(graph: Graph) -> str | None:
+    """The narrow float (float16, bfloat16) a graph computes in, if any (UnsupportedModel for both)."""
+    found = {node.dtype for node in graph.nodes} & set(NARROW_MAX)
+    if len(found) > 1:
+        raise UnsupportedModel([f"a graph computing in both {' and '.join(sorted(found))}"])
+    return next(iter(found), None)
+
+
+def computed_in_float32(graph: Graph) -> Graph:
+    """The graph with its float16 and bfloat16 values (weights and inputs included) in float32:
+    what a GPU program computes, rounding to the narrow format only where it stores a value."""
+    narrow = set(NARROW_MAX)
+    nodes = [replace(node, dtype="float32") if node.dtype in narrow else node for node in graph.nodes]
+    weights = {k: v.astype(np.float32) if v.dtype.name in narrow else v for k, v in graph.weights.items()}
+    return Graph(nodes, graph.inputs, graph.outputs, weights, graph.size_limits)
+
+
+def with_interface_dtypes(program: Program, graph: Graph) -> Program:
+    """The program's inputs and outputs in the dtypes the graph declares (a narrow float's are
+    read into float32 and rounded as stored, like its temps)."""
+    declared = {name: dtype for name, _, dtype in graph.input_specs()}
+    declared.update({name: graph.nodes[i].dtype for name, i in graph.outputs})
+    buffers = [
+        replace(b, dtype=declared[b.name]) if b.role in ("input", "output") and b.name in declared else b
+        for b in program.buffers
+    ]
+    return replace(program, buffers=buffers)
 
 
 def tf32_products(program: Program) -> Program:
@@ -85,4 +119,7 @@ def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:
     return False
 
 
-__all__ = ["NARROWED_ROLES", "NARROW_MAX", "narrow_storage", "out_of_range", "tf32_products"]
+__all__ = [
+    "NARROWED_ROLES", "NARROW_MAX", "computed_in_float32", "narrow_storage", "narrow_values", "out_of_range",
+    "tf32_products", "with_interface_dtypes",
+]
