@@ -179,7 +179,10 @@ class Database:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def create_all(self) -> None:
+        """The tables, and on SQLite the columns a table made by an earlier version lacks."""
         Base.metadata.create_all(self.engine)
+        if self.is_sqlite:
+            _add_missing_columns(self.engine)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -196,6 +199,25 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _add_missing_columns(engine: Any) -> None:
+    """An embedded database made by an earlier version gets the columns added since (its
+    upgrade path: it has no migrations); each new column has a default its old rows take."""
+    from sqlalchemy import inspect
+    from sqlalchemy.schema import CreateColumn
+
+    inspector = inspect(engine)
+    with engine.begin() as connection:
+        for table in Base.metadata.sorted_tables:
+            present = {column["name"] for column in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in present:
+                    continue
+                if column.server_default is None and not column.nullable:
+                    raise RuntimeError(f"the embedded database's {table.name} lacks {column.name}, which has no default to fill")
+                ddl = CreateColumn(column).compile(dialect=engine.dialect)
+                connection.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {ddl}")
 
 
 def masked_url(url: str) -> str:

@@ -230,3 +230,27 @@ def test_serve_exits_naming_an_unreachable_database_with_its_password_masked(tmp
     assert time.monotonic() - started < 20
     assert "postgresql+psycopg://postgres:***@127.0.0.1:1/nope" in done.stderr
     assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_embedded_database_made_before_a_column_gets_it_with_its_default(tmp_path) -> None:
+    # the embedded SQLite has no migrations: a data directory from an earlier version gets the
+    # columns added since when it is opened, its rows taking their defaults
+    from cloud.db import Database
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = Database(url)
+    old.create_all()
+    with old.engine.begin() as connection:
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        connection.exec_driver_sql("ALTER TABLE model_versions DROP COLUMN precision")
+        connection.exec_driver_sql(
+            "INSERT INTO model_versions (id, model_id, number, status, target, graph_key, graph_bytes, created_at, updated_at) "
+            "VALUES (1, 1, 1, 'ready', 'h100', 'graphs/x', 10, '2026-11-01', '2026-11-01')"
+        )
+    old.dispose()
+    reopened = Database(url)
+    reopened.create_all()
+    with reopened.engine.connect() as connection:
+        rows = connection.exec_driver_sql("SELECT target, precision FROM model_versions").all()
+    reopened.dispose()
+    assert rows == [("h100", "exported")]
