@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import models
 from benchmarks.cpu_latency import interleaved_medians_ms, median_ms
+from benchmarks.report import revision, write_section
 from compiler import compile_onnx, executable
 
 RELATIVE_TOLERANCE = 1e-3
@@ -286,28 +286,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def revision() -> str:
-    """The commit measured, with -dirty when tracked files differ from it."""
-    try:
-        command = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
-        described = subprocess.run(command, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return described.stdout.strip()
-
-
-def write_section(path: Path, body: list[str]) -> None:
-    """Replaces the marked section of `path`, appending it the first time."""
-    text = path.read_text() if path.exists() else ""
-    section = "\n".join([SECTION_BEGIN, *body, SECTION_END])
-    if SECTION_BEGIN in text and SECTION_END in text:
-        before, rest = text.split(SECTION_BEGIN, 1)
-        text = before + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def section_body(
     command: str, commit: str, load: float, lines: list[str], peaks: tuple[float, float], repeats: int,
     seconds: float,
@@ -380,7 +358,8 @@ def main() -> None:
     print("\n" + "\n".join(lines) + f"\n\ntotal {seconds:.0f} s")
     if args.write:
         command = " ".join([".venv/bin/python benchmarks/compiler_vs_onnxruntime.py", *sys.argv[1:]])
-        write_section(args.write, section_body(command, commit, load, lines, peaks, args.repeats, seconds))
+        body = section_body(command, commit, load, lines, peaks, args.repeats, seconds)
+        write_section(args.write, body, SECTION_BEGIN, SECTION_END)
         print(f"wrote {args.write}")
 
 

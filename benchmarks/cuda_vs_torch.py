@@ -34,7 +34,6 @@ import copy
 import datetime
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import revision, write_section
 
 SECTION_BEGIN, SECTION_END = "<!-- cuda-benchmark:begin -->", "<!-- cuda-benchmark:end -->"
 WARMUPS = 3
@@ -311,26 +311,6 @@ def summary(rows: list[Row]) -> list[str]:
     return lines
 
 
-def revision() -> str:
-    """The commit measured, with -dirty when tracked files differ from it."""
-    try:
-        described = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return described.stdout.strip()
-
-
-def write_section(path: Path, body: list[str]) -> None:
-    text = path.read_text() if path.exists() else ""
-    section = "\n".join([SECTION_BEGIN, *body, SECTION_END])
-    if SECTION_BEGIN in text and SECTION_END in text:
-        before, rest = text.split(SECTION_BEGIN, 1)
-        text = before + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
@@ -378,7 +358,7 @@ def main() -> None:
             "",
             *lines,
         ]
-        write_section(args.write, body)
+        write_section(args.write, body, SECTION_BEGIN, SECTION_END)
 
 
 if __name__ == "__main__":
