@@ -339,7 +339,7 @@ def _compile_cuda(
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,
-        "strategy": "one generated program, its schedule chosen by device time",
+        "strategy": "one generated program, " + ("its schedule chosen by device time" if driver else "in the default schedule"),
         "chosen": chosen.schedule.name,
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
         "verified_on": verified_on,
@@ -401,23 +401,27 @@ def _cuda_candidate(
     binaries = {"program.ptx": ptx, "program.cubin": cubin}
     tracker.phase("verify", schedule.name)
     where = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
+    loaded = CudaProgram(kernel, program.weights, binaries, driver or EmulatedDriver())
     try:
-        loaded = CudaProgram(kernel, program.weights, binaries, driver or EmulatedDriver())
-        outputs = loaded.run(verify_inputs)
-    except CompilerError:
+        try:
+            outputs = loaded.run(verify_inputs)
+        except CompilerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
+            raise VerificationFailed(f"the CUDA program ({schedule.name}) failed on {where}: {exc}") from None
+        max_error = max((_max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
+        device_ms = {}
+        if cases:
+            tracker.timed(schedule.name)
+            for label, inputs in cases:
+                seconds = []
+                for _ in range(MEASURE_REPEATS + 1):  # the first captures the CUDA graph
+                    loaded.run(inputs)
+                    seconds.append(loaded.last_device_seconds)
+                device_ms[label] = round(measure.median_ms(seconds[1:]), 4)
+    except BaseException:
+        loaded.close()  # (its device memory, on a GPU compile worker)
         raise
-    except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
-        raise VerificationFailed(f"the CUDA program ({schedule.name}) failed on {where}: {exc}") from None
-    max_error = max((_max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
-    device_ms = {}
-    if cases:
-        tracker.timed(schedule.name)
-        for label, inputs in cases:
-            seconds = []
-            for _ in range(MEASURE_REPEATS + 1):  # the first captures the CUDA graph
-                loaded.run(inputs)
-                seconds.append(loaded.last_device_seconds)
-            device_ms[label] = round(measure.median_ms(seconds[1:]), 4)
     return _CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, max_error, device_ms)
 
 
