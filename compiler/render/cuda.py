@@ -235,7 +235,8 @@ def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> 
     Kernels that differ only in the buffers they read and write (a model's repeated layers) are
     one function, launched once per kernel with its own buffers."""
     renderer = CudaRenderer(program, schedule)
-    parts = [PRELUDE, *([NARROW_PRELUDE] if renderer.tensor_cores else []), _symbols_struct(len(program.symbols))]
+    narrow = renderer.tensor_cores or any(b.dtype in NARROW_TYPES for b in program.buffers)
+    parts = [PRELUDE, *([NARROW_PRELUDE] if narrow else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
     for number, kernel in enumerate(program.kernels):
