@@ -62,7 +62,7 @@ from compiler.targets import (
 # target name -> code generator module (generate(graph) -> kernels, Executable)
 CODEGENS = {numpy_cpu.TARGET: numpy_cpu}
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.6.10"
+COMPILER_VERSION = "0.7.0"
 VERIFY_SYMBOL_SIZE = 3
 # the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
 # convolutions' panel products generated where A is small, or all of them (both built only where
