@@ -30,7 +30,7 @@ class VersionCreated(BaseModel):
     version: int
     status: str
     target: str
-    # "exported" (the dtypes the graph declares), "float16" or "bfloat16" (GPU types only)
+    # "exported" (the dtypes the graph declares); "tf32", "float16" or "bfloat16" (GPU types only)
     precision: str
 
 

@@ -34,7 +34,7 @@ async def upload_model(
     file: Annotated[UploadFile, File(description="an ONNX model")],
     name: Annotated[str, Form()],
     target: Annotated[str, Form()] = "cpu",
-    precision: Annotated[str, Form(description="exported, or float16 or bfloat16 on a GPU target")] = EXPORTED,
+    precision: Annotated[str, Form(description="exported, or tf32, float16 or bfloat16 on a GPU target")] = EXPORTED,
 ) -> VersionCreated:
     # the part is already a file (Starlette spools parts over 1 MiB to disk): streamed on from there
     version = await run_in_threadpool(

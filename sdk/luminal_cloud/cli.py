@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument(
         "--precision",
         default="exported",
-        help="run in the model's own dtypes (exported, the default), or float16 or bfloat16 on a GPU target",
+        help="run in the model's own dtypes (exported, the default), or tf32, float16 or bfloat16 on a GPU target",
     )
     deploy.add_argument("--no-wait", action="store_true", help="return once uploaded, without waiting for the compile")
 

@@ -176,9 +176,9 @@ class Calls(Driven):
         precision: str = "exported",
     ) -> Steps[dict[str, Any]]:
         """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph) to
-        compile for `target`, in `precision`: "exported" (the dtypes the model declares), or
-        "float16" or "bfloat16" on a GPU target (weights and intermediates in 16 bits; inputs
-        and outputs keep their dtypes). With wait=True, return the version once it is ready, or
+        compile for `target`, in `precision`: "exported" (the dtypes the model declares), or on
+        a GPU target "tf32" (float32 products on tensor cores) or "float16" or "bfloat16"
+        (weights and intermediates in 16 bits; inputs and outputs keep their dtypes). With wait=True, return the version once it is ready, or
         raise DeployFailed with the compile error. On a terminal (and unless progress=False) a
         progress bar shows the upload, then the compile's status, phase and candidates
         measured, and elapsed time."""
