@@ -11,9 +11,12 @@ from typing import Protocol
 
 import numpy as np
 
-from cloud.errors import Unavailable
 from compiler import Artifact, Signature
 from runtime.batching import concat_requests, split_outputs
+
+
+class DoesNotFit(Exception):
+    """A model's program does not fit in its device's memory even with every other unloaded."""
 
 
 @dataclass
@@ -144,7 +147,7 @@ class Runtime:
             except MemoryError as exc:
                 # room made by unloading the least recently used programs no batch is using
                 if not self._drop_unused(keep=key):
-                    raise Unavailable(f"model {key!r} does not fit in this device's free memory: {exc}") from None
+                    raise DoesNotFit(f"model {key!r} does not fit in this device's free memory: {exc}") from None
         load_seconds = time.perf_counter() - started
         self._loaded[key] = (program, time.monotonic())
         self._sizes[key] = program.resident_bytes

@@ -27,6 +27,7 @@ from cloud.errors import (
 )
 from compiler.shape import ShapeError
 from runtime import Runtime
+from runtime.runtime import DoesNotFit
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
 from scheduler.pricing import Usage, UsageSink, price_for, split_by_rows
@@ -199,6 +200,8 @@ def run_isolating[T](
     without it."""
     try:
         return list(zip(batch, run(batch)))
+    except DoesNotFit as exc:  # the model, not a request: every request of it waits for room
+        return [(pending, Unavailable(str(exc))) for pending in batch]
     except (IndexError, ShapeError, MemoryError) as exc:
         if len(batch) > 1:
             return [outcome for pending in batch for outcome in run_isolating(run, [pending], label)]

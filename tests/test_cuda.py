@@ -81,13 +81,40 @@ def test_each_kernel_kind_renders_as_its_cuda_shape() -> None:
     reductions = [n for n, k in enumerate(program.kernels) if isinstance(k, LoopKernel) and k.reduce is not None]
     assert reductions, kinds
     reduction = _kernel_source(rendered.source, reductions[0])
-    # one block per output row: a warp (the row has 40 elements), combined by shuffles
+    # a warp per output row (the row has 40 elements), eight rows a block, combined by shuffles
+    # alone: no shared memory, no block barrier
     assert "__shfl_down_sync(0xffffffffu, lc_acc, lc_d)" in reduction
-    assert rendered.launches[reductions[0]].threads == 32
-    assert "for (int64_t lc_o = (int64_t)blockIdx.x; lc_o < lc_total; lc_o += (int64_t)gridDim.x)" in reduction
+    assert rendered.launches[reductions[0]].threads == 256
+    assert "for (int64_t lc_o = (int64_t)blockIdx.x * 8 + threadIdx.x / 32; lc_o < lc_total; lc_o += (int64_t)gridDim.x * 8)" in reduction
+    assert "for (int64_t lc_r = (int64_t)(threadIdx.x % 32); lc_r < lc_reduced; lc_r += 32)" in reduction
+    assert "__syncthreads" not in reduction and "__shared__" not in reduction
     elementwise = [n for n, k in enumerate(program.kernels) if isinstance(k, LoopKernel) and k.reduce is None]
     loop = _kernel_source(rendered.source, elementwise[-1])
     assert "lc_e < lc_total; lc_e += (int64_t)gridDim.x * blockDim.x" in loop
+
+
+@pytest.mark.parametrize(("columns", "per_output"), [(100, "warp"), (3000, "block")])
+def test_a_reduction_takes_a_warp_per_output_up_to_1024_elements_and_a_block_beyond(columns: int, per_output: str) -> None:
+    # 13 rows: the last block's warps run fewer rows than its first ones (a warp barrier is the
+    # warp's alone); the maximum of each row, as NumPy takes it
+    graph_proto = helper.make_graph(
+        [helper.make_node("ReduceMax", ["x"], ["y"], axes=[1], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", columns])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows"])],
+    )
+    data = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    program = _program(data)
+    rendered = render_cuda(program)
+    (launch,) = rendered.launches
+    source = _kernel_source(rendered.source, 0)
+    if per_output == "warp":
+        assert launch.threads == 256 and evaluate(launch.grid[0], {"rows": 13}) == 2
+        assert "__syncthreads" not in source
+    else:
+        assert launch.threads == 256 and evaluate(launch.grid[0], {"rows": 13}) == 13
+        assert "lc_partial[8]" in source and "__syncthreads();" in source
+    x = np.random.default_rng(7).standard_normal((13, columns)).astype(np.float32)
+    np.testing.assert_array_equal(emulate(program).run({"x": x})["y"], x.max(axis=1))
 
 
 def test_the_launch_plan_sizes_grids_from_the_symbols() -> None:
@@ -104,8 +131,9 @@ def test_the_launch_plan_sizes_grids_from_the_symbols() -> None:
         if isinstance(kernel, LoopKernel) and kernel.reduce is None:
             elements = int(np.prod([evaluate(d, {"batch": 1000}) for d in kernel.shape]))
             assert evaluate(launch.grid[0], {"batch": 1000}) == -(-elements // ELEMENTWISE_THREADS)
-        if isinstance(kernel, LoopKernel) and kernel.reduce is not None:  # a block per output
-            assert evaluate(launch.grid[0], {"batch": 7}) == int(np.prod([evaluate(d, {"batch": 7}) for d in kernel.shape]))
+        if isinstance(kernel, LoopKernel) and kernel.reduce is not None:  # a warp per output, 8 a block
+            outputs = int(np.prod([evaluate(d, {"batch": 7}) for d in kernel.shape]))
+            assert evaluate(launch.grid[0], {"batch": 7}) == -(-outputs // 8)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -475,7 +503,7 @@ def _request(artifacts: dict, name: str, size: int) -> dict[str, np.ndarray]:
 
 
 def test_a_gpu_out_of_memory_unloads_what_no_batch_uses_then_fails_only_the_batch_too_large(gpu_artifacts) -> None:
-    from cloud.errors import Unavailable
+    from runtime.runtime import DoesNotFit
 
     # what each needs, on a device without a limit: the small CNN's weights, its arena at batch 2 and 8
     probe = _SmallGpu()
@@ -503,9 +531,10 @@ def test_a_gpu_out_of_memory_unloads_what_no_batch_uses_then_fails_only_the_batc
     with pytest.raises(MemoryError, match="bytes free"):
         runtime.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 64)], [64])
     runtime.run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
-    # a model whose weights do not fit even alone is unavailable, and leaves nothing behind
+    # a model whose weights do not fit even alone does not fit (the engine answers 503), and
+    # leaves nothing behind
     tiny = _SmallGpu(capacity=1024)
-    with pytest.raises(Unavailable, match="does not fit in this device's free memory"):
+    with pytest.raises(DoesNotFit, match="does not fit in this device's free memory"):
         _runtime_of(gpu_artifacts, tiny).run_batch("torch_cnn", [_request(gpu_artifacts, "torch_cnn", 2)], [2])
     assert tiny.live() == 0
 

@@ -106,3 +106,26 @@ def test_adaptive_waits_while_requests_come_faster_than_a_batch_runs_and_no_long
     q.record_execution(0.050)  # slower than max_delay_s: the cap holds
     q.submit(req(12, at=0.0120), now=0.0120)
     assert q.delay_s() == pytest.approx(0.005)
+
+
+def test_a_model_that_does_not_fit_its_device_fails_each_request_with_503_and_a_large_one_alone_with_413() -> None:
+    from cloud.errors import PayloadTooLarge, Unavailable
+    from runtime.runtime import DoesNotFit
+    from scheduler.engine import run_isolating
+
+    batch = [Pending(f"r{i}", rows, 0.0, 10.0) for i, rows in enumerate((1, 64, 1))]
+
+    def too_large_for_the_device(pending: list[Pending]) -> list[str]:
+        raise DoesNotFit("model 'big' does not fit in this device's free memory: 1 of 80 GB free")
+
+    outcomes = run_isolating(too_large_for_the_device, batch, "big")
+    assert [type(error) for _, error in outcomes] == [Unavailable] * 3
+    assert all(error.status == 503 and "does not fit" in error.message for _, error in outcomes)
+
+    def device_memory_for_32_rows(pending: list[Pending]) -> list[str]:
+        if sum(p.rows for p in pending) > 32:
+            raise MemoryError("the GPU has 1 of its 80 bytes free")
+        return [p.request_id for p in pending]
+
+    outcomes = run_isolating(device_memory_for_32_rows, batch, "m")
+    assert [o if isinstance(o, str) else type(o) for _, o in outcomes] == ["r0", PayloadTooLarge, "r2"]
