@@ -4,8 +4,9 @@ and a compile worker without the target's GPU, which verifies a cuda program thi
 The same source NVRTC compiles is compiled by the system C++ compiler behind a small header that
 gives CUDA's names CPU meanings: every thread of a block is a fiber of one OS thread,
 blocks run one after another, `__shared__` storage is the block's (static: blocks never overlap),
-`__syncthreads` switches to the next fiber until every thread of the block has reached it, and a
-warp shuffle is an exchange through per-thread slots between two such barriers. It runs kernels
+`__syncthreads` switches to the next fiber until every thread of the block has reached it,
+`__syncwarp` until every thread of the warp has, and a warp shuffle is an exchange through
+per-thread slots between two warp barriers. It runs kernels
 the way a GPU may (any interleaving the barriers allow), not fast: a scalar CPU thread, which is
 why verification runs at the small verification sizes.
 
@@ -40,7 +41,7 @@ _SCHEDULER = r"""
 #include <ucontext.h>
 typedef struct { unsigned x, y, z; } lc_dim3;
 lc_dim3 threadIdx, blockIdx, blockDim, gridDim;
-enum { RUNNABLE, AT_BARRIER, DONE };
+enum { RUNNABLE, AT_BARRIER, AT_WARP_BARRIER, DONE };
 #define MAX_THREADS 1024
 #define STACK_BYTES (128 * 1024)
 static char *stacks[MAX_THREADS];
@@ -83,6 +84,10 @@ void lc_emu_sync(void) {
     state[current] = AT_BARRIER;
     lc_switch(&fiber_sp[current], scheduler_sp);
 }
+void lc_emu_warp_sync(void) {
+    state[current] = AT_WARP_BARRIER;
+    lc_switch(&fiber_sp[current], scheduler_sp);
+}
 #else
 static ucontext_t scheduler, fibers[MAX_THREADS];
 static void entry(void) {
@@ -100,6 +105,10 @@ static void fiber_start(unsigned t) {
 static void fiber_resume(unsigned t) { swapcontext(&scheduler, &fibers[t]); }
 void lc_emu_sync(void) {
     state[current] = AT_BARRIER;
+    swapcontext(&fibers[current], &scheduler);
+}
+void lc_emu_warp_sync(void) {
+    state[current] = AT_WARP_BARRIER;
     swapcontext(&fibers[current], &scheduler);
 }
 #endif
@@ -125,6 +134,18 @@ int lc_emu_run(void (*kernel_body)(void *), void *kernel_context, unsigned gx, u
                 threadIdx.x = t, threadIdx.y = threadIdx.z = 0;
                 fiber_resume(t);
             }
+            /* a warp whose 32 threads all wait at a warp barrier goes on; one where only some do
+               diverged (its other threads finished, or wait for the whole block) */
+            int released = 0;
+            for (unsigned w = 0; w < threads; w += 32) {
+                unsigned waiting = 0, lanes = threads - w < 32 ? threads - w : 32;
+                for (unsigned t = w; t < w + lanes; ++t) waiting += state[t] == AT_WARP_BARRIER;
+                if (!waiting) continue;
+                if (waiting != lanes) return 1;
+                for (unsigned t = w; t < w + lanes; ++t) state[t] = RUNNABLE;
+                released = 1;
+            }
+            if (released) continue;
             unsigned done = 0;
             for (unsigned t = 0; t < threads; ++t) done += state[t] == DONE;
             if (done == threads) break;
@@ -145,6 +166,7 @@ typedef struct { unsigned x, y, z; } lc_dim3;
 extern "C" {
 extern lc_dim3 threadIdx, blockIdx, blockDim, gridDim;
 void lc_emu_sync(void);
+void lc_emu_warp_sync(void);
 void *lc_emu_slot(unsigned thread);
 int lc_emu_run(void (*)(void *), void *, unsigned, unsigned, unsigned, unsigned);
 }
@@ -155,15 +177,13 @@ int lc_emu_run(void (*)(void *), void *, unsigned, unsigned, unsigned, unsigned)
 #define __shared__ static
 static inline float __int_as_float(int i) { float f; __builtin_memcpy(&f, &i, 4); return f; }
 static inline void __syncthreads(void) { lc_emu_sync(); }
-/* a warp's barrier as the block's: right where every warp of the block reaches it alike (the
-   renderer's uses: a uniform loop over a warp's fragments) */
-static inline void __syncwarp(unsigned mask = 0xffffffffu) { lc_emu_sync(); }
+static inline void __syncwarp(unsigned mask = 0xffffffffu) { lc_emu_warp_sync(); }
 template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
     *(T *)lc_emu_slot(threadIdx.x) = value;
-    lc_emu_sync();
+    lc_emu_warp_sync();
     const unsigned from = threadIdx.x + delta;
     const T got = ((threadIdx.x & 31) + delta < 32 && from < blockDim.x) ? *(T *)lc_emu_slot(from) : value;
-    lc_emu_sync();
+    lc_emu_warp_sync();
     return got;
 }
 struct lc_call { const void *S; void *const *B; };

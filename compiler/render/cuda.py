@@ -11,8 +11,10 @@ evaluates the grid at the call's sizes and skips a launch whose grid is empty. K
 fewer blocks along x than planned (a grid is capped at MAX_GRID_X) and still compute every element.
 
   - an elementwise loop: one thread per output element (its lets as locals);
-  - a reduction: one block per output element, its threads striding over the reduced elements,
-    combined with warp shuffles, then across warps in shared memory;
+  - a reduction: a warp per output element where the reduced extent is known and small (eight
+    outputs a block), combined with warp shuffles; else a block per output element, its threads
+    striding over the reduced elements, combined with warp shuffles, then across warps in shared
+    memory;
   - a matrix product: tiles of C per block, A and B staged through shared memory, the fused
     epilogue applied as each element is stored; a convolution's windows (Panels) are read in
     place while B's tile is loaded (an implicit GEMM), never stored.
@@ -34,8 +36,11 @@ from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
 # threads of an elementwise kernel's block
 ELEMENTWISE_THREADS = 256
-# a reduction's block: a warp where the reduced extent is this small or less, else REDUCE_THREADS
-WARP_REDUCE_MAX = 64
+# a reduction over at most WARP_ROWS_MAX elements (a known extent: a norm's or a small softmax's
+# row) takes a warp per output, WARP_ROWS outputs a block: shuffles alone, no shared memory or
+# block barrier; a longer or symbolic one a block of REDUCE_THREADS per output
+WARP_ROWS_MAX = 1024
+WARP_ROWS = 8
 REDUCE_THREADS = 256
 # a product's tile of C per block (GEMM_TILE x GEMM_TILE), the k step staged in shared memory, and
 # its threads (each computes (GEMM_TILE / 16)^2 elements of the tile)
@@ -351,19 +356,30 @@ class CudaRenderer(CRenderer):
         acc_type = out_type if floating else ("uint64_t" if dtype == "uint64" else "int64_t")
         init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
         reduced = numel(extents)
-        threads = 32 if isinstance(reduced, int) and reduced <= WARP_REDUCE_MAX else REDUCE_THREADS
+        # a warp per output, WARP_ROWS of them a block, where the reduced extent is known and at
+        # most WARP_ROWS_MAX; else a block per output, its warps combined through shared memory
+        warp_rows = isinstance(reduced, int) and reduced <= WARP_ROWS_MAX
+        threads = 32 * WARP_ROWS if warp_rows else REDUCE_THREADS
         combine = "lc_a + lc_b" if kind == "sum" else ("lc_max(lc_a, lc_b)" if floating else "(lc_a > lc_b ? lc_a : lc_b)")
         rank = len(kernel.shape)
         names = [f"o{j}" for j in range(rank)]
         value = self.expr(kernel.value)
-        warps = threads // 32
+        warps = 1 if warp_rows else threads // 32
+        if warp_rows:
+            rows = self.grid_stride(
+                "lc_total", "lc_o", f"(int64_t)blockIdx.x * {WARP_ROWS} + threadIdx.x / 32", f"(int64_t)gridDim.x * {WARP_ROWS}", "    "
+            )
+            lanes = self.grid_stride("lc_reduced", "lc_r", "(int64_t)(threadIdx.x % 32)", "32", "        ")
+        else:
+            rows = self.grid_stride("lc_total", "lc_o", "(int64_t)blockIdx.x", "(int64_t)gridDim.x", "    ")
+            lanes = self.grid_stride("lc_reduced", "lc_r", "(int64_t)threadIdx.x", f"{threads}", "        ")
         lines = [
             f"    const int64_t lc_total = {dim(numel(kernel.shape))}, lc_reduced = {dim(reduced)};\n",
             f"    __shared__ {acc_type} lc_partial[{warps}];\n" if warps > 1 else "",
-            self.grid_stride("lc_total", "lc_o", "(int64_t)blockIdx.x", "(int64_t)gridDim.x", "    "),
+            rows,
             self.unflatten("lc_o", names, kernel.shape, "        "),
             f"        {acc_type} lc_acc = ({acc_type})({init});\n",
-            self.grid_stride("lc_reduced", "lc_r", "(int64_t)threadIdx.x", f"{threads}", "        "),
+            lanes,
             self.unflatten("lc_r", [f"r{j}" for j in range(len(extents))], extents, "            ", "lc_rr"),
             f"            const {acc_type} lc_a = lc_acc, lc_b = ({acc_type})({value});\n",
             f"            lc_acc = {combine};\n",
@@ -386,9 +402,11 @@ class CudaRenderer(CRenderer):
                 "        __syncthreads();  /* lc_partial is written again for the next output */\n",
             ]
         result = "lc_acc != 0" if dtype == "bool" else "lc_acc"
-        lines.append(f"        if (threadIdx.x == 0) {self.target(kernel)} = {self.stored(kernel.out, result)};\n")
+        writer = "(threadIdx.x % 32) == 0" if warp_rows else "threadIdx.x == 0"
+        lines.append(f"        if ({writer}) {self.target(kernel)} = {self.stored(kernel.out, result)};\n")
         lines.append("    }\n")
-        return "".join(lines), (numel(kernel.shape), 1, 1), threads
+        blocks = dim_ceildiv(numel(kernel.shape), WARP_ROWS) if warp_rows else numel(kernel.shape)
+        return "".join(lines), (blocks, 1, 1), threads
 
     def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
