@@ -845,6 +845,20 @@ try:
 except MemoryError as exc:
     assert "bytes free" in str(exc), exc
 del os.environ["FAKE_CUDA_MEMORY"]
+# the runtime a `luminal-cloud runtime --device h100:0` process builds, serving the stored artifact
+from api.services import build_runtime
+from cloud.settings import Settings
+from cloud.storage import make_object_store
+
+settings = Settings(data_dir=built + "/data")
+runtime = build_runtime(settings, make_object_store(settings), "h100:0")
+assert runtime.device.target == "h100" and runtime.memory_budget_bytes < (1 << 30)
+result = runtime.run_batch("artifacts/mlp", [inputs[0], inputs[2]], [3, 5])
+assert [o["output"].shape[0] for o in result.outputs] == [3, 5], [o["output"].shape for o in result.outputs]
+assert result.exec_seconds == 0.00025, result.exec_seconds
+print("RUNTIME", runtime.loaded_keys)
+runtime.unload("artifacts/mlp")  # its weights, arena and module leave the device
+runtime.device.driver.close()
 for calls in driver.calls:
     print("CALLS", ";".join(f"{c.function} {' '.join(map(str, c.grid))} {c.threads} 1 1 " + c.symbols.astype("<i8").tobytes().hex() + " " + " ".join(int(p).to_bytes(8, "little").hex() for p in c.pointers) for c in calls))
 program.close()
@@ -875,6 +889,11 @@ def test_the_driver_adapter_runs_through_cuda_bindings_against_a_stand_in_libcud
     np.savez(tmp_path / "weights.npz", **program.weights)
     (tmp_path / "program.ptx").write_bytes(ptx)
     (tmp_path / "program.cubin").write_bytes(cubin)
+    from cloud.storage import make_object_store, save_artifact
+    from compiler import compile_onnx
+    from tests.conftest import make_settings
+
+    save_artifact(make_object_store(make_settings(tmp_path / "data")), "artifacts/mlp", compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100"))
     (tmp_path / "drive.py").write_text(_DRIVE)
     log = tmp_path / "launches.log"
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "FAKE_CUDA_LOG": str(log)}
@@ -883,13 +902,15 @@ def test_the_driver_adapter_runs_through_cuda_bindings_against_a_stand_in_libcud
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     states = [ast.literal_eval(line[6:]) for line in lines if line.startswith("STATE ")]
+    assert "RUNTIME ['artifacts/mlp']" in lines
     # sizes 3, 3, 5: the first captured once and replayed, the second (a larger arena) captured
     assert states[0]["captures"] == 2 and states[0]["retained"] == 1 and states[0]["modules"] == 1
-    # then size 3 twice in the grown arena (captured once more); closed, nothing is held
-    assert states[-1] == {"retained": 0, "captures": 3, "modules": 0, "bytes": 0}
+    # then size 3 twice in the grown arena (captured once more), and the runtime's batch of 8;
+    # unloaded and closed, nothing is held
+    assert states[-1] == {"retained": 0, "captures": 4, "modules": 0, "bytes": 0}
     replayed = [block.strip().splitlines() for block in log.read_text().split("--\n") if block.strip()]
     launched = [line[6:].split(";") for line in lines if line.startswith("CALLS ")]
-    assert len(replayed) == len(launched) == 5
+    assert len(launched) == 5 and len(replayed) == 6  # (the sixth, the runtime's batch)
     # every launch as libcuda received it: function, grid, block, the symbols' bytes, each pointer
     for got, want in zip(replayed, launched):
         assert got == [" ".join(w.split()) for w in want]
