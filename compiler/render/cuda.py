@@ -537,14 +537,14 @@ class CudaRenderer(CRenderer):
             "    lc_frag_c lc_acc[2][4];\n",
             "    _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) lc_mma_zero(lc_acc[fi][fj]);\n",
             f"    float lc_ra[{loads}], lc_rb[{loads}];\n",
-            *self.mma_loads(call, step, "0", "    "),
-            *self.mma_stores(suffix, step, "0", "    "),
+            *self.staged_loads(call, "float", step, "0", "    ", rows_first=True),
+            *self.staged_stores("0", step, "    ", rows_first=True, convert=f"lc_to_{suffix}"),
             "    __syncthreads();\n",
             "    int lc_cur = 0;\n",
             f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
             f"        const bool lc_more = k0 + {step} < k;\n",
             "        if (lc_more) {\n",
-            *self.mma_loads(call, step, f"k0 + {step}", "            "),
+            *self.staged_loads(call, "float", step, f"k0 + {step}", "            ", rows_first=True),
             "        }\n",
             f"        for (int kk = 0; kk < {step}; kk += {mma.k}) {{\n",
             "            lc_frag_ab lc_a[2], lc_b[4];\n",
@@ -553,7 +553,7 @@ class CudaRenderer(CRenderer):
             f"            _Pragma(\"unroll\") for (int fi = 0; fi < 2; ++fi) _Pragma(\"unroll\") for (int fj = 0; fj < 4; ++fj) lc_mma_{suffix}(lc_acc[fi][fj], lc_a[fi], lc_b[fj]);\n",
             "        }\n",
             "        if (lc_more) {\n",
-            *self.mma_stores(suffix, step, "lc_cur ^ 1", "            "),
+            *self.staged_stores("lc_cur ^ 1", step, "            ", rows_first=True, convert=f"lc_to_{suffix}"),
             "        }\n",
             "        __syncthreads();\n",
             "        lc_cur ^= 1;\n",
@@ -573,44 +573,6 @@ class CudaRenderer(CRenderer):
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, threads
 
-    def mma_loads(self, call: GemmCall, step: int, k0: str, indent: str) -> list[str]:
-        """This thread's elements of A's [tile][step] and B's [step][tile] tiles at k step k0, as
-        float, into registers lc_ra, lc_rb (consecutive threads read consecutive k of A's rows
-        and consecutive columns of B's)."""
-        tile, threads = LARGE_TILE, LARGE_THREADS
-        loads = tile * step // threads
-        inner = indent + "    "
-        return [
-            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
-            f"{inner}const int lc_e = threadIdx.x + lc_l * {threads};\n",
-            f"{inner}{{\n",
-            f"{inner}    const int64_t lc_i = row0 + lc_e / {step}, lc_k = {k0} + lc_e % {step};\n",
-            f"{inner}    lc_ra[lc_l] = (lc_i < m && lc_k < k) ? (float)({self.a_element(call)}) : 0.0f;\n",
-            f"{inner}}}\n",
-            f"{inner}{{\n",
-            f"{inner}    const int64_t lc_k = {k0} + lc_e / {tile}, lc_j = col0 + lc_e % {tile};\n",
-            f"{inner}    float lc_v = 0;\n",
-            f"{inner}    if (lc_k < k && lc_j < n) {{\n",
-            self.b_element(call, inner + "        "),
-            f"{inner}    }}\n",
-            f"{inner}    lc_rb[lc_l] = lc_v;\n",
-            f"{inner}}}\n",
-            f"{indent}}}\n",
-        ]
-
-    @staticmethod
-    def mma_stores(suffix: str, step: int, buffer: str, indent: str) -> list[str]:
-        """This thread's registers, converted to the staged type, into the tiles' `buffer`."""
-        tile, threads = LARGE_TILE, LARGE_THREADS
-        loads = tile * step // threads
-        return [
-            f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
-            f"{indent}    const int lc_e = threadIdx.x + lc_l * {threads};\n",
-            f"{indent}    lc_as[{buffer}][lc_e / {step}][lc_e % {step}] = lc_to_{suffix}(lc_ra[lc_l]);\n",
-            f"{indent}    lc_bs[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_to_{suffix}(lc_rb[lc_l]);\n",
-            f"{indent}}}\n",
-        ]
-
     def product_large(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B, a LARGE_TILE square of C per block, each thread a LARGE_PER^2 lattice of it
         (rows ty + 16*i, columns tx + 16*j); while a k step's staged tiles are multiplied, the
@@ -627,14 +589,14 @@ class CudaRenderer(CRenderer):
             f"    {ctype} lc_acc[{per}][{per}];\n",
             f"    for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] = 0;\n",
             f"    {ctype} lc_ra[{loads}], lc_rb[{loads}];\n",
-            *self.large_loads(call, "0", "    "),
-            *self.large_stores("0", "    "),
+            *self.staged_loads(call, ctype, step, "0", "    ", rows_first=False),
+            *self.staged_stores("0", step, "    ", rows_first=False),
             "    __syncthreads();\n",
             "    int lc_cur = 0;\n",
             f"    for (int64_t k0 = 0; k0 < k; k0 += {step}) {{\n",
             f"        const bool lc_more = k0 + {step} < k;\n",
             "        if (lc_more) {\n",
-            *self.large_loads(call, f"k0 + {step}", "            "),
+            *self.staged_loads(call, ctype, step, f"k0 + {step}", "            ", rows_first=False),
             "        }\n",
             "        #pragma unroll\n",
             f"        for (int kk = 0; kk < {step}; ++kk) {{\n",
@@ -644,7 +606,7 @@ class CudaRenderer(CRenderer):
             f"            for (int i = 0; i < {per}; ++i) for (int j = 0; j < {per}; ++j) lc_acc[i][j] += lc_a[i] * lc_b[j];\n",
             "        }\n",
             "        if (lc_more) {\n",
-            *self.large_stores("lc_cur ^ 1", "            "),
+            *self.staged_stores("lc_cur ^ 1", step, "            ", rows_first=False),
             "        }\n",
             "        __syncthreads();\n",
             "        lc_cur ^= 1;\n",
@@ -658,18 +620,21 @@ class CudaRenderer(CRenderer):
         grid = (dim_ceildiv(call.n, tile), dim_ceildiv(call.m, tile), numel(call.batch))
         return "".join(lines), grid, threads
 
-    def large_loads(self, call: GemmCall, k0: str, indent: str) -> list[str]:
-        """This thread's elements of A's and B's tiles at k step k0, into registers lc_ra, lc_rb:
-        A's element e is (row e % tile, k e / tile), B's (k e / tile, column e % tile)."""
-        ctype = C_TYPES[call.dtype]
-        tile, loads = LARGE_TILE, LARGE_TILE * LARGE_K_STEP // LARGE_THREADS
+    def staged_loads(self, call: GemmCall, ctype: str, step: int, k0: str, indent: str, rows_first: bool) -> list[str]:
+        """This thread's elements of A's and B's tiles at k step k0 (a LARGE_TILE by `step`), as
+        `ctype`, into registers lc_ra, lc_rb. Consecutive threads read consecutive columns of B;
+        of A, consecutive k of a row where `rows_first` (A staged [row][k]), else consecutive rows
+        (A staged [k][row])."""
+        tile, threads = LARGE_TILE, LARGE_THREADS
+        loads = tile * step // threads
         inner = indent + "    "
+        a_place = f"lc_e / {step}, lc_k = {k0} + lc_e % {step}" if rows_first else f"lc_e % {tile}, lc_k = {k0} + lc_e / {tile}"
         return [
             f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
-            f"{inner}const int lc_e = threadIdx.x + lc_l * {LARGE_THREADS};\n",
+            f"{inner}const int lc_e = threadIdx.x + lc_l * {threads};\n",
             f"{inner}{{\n",
-            f"{inner}    const int64_t lc_i = row0 + lc_e % {tile}, lc_k = {k0} + lc_e / {tile};\n",
-            f"{inner}    lc_ra[lc_l] = (lc_i < m && lc_k < k) ? {self.a_element(call)} : ({ctype})0;\n",
+            f"{inner}    const int64_t lc_i = row0 + {a_place};\n",
+            f"{inner}    lc_ra[lc_l] = (lc_i < m && lc_k < k) ? ({ctype})({self.a_element(call)}) : ({ctype})0;\n",
             f"{inner}}}\n",
             f"{inner}{{\n",
             f"{inner}    const int64_t lc_k = {k0} + lc_e / {tile}, lc_j = col0 + lc_e % {tile};\n",
@@ -683,14 +648,17 @@ class CudaRenderer(CRenderer):
         ]
 
     @staticmethod
-    def large_stores(buffer: str, indent: str) -> list[str]:
-        """This thread's registers lc_ra, lc_rb into the staged tiles' `buffer`."""
-        tile, loads = LARGE_TILE, LARGE_TILE * LARGE_K_STEP // LARGE_THREADS
+    def staged_stores(buffer: str, step: int, indent: str, rows_first: bool, convert: str = "") -> list[str]:
+        """This thread's registers lc_ra, lc_rb into the staged tiles' `buffer`, through `convert`
+        (a prelude function to the staged type, or none), A in the layout staged_loads read it."""
+        tile, threads = LARGE_TILE, LARGE_THREADS
+        loads = tile * step // threads
+        a_place = f"[lc_e / {step}][lc_e % {step}]" if rows_first else f"[lc_e / {tile}][lc_e % {tile}]"
         return [
             f"{indent}for (int lc_l = 0; lc_l < {loads}; ++lc_l) {{\n",
-            f"{indent}    const int lc_e = threadIdx.x + lc_l * {LARGE_THREADS};\n",
-            f"{indent}    lc_as[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_ra[lc_l];\n",
-            f"{indent}    lc_bs[{buffer}][lc_e / {tile}][lc_e % {tile}] = lc_rb[lc_l];\n",
+            f"{indent}    const int lc_e = threadIdx.x + lc_l * {threads};\n",
+            f"{indent}    lc_as[{buffer}]{a_place} = {convert}(lc_ra[lc_l]);\n",
+            f"{indent}    lc_bs[{buffer}][lc_e / {tile}][lc_e % {tile}] = {convert}(lc_rb[lc_l]);\n",
             f"{indent}}}\n",
         ]
 
