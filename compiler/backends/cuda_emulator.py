@@ -32,7 +32,7 @@ import numpy as np
 
 from compiler.backends.cuda import ARENA_ALIGNMENT, CudaBuildFailed, CudaProgram, LaunchCall, kernel_record
 from compiler.kernels.ir import Program
-from compiler.render.cuda import render_cuda
+from compiler.render.cuda import DEFAULT_SCHEDULE, render_cuda, scheduled
 
 _SCHEDULER = r"""
 #include <stdint.h>
@@ -183,6 +183,14 @@ template <typename T> T __shfl_down_sync(unsigned, T value, int delta) {
     lc_emu_warp_sync();
     const unsigned from = threadIdx.x + delta;
     const T got = ((threadIdx.x & 31) + delta < 32 && from < blockDim.x) ? *(T *)lc_emu_slot(from) : value;
+    lc_emu_warp_sync();
+    return got;
+}
+template <typename T> T __shfl_xor_sync(unsigned, T value, int mask) {
+    *(T *)lc_emu_slot(threadIdx.x) = value;
+    lc_emu_warp_sync();
+    const unsigned from = threadIdx.x ^ (unsigned)mask;
+    const T got = from < blockDim.x ? *(T *)lc_emu_slot(from) : value;
     lc_emu_warp_sync();
     return got;
 }
@@ -362,7 +370,7 @@ class EmulatedArtifact:
             raise UnsupportedModel([f"not lowered to kernels: {exc}"]) from None
         if narrow:
             program = narrow_storage(with_interface_dtypes(program, self.graph), narrow)
-        self.program = emulate(program)
+        self.program = emulate(scheduled(program, DEFAULT_SCHEDULE))
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.program.run(feed)

@@ -303,7 +303,30 @@ class GemmCall:
     epilogue: Epilogue | None = None
 
 
-Kernel = LoopKernel | GemmCall
+@dataclass(frozen=True)
+class AttentionCall:
+    """Attention as one kernel: for each batch index t and query row i,
+    out[t, i, :] = sum_j softmax_j(score(t, i, j)) * V[t, j, :], the softmax taken as
+    exp2(log2_scale * (score - max)) / sum, which a renderer computes online, a block of keys
+    at a time (running max and sum), so the scores never reach memory. It replaces the kernels
+    that spelled it (compiler.kernels.attention): `scores` is the product Q K^T (its A is Q, its B
+    K, its C the scores' buffer, now never stored), `values` the product P V (its B is V, its C
+    the output), and `score` the max reduction's value over those scores, in that loop's
+    variables (o0.. batch axes, then the query row; r0 the key), where a load of `scores.c`
+    stands for the product's sum at (t, i, j): the scale and the mask applied to it."""
+
+    scores: GemmCall
+    values: GemmCall
+    score: Expr
+    log2_scale: float
+    node: int = -1
+
+    @property
+    def out(self) -> int:
+        return self.values.c
+
+
+Kernel = LoopKernel | GemmCall | AttentionCall
 
 
 @dataclass

@@ -22,6 +22,7 @@ from compiler.ir import BINARY_OPS, UNARY_OPS, Graph, Op
 from compiler.kernels.ir import (
     Apply,
     Atom,
+    AttentionCall,
     Buffer,
     Const,
     Epilogue,
@@ -869,13 +870,15 @@ def plan_slots(program: Program) -> dict[int, int]:
 
 
 def kernel_writes(kernel: Kernel) -> int:
-    return kernel.c if isinstance(kernel, GemmCall) else kernel.out
+    return kernel.c if isinstance(kernel, GemmCall) else kernel.out  # (an AttentionCall's too)
 
 
 def kernel_stores(kernel: Kernel) -> set[int]:
     """Every buffer a kernel writes: its output and the lets it stores."""
     if isinstance(kernel, GemmCall):
         lets = kernel.epilogue.lets if kernel.epilogue is not None else ()
+    elif isinstance(kernel, AttentionCall):
+        lets = ()
     else:
         lets = kernel.lets
     return {kernel_writes(kernel)} | {let.buffer for let in lets if let.store}
@@ -887,6 +890,8 @@ def lets_reads(fused: LoopKernel | Epilogue) -> set[int]:
 
 
 def kernel_reads(kernel: Kernel) -> set[int]:
+    if isinstance(kernel, AttentionCall):
+        return {kernel.scores.a, kernel.scores.b, kernel.values.b} | (expr_reads(kernel.score) - {kernel.scores.c})
     if isinstance(kernel, GemmCall):
         reads = {kernel.a} | (expr_reads(kernel.b_panels.kernel.value) if kernel.b_panels is not None else {kernel.b})
         if kernel.epilogue is not None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from compiler.kernels.ir import GemmCall, Load, LoopKernel, Program
+from compiler.kernels.attention import fuse_attention
+from compiler.kernels.ir import AttentionCall, GemmCall, Load, LoopKernel, Program
 from compiler.kernels.lower import kernel_reads, kernel_stores
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
@@ -65,6 +66,12 @@ LARGE_TILE = 128
 LARGE_PER = 8
 LARGE_K_STEP = 8
 LARGE_THREADS = 256
+# fused attention: a block of ATTENTION_WARPS warps takes 8 query rows a warp (4 where a head is
+# wider than 64: its tiles stay in static shared memory), keys ATTENTION_KEYS at a time (a lane
+# each); heads of at most ATTENTION_HEAD_MAX are fused
+ATTENTION_WARPS = 4
+ATTENTION_KEYS = 32
+ATTENTION_HEAD_MAX = 128
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
 # a narrow float's storage type and the suffix of its conversions in the prelude
@@ -221,10 +228,21 @@ class CudaSchedule:
 
     name: str
     product_tile: int = GEMM_TILE
+    # attention as one kernel (compiler.kernels.attention), or as the kernels lowering spells
+    fused_attention: bool = True
 
 
-SCHEDULES = {"cuda-tile64": CudaSchedule("cuda-tile64", GEMM_TILE), "cuda-tile128": CudaSchedule("cuda-tile128", LARGE_TILE)}
+SCHEDULES = {
+    "cuda-tile64": CudaSchedule("cuda-tile64", GEMM_TILE),
+    "cuda-tile128": CudaSchedule("cuda-tile128", LARGE_TILE),
+    "cuda-tile64-unfused-attention": CudaSchedule("cuda-tile64-unfused-attention", GEMM_TILE, fused_attention=False),
+}
 DEFAULT_SCHEDULE = SCHEDULES["cuda-tile64"]
+
+
+def scheduled(program: Program, schedule: CudaSchedule) -> Program:
+    """The program as `schedule` renders it: its attention fused where the schedule says."""
+    return fuse_attention(program, ATTENTION_HEAD_MAX) if schedule.fused_attention else program
 
 
 @dataclass(frozen=True)
@@ -299,6 +317,8 @@ class CudaRenderer(CRenderer):
         stored = sorted(kernel_stores(kernel))
         if isinstance(kernel, GemmCall):
             body, grid, threads = self.product(kernel)
+        elif isinstance(kernel, AttentionCall):
+            body, grid, threads = self.attention(kernel)
         else:
             body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel)
         buffers = (*sorted(kernel_reads(kernel) - set(stored)), *stored)
@@ -407,6 +427,127 @@ class CudaRenderer(CRenderer):
         lines.append("    }\n")
         blocks = dim_ceildiv(numel(kernel.shape), WARP_ROWS) if warp_rows else numel(kernel.shape)
         return "".join(lines), (blocks, 1, 1), threads
+
+    def attention(self, call: AttentionCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """Attention with online softmax (AttentionCall): a block per batch index (striding over
+        x) and tile of query rows (y); Q's rows staged in shared memory once, then per tile of
+        keys K's and V's rows. Each warp owns its rows: a lane computes one key's score per row
+        (the dot product, then the score expression: scale, mask), the warp's shuffles give the
+        tile's max and sum, the running max rescales the row's sum and accumulator, and each lane
+        accumulates the head columns lane, lane + 32... of P V from the tile's probabilities in
+        shared memory. Computed in float32, whatever the operands are stored in."""
+        scores, values = call.scores, call.values
+        head, width = scores.k, values.n
+        assert isinstance(head, int) and isinstance(width, int) and max(head, width) <= ATTENTION_HEAD_MAX
+        per_warp = 8 if max(head, width) <= 64 else 4
+        rows = ATTENTION_WARPS * per_warp
+        keys = ATTENTION_KEYS
+        columns = -(-width // 32)
+        threads = 32 * ATTENTION_WARPS
+        nb = len(scores.batch)
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in scores.batch) or "1"
+        # the score's loop variables: batch axes, the query row, the key
+        variables = "".join(f"const int64_t o{j} = t{j}; " for j in range(nb)) + f"const int64_t o{nb} = i, r0 = j; (void)r0;"
+        self.locals[scores.c] = "lc_dot"
+        score = self.expr(call.score)
+        del self.locals[scores.c]
+        scale = f"{call.log2_scale!r}f"
+        lines = [
+            # (m, n, k as the scores' product names them; V's rows are read where its own names hold)
+            f"    const int64_t m = {dim(scores.m)}, n = {dim(scores.n)}, k = {head}, batch = {batch};\n",
+            "    (void)k;\n",
+            f"    __shared__ float lc_qs[{rows}][{head}];\n",
+            f"    __shared__ float lc_ks[{keys}][{head} + 1];\n",
+            f"    __shared__ float lc_vs[{keys}][{width}];\n",
+            f"    __shared__ float lc_ps[{ATTENTION_WARPS}][{per_warp}][{keys}];\n",
+            "    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n",
+            f"    const int64_t row0 = (int64_t)blockIdx.y * {rows};\n",
+            "    for (int64_t t = blockIdx.x; t < batch; t += gridDim.x) {\n",
+            *self.batch_indices(scores, "        "),
+            "        __syncthreads();  /* the last batch index's tiles are read */\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {rows * head}; lc_e += {threads}) {{\n",
+            f"            const int64_t lc_i = row0 + lc_e / {head}, lc_k = lc_e % {head};\n",
+            f"            lc_qs[lc_e / {head}][lc_k] = lc_i < m ? (float)({self.a_element(scores)}) : 0.0f;\n",
+            "        }\n",
+            f"        float lc_row_max[{per_warp}], lc_row_sum[{per_warp}], lc_acc[{per_warp}][{columns}];\n",
+            f"        for (int r = 0; r < {per_warp}; ++r) {{\n",
+            "            lc_row_max[r] = -INFINITY; lc_row_sum[r] = 0.0f;\n",
+            f"            for (int c = 0; c < {columns}; ++c) lc_acc[r][c] = 0.0f;\n",
+            "        }\n",
+            f"        for (int64_t j0 = 0; j0 < n; j0 += {keys}) {{\n",
+            "            __syncthreads();  /* Q is staged; the last tile's K, V and P are read */\n",
+            *self.attention_keys(scores, "lc_ks", head, True, "lc_k = lc_c, lc_j = j0 + lc_jj", "lc_j < n", ""),
+            *self.attention_keys(
+                values, "lc_vs", width, False, "lc_k = j0 + lc_jj, lc_j = lc_c", "lc_k < n",
+                # V's own sizes where its element is read: k the keys, n the head's width
+                f"const int64_t k = n, n = {width}; (void)k; (void)n;",
+            ),
+            "            __syncthreads();\n",
+            f"            for (int r = 0; r < {per_warp}; ++r) {{\n",
+            f"                const int lr = warp * {per_warp} + r;\n",
+            "                const int64_t i = row0 + lr, j = j0 + lane;\n",
+            "                float lc_dot = 0.0f;\n",
+            f"                for (int c = 0; c < {head}; ++c) lc_dot += lc_qs[lr][c] * lc_ks[lane][c];\n",
+            "                float lc_x = -INFINITY;\n",
+            f"                if (i < m && j < n) {{ {variables} lc_x = (float)({score}); }}\n",
+            "                float lc_top = lc_x;\n",
+            "                for (int d = 16; d > 0; d /= 2) lc_top = lc_max(lc_top, __shfl_xor_sync(0xffffffffu, lc_top, d));\n",
+            "                const float lc_new = lc_max(lc_row_max[r], lc_top);\n",
+            "                /* a row with no finite score yet adds nothing (and keeps what it has) */\n",
+            "                const bool lc_none = lc_new == -INFINITY;\n",
+            f"                const float lc_p = (i < m && j < n && !lc_none) ? lc_exp2f({scale} * (lc_x + -1.0f * lc_new)) : 0.0f;\n",
+            f"                const float lc_alpha = lc_none ? 1.0f : lc_exp2f({scale} * (lc_row_max[r] + -1.0f * lc_new));\n",
+            "                float lc_tile = lc_p;\n",
+            "                for (int d = 16; d > 0; d /= 2) lc_tile += __shfl_xor_sync(0xffffffffu, lc_tile, d);\n",
+            "                lc_row_sum[r] = lc_row_sum[r] * lc_alpha + lc_tile;\n",
+            "                lc_row_max[r] = lc_new;\n",
+            "                lc_ps[warp][r][lane] = lc_p;\n",
+            f"                for (int c = 0; c < {columns}; ++c) lc_acc[r][c] *= lc_alpha;\n",
+            "            }\n",
+            "            __syncwarp();\n",
+            f"            for (int jj = 0; jj < {keys}; ++jj) {{\n",
+            f"                for (int c = 0; c < {columns}; ++c) {{\n",
+            "                    const int col = lane + 32 * c;\n",
+            f"                    const float lc_w = col < {width} ? lc_vs[jj][col] : 0.0f;\n",
+            f"                    for (int r = 0; r < {per_warp}; ++r) lc_acc[r][c] += lc_ps[warp][r][jj] * lc_w;\n",
+            "                }\n",
+            "            }\n",
+            "        }\n",
+            f"        for (int r = 0; r < {per_warp}; ++r) {{\n",
+            f"            const int64_t i = row0 + warp * {per_warp} + r;\n",
+            "            if (i >= m) continue;\n",
+            "            const float lc_inv = 1.0f / lc_row_sum[r];\n",
+            f"            for (int c = 0; c < {columns}; ++c) {{\n",
+            "                const int col = lane + 32 * c;\n",
+            f"                if (col < {width}) b{values.c}[(t * m + i) * {width} + col] = {self.stored(values.c, 'lc_acc[r][c] * lc_inv')};\n",
+            "            }\n",
+            "        }\n",
+            "    }\n",
+        ]
+        grid = (numel(scores.batch), dim_ceildiv(scores.m, rows), 1)
+        return "".join(lines), grid, threads
+
+    def attention_keys(
+        self, call: GemmCall, into: str, extent: int, keys_are_columns: bool, place: str, inside: str, names: str
+    ) -> list[str]:
+        """A tile of ATTENTION_KEYS keys' rows of `call`'s B (K, whose columns are the keys, or V,
+        whose rows are) staged into `into`[key][column] (zeros past the last key), walked in B's
+        stored order so neighbouring threads read neighbouring elements."""
+        keys = ATTENTION_KEYS
+        by_key = call.trans_b == keys_are_columns  # B stored with a key's elements together
+        key, column = (f"lc_e / {extent}", f"lc_e % {extent}") if by_key else (f"lc_e % {keys}", f"lc_e / {keys}")
+        return [
+            f"            for (int lc_e = threadIdx.x; lc_e < {keys * extent}; lc_e += {32 * ATTENTION_WARPS}) {{\n",
+            f"                const int lc_jj = {key}, lc_c = {column};\n",
+            f"                const int64_t {place};\n",
+            "                float lc_v = 0.0f;\n",
+            f"                if ({inside}) {{\n",
+            *([f"                    {names}\n"] if names else []),
+            self.b_element(call, "                    "),
+            "                }\n",
+            f"                {into}[lc_jj][lc_c] = lc_v;\n",
+            "            }\n",
+        ]
 
     def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
@@ -712,4 +853,4 @@ class CudaRenderer(CRenderer):
         return "".join(lines)
 
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "CudaRenderer", "CudaSchedule", "CudaSource", "Launch", "render_cuda"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "CudaRenderer", "CudaSchedule", "CudaSource", "Launch", "render_cuda", "scheduled"]
