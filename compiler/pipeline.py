@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -324,6 +325,13 @@ def _compile_cuda(
             if len(schedules) == 1:
                 raise
             built.append(_CudaCandidate(schedule, error=str(exc)))
+    # each product in the tile that measured fastest for it, where the tiles' winners differ
+    mixed = _per_kernel_schedule(program, built)
+    if mixed is not None:
+        try:
+            built.append(_cuda_candidate(program, mixed, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
+        except (CudaBuildFailed, VerificationFailed) as exc:
+            built.append(_CudaCandidate(mixed, error=str(exc)))
     racing = [c for c in built if c.error is None]
     if not racing:
         raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
@@ -351,8 +359,10 @@ def _compile_cuda(
         "search": search_report,
         "ir_nodes": len(graph.nodes),
         "kernels": len(rendered.launches),
-        # attentions run as one kernel each (online softmax), in the chosen schedule
+        # attentions run as one kernel each (online softmax), and the products by tile, in the
+        # chosen schedule
         "fused_attention": attention_count(scheduled(program, chosen.schedule)),
+        "product_tiles": _product_tiles(scheduled(program, chosen.schedule), chosen.schedule),
         "functions": len({launch.kernel for launch in rendered.launches}),
         "build_seconds": round(build_seconds, 4),
         "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),
@@ -378,6 +388,8 @@ class _CudaCandidate:
     max_error: float = 0.0
     # median device ms by measuring size (on a GPU only)
     device_ms: dict[str, float] = field(default_factory=dict)
+    # median device ms of each launch, the kernels launched one by one at the largest size
+    launch_ms: list[float | None] = field(default_factory=list)
     error: str | None = None
 
 
@@ -388,6 +400,30 @@ def _cuda_schedules(program: Program) -> list[CudaSchedule]:
         return [DEFAULT_SCHEDULE]
     attention = scheduled(program, DEFAULT_SCHEDULE) is not program
     return [s for s in SCHEDULES.values() if s.fused_attention or attention]
+
+
+def _product_tiles(program: Program, schedule: CudaSchedule) -> dict[str, int]:
+    """How many products a block of each tile size computes, by tile ("64", "128")."""
+    tiles = Counter(str(schedule.tile_of(n)) for n, k in enumerate(program.kernels) if isinstance(k, GemmCall))
+    return dict(sorted(tiles.items(), key=lambda item: int(item[0])))
+
+
+def _per_kernel_schedule(program: Program, built: list[_CudaCandidate]) -> CudaSchedule | None:
+    """A schedule giving each product the tile whose kernel measured fastest for it (the
+    candidates of one tile each, attention fused, timed kernel by kernel), or None where one tile
+    won them all (that schedule is already built) or there was nothing to compare."""
+    uniform = [c for c in built if c.error is None and c.launch_ms and c.schedule.fused_attention and not c.schedule.product_tiles]
+    if len({c.schedule.product_tile for c in uniform}) < 2:
+        return None
+    tiles = []
+    for number, kernel in enumerate(scheduled(program, uniform[0].schedule).kernels):
+        timed = [(c.launch_ms[number], c.schedule.product_tile) for c in uniform if c.launch_ms[number] is not None]
+        if isinstance(kernel, GemmCall) and timed:
+            tiles.append((number, min(timed)[1]))
+    if len({tile for _, tile in tiles}) < 2:
+        return None
+    base = DEFAULT_SCHEDULE
+    return CudaSchedule("cuda-per-kernel", base.product_tile, True, tuple((n, t) for n, t in tiles if t != base.product_tile))
 
 
 def _cuda_candidate(
@@ -419,7 +455,7 @@ def _cuda_candidate(
         except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
             raise VerificationFailed(f"the CUDA program ({schedule.name}) failed on {where}: {exc}") from None
         max_error = max((_max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
-        device_ms = {}
+        device_ms, launch_ms = {}, []
         if cases:
             tracker.timed(schedule.name)
             for label, inputs in cases:
@@ -431,10 +467,14 @@ def _cuda_candidate(
                 except (IndexError, ShapeError):
                     continue  # a size the model does not take (positions past its table): not timed
                 device_ms[label] = round(measure.median_ms(seconds[1:]), 4)
+            if device_ms:  # each kernel's time at the largest size that ran, for a per-kernel choice
+                largest = dict(cases)[list(device_ms)[-1]]
+                runs = [loaded.profile(largest) for _ in range(MEASURE_MIN_REPEATS)]
+                launch_ms = [None if run[0] is None else measure.median_ms(list(run)) for run in zip(*runs)]
     except BaseException:
         loaded.close()  # (its device memory, on a GPU compile worker)
         raise
-    return _CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, max_error, device_ms)
+    return _CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, max_error, device_ms, launch_ms)
 
 
 def _precision_report(program: Program, precision: str, tolerance: float) -> dict[str, Any]:

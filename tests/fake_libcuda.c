@@ -90,10 +90,15 @@ static void append(Graph *g, const char *text) {
     g->length += n;
 }
 
+static int direct_launches;
+int fake_cuda_direct_launches(void) { return direct_launches; }
 CUresult cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void *stream, void **params, void **extra) {
-    if (!capturing) return INVALID_VALUE; /* the driver captures every launch */
     Function *f = function;
+    if (!capturing) { /* a profiled launch, timed on its own */
+        ++direct_launches;
+        return f ? OK : INVALID_VALUE;
+    }
     char line[8192];
     int at = snprintf(line, sizeof line, "%s %u %u %u %u %u %u", f->name, gx, gy, gz, bx, by, bz);
     for (int i = 0; i < f->params; ++i) {

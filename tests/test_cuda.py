@@ -574,9 +574,14 @@ class _TimedEmulation(EmulatedDriver):
         return module
 
     def execute(self, module, calls, key) -> float:
-        super().execute(module, calls, key)
+        return sum(self.profile(module, calls))
+
+    def profile(self, module, calls) -> list[float]:
+        # the program's time shared evenly among its kernels: one schedule is fastest everywhere
+        super().profile(module, calls)
         self.last_source = self.sources[id(module)]
-        return self.seconds if self.marker in self.last_source else 1.0
+        total = self.seconds if self.marker in self.last_source else 1.0
+        return [total / len(calls)] * len(calls)
 
     def download(self, address: int, array: np.ndarray) -> None:
         super().download(address, array)  # (a call's outputs, after its execute)
@@ -605,6 +610,50 @@ def test_on_a_gpu_a_schedule_that_disagrees_with_the_reference_is_dropped(monkey
     report = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100").report
     assert report["chosen"] == "cuda-tile64"
     assert "max error" in report["measuring"]["device_ms_by_size"]["cuda-tile128"]
+
+
+class _PerKernelEmulation(EmulatedDriver):
+    """The emulated device posing as an H100 on which the large tile is the faster for the first
+    product of a program and the small tile for the others: a kernel's device time is 1 ms, 2 ms
+    for a product in the tile that loses there; a program's is the sum of its kernels'."""
+
+    name, arch = "emulated H100", "sm_90"
+
+    def load(self, kernel, binaries):
+        module = super().load(kernel, binaries)
+        self.sources = getattr(self, "sources", {})
+        self.sources[id(module)] = kernel["source"]
+        return module
+
+    def profile(self, module, calls) -> list[float]:
+        super().profile(module, calls)
+        source = self.sources[id(module)]
+        seconds, products = [], 0
+        for call in calls:
+            text = _kernel_source(source, int(call.function[1:]))
+            large, product = "lc_ra[" in text, "lc_as[" in text
+            first = products == 0
+            products += product
+            seconds.append(0.002 if product and large != first else 0.001)
+        return seconds
+
+    def execute(self, module, calls, key) -> float:
+        return sum(self.profile(module, calls))
+
+
+def test_on_a_gpu_each_product_gets_the_tile_that_measured_fastest_for_it(monkeypatch) -> None:
+    from compiler import compile_onnx, pipeline
+
+    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _PerKernelEmulation())
+    artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
+    report = artifact.report
+    # built from the two tiles' kernel times, verified against the reference, then timed whole
+    assert report["chosen"] == "cuda-per-kernel"
+    assert set(report["measuring"]["device_ms_by_size"]) == {"cuda-tile64", "cuda-tile128", "cuda-per-kernel"}
+    assert report["product_tiles"] == {"64": 2, "128": 1}
+    source = artifact.kernels[0]["source"]
+    products = [launch for launch in artifact.kernels[0]["launches"] if "lc_as[" in _kernel_source(source, int(launch["kernel"][1:]))]
+    assert ["lc_ra[" in _kernel_source(source, int(launch["kernel"][1:])) for launch in products] == [True, False, False]
 
 
 # ---- narrow precisions: float16 and bfloat16 storage, tensor-core products ---------------------
@@ -823,6 +872,10 @@ for feed in inputs:
     program.run(feed)
     assert program.last_device_seconds == 0.00025
 print("STATE", state())
+# profiled, each kernel is launched on its own between events (none captured)
+per_launch = program.profile(inputs[0])
+assert per_launch == [0.00025] * len(program.launches), per_launch
+assert fake.fake_cuda_direct_launches() == len(program.launches)
 # the input, uploaded where the first launch reads it
 first = driver.calls[-1][0]
 address = first.pointers[program.launches[0][1].index(next(b.id for b in program.buffers if b.role == "input"))]

@@ -127,6 +127,9 @@ class Driver(Protocol):
         """Runs the calls in order and returns the device seconds they took; the same key means
         the same calls (a driver may capture them once, as a CUDA graph, and replay it)."""
 
+    def profile(self, module: Any, calls: list[LaunchCall]) -> list[float]:
+        """The calls launched one by one, each one's device seconds (a schedule search's measure)."""
+
     def bad_index(self, module: Any) -> bool:
         """Whether the last call gathered with an index out of range (lc_bad_index), cleared."""
 
@@ -206,6 +209,18 @@ class CudaProgram:
 
     def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
         """The outputs (`busy` is for CPU programs' threads: a GPU runs one call at a time)."""
+        return self._call(inputs, None)
+
+    def profile(self, inputs: Mapping[str, np.ndarray]) -> list[float | None]:
+        """The device seconds of each launch of the plan on these inputs, its kernels launched one
+        by one (None for a launch with nothing to compute at these sizes)."""
+        seconds: list[float | None] = [None] * len(self.launches)
+        self._call(inputs, seconds)
+        return seconds
+
+    def _call(self, inputs: Mapping[str, np.ndarray], per_launch: list[float | None] | None) -> dict[str, np.ndarray]:
+        """The outputs, the launches run as one graph; or launched one by one when `per_launch` is
+        given, their device seconds written into it."""
         arrays = {b.id: np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs}
         bindings = bind_inputs(self._inputs, inputs, self.size_limits)
         output_shapes, temp_offsets, temps_bytes = arena_layout(self._outputs, self._temps, self.slots, bindings, ARENA_ALIGNMENT)
@@ -234,16 +249,21 @@ class CudaProgram:
             for buffer_id, array in arrays.items():
                 if array.nbytes:
                     self.driver.upload(address[buffer_id], array)
-            calls = []
-            for function, buffers, grid, threads in self.launches:
+            calls, launched = [], []
+            for number, (function, buffers, grid, threads) in enumerate(self.launches):
                 blocks = tuple(evaluate(d, bindings) for d in grid)
                 if min(blocks) <= 0:
                     continue  # nothing to compute (an empty batch or axis)
                 # kernels stride over x: a capped grid still covers every element
                 blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
                 calls.append(LaunchCall(function, blocks, threads, symbols, tuple(address.get(b, 0) for b in buffers)))
-            key = (tuple(sorted(bindings.items())), self._arena)
-            self.last_device_seconds = self.driver.execute(self.module, calls, key)
+                launched.append(number)
+            if per_launch is None:
+                key = (tuple(sorted(bindings.items())), self._arena)
+                self.last_device_seconds = self.driver.execute(self.module, calls, key)
+            else:
+                for number, seconds in zip(launched, self.driver.profile(self.module, calls)):
+                    per_launch[number] = seconds
             if self.driver.bad_index(self.module):
                 raise IndexError("an index is out of bounds for the axis it selects from")
             for buffer_id, array in outputs.items():

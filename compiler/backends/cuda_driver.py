@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,8 @@ class CudaDriver:
         self.stream = _ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
         self.start = _ok(cu.cuEventCreate(0), "cuEventCreate")
         self.end = _ok(cu.cuEventCreate(0), "cuEventCreate")
+        # events between launches when a program is profiled kernel by kernel
+        self._marks: list[Any] = []
 
     def _current(self) -> None:
         # the runtime calls from its worker threads: each needs the context made current
@@ -170,24 +173,43 @@ class CudaDriver:
         elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
         return float(_ok(elapsed(self.start, self.end), "cuEventElapsedTime")) / 1000.0
 
+    def profile(self, module: CudaModule, calls: list[LaunchCall]) -> list[float]:
+        """Each call's device seconds: launched one by one on the stream, an event after each (a
+        schedule search's per-kernel measure; a served call runs as one graph, `execute`)."""
+        cu = self.cu
+        self._current()
+        while len(self._marks) < len(calls) + 1:
+            self._marks.append(_ok(cu.cuEventCreate(0), "cuEventCreate"))
+        marks = self._marks[: len(calls) + 1]
+        _ok(cu.cuEventRecord(marks[0], self.stream), "cuEventRecord")
+        for call, mark in zip(calls, marks[1:]):
+            self._launch(module, call)
+            _ok(cu.cuEventRecord(mark, self.stream), "cuEventRecord")
+        _ok(cu.cuEventSynchronize(marks[-1]), "running the program")
+        elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
+        return [float(_ok(elapsed(a, b), "cuEventElapsedTime")) / 1000.0 for a, b in pairwise(marks)]
+
+    def _launch(self, module: CudaModule, call: LaunchCall) -> None:
+        symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
+        pointers = [ctypes.c_uint64(p) for p in call.pointers]
+        # kernelParams: a pointer to each argument's value (the launch copies them)
+        values = [symbols, *pointers]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        _ok(
+            self.cu.cuLaunchKernel(
+                module.functions[call.function], *call.grid, call.threads, 1, 1, 0, self.stream,
+                ctypes.addressof(params), 0,  # (extra is a void pointer: 0, not None)
+            ),
+            f"launching {call.function}",
+        )
+
     def _capture(self, module: CudaModule, calls: list[LaunchCall]) -> Any:
         cu = self.cu
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         _ok(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
             for call in calls:
-                symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
-                pointers = [ctypes.c_uint64(p) for p in call.pointers]
-                # kernelParams: a pointer to each argument's value (the launch copies them)
-                values = [symbols, *pointers]
-                params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-                _ok(
-                    cu.cuLaunchKernel(
-                        module.functions[call.function], *call.grid, call.threads, 1, 1, 0, self.stream,
-                        ctypes.addressof(params), 0,  # (extra is a void pointer: 0, not None)
-                    ),
-                    f"launching {call.function}",
-                )
+                self._launch(module, call)
         finally:
             graph = _ok(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         try:

@@ -327,8 +327,12 @@ class EmulatedDriver:
         return found
 
     def execute(self, module: ctypes.CDLL, calls: list[LaunchCall], key) -> float:
-        started = time.perf_counter()
+        return sum(self.profile(module, calls))
+
+    def profile(self, module: ctypes.CDLL, calls: list[LaunchCall]) -> list[float]:
+        seconds = []
         for call in calls:
+            started = time.perf_counter()
             symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
             pointers = (ctypes.c_void_p * max(1, len(call.pointers)))(*call.pointers)
             status = getattr(module, f"launch_{call.function}")(
@@ -336,7 +340,8 @@ class EmulatedDriver:
             )
             if status:
                 raise RuntimeError(f"{call.function}: threads of a block diverged at a barrier (status {status})")
-        return time.perf_counter() - started
+            seconds.append(time.perf_counter() - started)
+        return seconds
 
 
 def emulate(program: Program, size_limits: dict[str, int] | None = None) -> CudaProgram:

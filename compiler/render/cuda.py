@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 
 from compiler.kernels.attention import fuse_attention
-from compiler.kernels.ir import AttentionCall, GemmCall, Load, LoopKernel, Program
+from compiler.kernels.ir import AttentionCall, GemmCall, Kernel, Load, LoopKernel, Program
 from compiler.kernels.lower import kernel_reads, kernel_stores
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
@@ -224,12 +224,19 @@ class Launch:
 class CudaSchedule:
     """How a program's kernels are laid out on the GPU, a compile candidate: `product_tile` is the
     square of C a block of a product computes (GEMM_TILE, MMA_TILE on tensor cores; or LARGE_TILE:
-    more work per thread or warp, and the next k step's loads under this one's arithmetic)."""
+    more work per thread or warp, and the next k step's loads under this one's arithmetic),
+    where `product_tiles` does not name another for the product (by its kernel's number, in the
+    program as scheduled: a per-kernel choice measured on the GPU)."""
 
     name: str
     product_tile: int = GEMM_TILE
     # attention as one kernel (compiler.kernels.attention), or as the kernels lowering spells
     fused_attention: bool = True
+    # (kernel number, tile) for products whose tile is not `product_tile`
+    product_tiles: tuple[tuple[int, int], ...] = ()
+
+    def tile_of(self, kernel: int) -> int:
+        return dict(self.product_tiles).get(kernel, self.product_tile)
 
 
 SCHEDULES = {
@@ -263,7 +270,7 @@ def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> 
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
     for number, kernel in enumerate(program.kernels):
-        text, buffers, grid, threads = renderer.cuda_kernel(kernel)
+        text, buffers, grid, threads = renderer.cuda_kernel(kernel, number)
         name = names.get(text)
         if name is None:
             name = names[text] = f"k{number}"
@@ -311,12 +318,12 @@ class CudaRenderer(CRenderer):
     def dtype_of(self, e) -> str:
         return self.computed_dtype(e.buffer) if isinstance(e, Load) else e.dtype
 
-    def cuda_kernel(self, kernel: LoopKernel | GemmCall) -> tuple[str, tuple[int, ...], tuple, int]:
+    def cuda_kernel(self, kernel: Kernel, number: int = -1) -> tuple[str, tuple[int, ...], tuple, int]:
         """(the function's text, named NAME, with its buffers renumbered by position; the buffers
-        it takes, in order; its grid; its threads per block)."""
+        it takes, in order; its grid; its threads per block) of the program's kernel `number`."""
         stored = sorted(kernel_stores(kernel))
         if isinstance(kernel, GemmCall):
-            body, grid, threads = self.product(kernel)
+            body, grid, threads = self.product(kernel, self.schedule.tile_of(number))
         elif isinstance(kernel, AttentionCall):
             body, grid, threads = self.attention(kernel)
         else:
@@ -549,17 +556,17 @@ class CudaRenderer(CRenderer):
             "            }\n",
         ]
 
-    def product(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+    def product(self, call: GemmCall, tile: int = GEMM_TILE) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
         the program asks for them (see product_mma), else in the product's own dtype:
         each thread computes a (GEMM_TILE/16)^2 lattice of the tile (rows ty + 16*i, columns
         tx + 16*j: conflict-free reads of the staged tiles and coalesced stores), then the
         epilogue at each element it stores."""
         if self.tensor_cores is not None and call.dtype == "float32":
-            if self.schedule.product_tile == LARGE_TILE:
+            if tile == LARGE_TILE:
                 return self.product_mma_large(call, MMA_FORMATS[self.tensor_cores])
             return self.product_mma(call, MMA_FORMATS[self.tensor_cores])
-        if self.schedule.product_tile == LARGE_TILE:
+        if tile == LARGE_TILE:
             return self.product_large(call)
         ctype = C_TYPES[call.dtype]
         per = GEMM_TILE // 16
