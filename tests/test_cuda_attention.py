@@ -18,10 +18,17 @@ from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import AttentionCall
 from compiler.kernels.lower import kernel_stores, lower
 from compiler.reference import run_graph
-from compiler.render.cuda import ATTENTION_HEAD_MAX, DEFAULT_SCHEDULE, SCHEDULES, render_cuda, scheduled
+from compiler.render.cuda import (
+    ATTENTION_HEAD_MAX,
+    ATTENTION_MMA_HEAD_MAX,
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    render_cuda,
+    scheduled,
+)
 from compiler.shape import evaluate
 from tests.conftest import FIXTURES
-from tests.test_cuda import _TimedEmulation
+from tests.test_cuda import _in_precision, _narrow_close, _TimedEmulation
 
 
 def _attention(
@@ -211,3 +218,44 @@ def test_a_transformer_compiled_for_a_gpu_type_runs_its_attention_fused_in_every
     report = compile_onnx((FIXTURES / "gpt2_dynamo.onnx").read_bytes(), "h100", precision=precision).report
     assert report["chosen"] == DEFAULT_SCHEDULE.name and report["fused_attention"] == 2
     assert report["verified_on"] == "cpu emulation"
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize(("head", "width", "mask"), [(64, 64, "additive"), (32, 48, "causal"), (16, 16, "none")])
+def test_fused_attention_on_tensor_cores_computes_what_the_float32_reference_does_within_its_tolerance(
+    precision: str, head: int, width: int, mask: str
+) -> None:
+    data = _attention(head, width, mask=mask)
+    graph = load_graph(data)
+    program = fuse_attention(_in_precision(fuse(lower(graph)), precision), ATTENTION_HEAD_MAX)
+    source = render_cuda(program).source
+    # 16-bit formats stage Q, K and V for warp products; tf32's tiles would not fit: CUDA cores
+    assert ("lc_kt[" in source) == (precision != "tf32") and attention_count(program) == 1
+    emulated = emulate(program, graph.size_limits)
+    for seed, (batch, seq) in enumerate([(1, 70), (2, 9)]):
+        inputs = _inputs(graph, batch, seq, seed)
+        want = run_graph(graph, inputs)["y"]
+        _narrow_close(emulated.run(inputs)["y"], want, precision, f"batch={batch} seq={seq}")
+
+
+def test_a_head_wider_than_the_tensor_core_kernel_holds_takes_the_cuda_core_kernel() -> None:
+    graph = load_graph(_attention(ATTENTION_MMA_HEAD_MAX + 16))
+    program = fuse_attention(_in_precision(fuse(lower(graph)), "float16"), ATTENTION_HEAD_MAX)
+    source = render_cuda(program).source
+    assert attention_count(program) == 1 and "lc_kt[" not in source and "lc_ks[" in source
+    inputs = _inputs(graph, 1, 40)
+    _narrow_close(emulate(program, graph.size_limits).run(inputs)["y"], run_graph(graph, inputs)["y"], "float16", "y")
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_fused_attention_on_tensor_cores_compiles_to_an_sm90_cubin_with_its_warp_products(precision: str) -> None:
+    graph = load_graph(_attention(64, mask="causal"))
+    program = fuse_attention(_in_precision(fuse(lower(graph)), precision), ATTENTION_HEAD_MAX)
+    rendered = render_cuda(program)
+    ptx, cubin = compile_cuda(rendered.source, "sm_90")
+    assert b"wmma.mma.sync.aligned.row.row.m16n16k16" in ptx and cubin[:4] == b"\x7fELF"
+    # its static shared memory fits the 48 KB a block may have without opting in to more
+    fused = next(launch for launch in rendered.launches if "lc_kt[" in _function(rendered.source, launch.kernel))
+    declared = rb"\.shared \.align \d+ \.b8 _ZZ\d+" + fused.kernel.encode() + rb"E\d+lc_\w+\[(\d+)\]"
+    sizes = [int(n) for n in re.findall(declared, ptx)]
+    assert len(sizes) == 9 and sum(sizes) <= 48 * 1024, sizes

@@ -72,6 +72,12 @@ LARGE_THREADS = 256
 ATTENTION_WARPS = 4
 ATTENTION_KEYS = 32
 ATTENTION_HEAD_MAX = 128
+# on tensor cores (16-bit formats): ATTENTION_MMA_ROWS query rows a block, keys
+# ATTENTION_MMA_KEYS at a time, heads of at most ATTENTION_MMA_HEAD_MAX (what fits the 48 KB of
+# static shared memory); wider heads take the CUDA-core kernel
+ATTENTION_MMA_ROWS = 32
+ATTENTION_MMA_KEYS = 64
+ATTENTION_MMA_HEAD_MAX = 64
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
 # a narrow float's storage type and the suffix of its conversions in the prelude
@@ -195,6 +201,11 @@ __device__ __forceinline__ void lc_mma_store(float *p, const lc_frag_c &d, int l
 }
 #endif
 """
+
+
+def _halvings(count: int) -> list[int]:
+    """The xor distances of a butterfly over `count` lanes (a power of two): count/2, ..., 1."""
+    return [1 << e for e in range(count.bit_length() - 2, -1, -1)]
 
 
 def _symbols_struct(count: int) -> str:
@@ -446,36 +457,23 @@ class CudaRenderer(CRenderer):
         scores, values = call.scores, call.values
         head, width = scores.k, values.n
         assert isinstance(head, int) and isinstance(width, int) and max(head, width) <= ATTENTION_HEAD_MAX
+        mma = MMA_FORMATS.get(self.tensor_cores or "")
+        if mma is not None and mma.itemsize == 2 and max(head, width) <= ATTENTION_MMA_HEAD_MAX and head % 16 == 0 and width % 16 == 0:
+            return self.attention_mma(call, mma)
         per_warp = 8 if max(head, width) <= 64 else 4
         rows = ATTENTION_WARPS * per_warp
         keys = ATTENTION_KEYS
         columns = -(-width // 32)
         threads = 32 * ATTENTION_WARPS
-        nb = len(scores.batch)
-        batch = " * ".join(f"(int64_t)({dim(d)})" for d in scores.batch) or "1"
-        # the score's loop variables: batch axes, the query row, the key
-        variables = "".join(f"const int64_t o{j} = t{j}; " for j in range(nb)) + f"const int64_t o{nb} = i, r0 = j; (void)r0;"
-        self.locals[scores.c] = "lc_dot"
-        score = self.expr(call.score)
-        del self.locals[scores.c]
-        scale = f"{call.log2_scale!r}f"
+        variables, score, scale = self.attention_score(call, "lc_dot")
         lines = [
-            # (m, n, k as the scores' product names them; V's rows are read where its own names hold)
-            f"    const int64_t m = {dim(scores.m)}, n = {dim(scores.n)}, k = {head}, batch = {batch};\n",
-            "    (void)k;\n",
+            *self.attention_head(call),
             f"    __shared__ float lc_qs[{rows}][{head}];\n",
             f"    __shared__ float lc_ks[{keys}][{head} + 1];\n",
             f"    __shared__ float lc_vs[{keys}][{width}];\n",
             f"    __shared__ float lc_ps[{ATTENTION_WARPS}][{per_warp}][{keys}];\n",
             "    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n",
-            f"    const int64_t row0 = (int64_t)blockIdx.y * {rows};\n",
-            "    for (int64_t t = blockIdx.x; t < batch; t += gridDim.x) {\n",
-            *self.batch_indices(scores, "        "),
-            "        __syncthreads();  /* the last batch index's tiles are read */\n",
-            f"        for (int lc_e = threadIdx.x; lc_e < {rows * head}; lc_e += {threads}) {{\n",
-            f"            const int64_t lc_i = row0 + lc_e / {head}, lc_k = lc_e % {head};\n",
-            f"            lc_qs[lc_e / {head}][lc_k] = lc_i < m ? (float)({self.a_element(scores)}) : 0.0f;\n",
-            "        }\n",
+            *self.attention_rows(call, rows, "(float)"),
             f"        float lc_row_max[{per_warp}], lc_row_sum[{per_warp}], lc_acc[{per_warp}][{columns}];\n",
             f"        for (int r = 0; r < {per_warp}; ++r) {{\n",
             "            lc_row_max[r] = -INFINITY; lc_row_sum[r] = 0.0f;\n",
@@ -483,12 +481,8 @@ class CudaRenderer(CRenderer):
             "        }\n",
             f"        for (int64_t j0 = 0; j0 < n; j0 += {keys}) {{\n",
             "            __syncthreads();  /* Q is staged; the last tile's K, V and P are read */\n",
-            *self.attention_keys(scores, "lc_ks", head, True, "lc_k = lc_c, lc_j = j0 + lc_jj", "lc_j < n", ""),
-            *self.attention_keys(
-                values, "lc_vs", width, False, "lc_k = j0 + lc_jj, lc_j = lc_c", "lc_k < n",
-                # V's own sizes where its element is read: k the keys, n the head's width
-                f"const int64_t k = n, n = {width}; (void)k; (void)n;",
-            ),
+            *self.attention_keys(scores, True, keys, head, "lc_ks[lc_jj][lc_c] = lc_v;"),
+            *self.attention_keys(values, False, keys, width, "lc_vs[lc_jj][lc_c] = lc_v;"),
             "            __syncthreads();\n",
             f"            for (int r = 0; r < {per_warp}; ++r) {{\n",
             f"                const int lr = warp * {per_warp} + r;\n",
@@ -534,15 +528,49 @@ class CudaRenderer(CRenderer):
         grid = (numel(scores.batch), dim_ceildiv(scores.m, rows), 1)
         return "".join(lines), grid, threads
 
-    def attention_keys(
-        self, call: GemmCall, into: str, extent: int, keys_are_columns: bool, place: str, inside: str, names: str
-    ) -> list[str]:
-        """A tile of ATTENTION_KEYS keys' rows of `call`'s B (K, whose columns are the keys, or V,
-        whose rows are) staged into `into`[key][column] (zeros past the last key), walked in B's
-        stored order so neighbouring threads read neighbouring elements."""
-        keys = ATTENTION_KEYS
+    def attention_score(self, call: AttentionCall, dot: str) -> tuple[str, str, str]:
+        """(the score's loop variables declared from t0.., i and j; the score, the product's sum
+        being `dot`; the exponent's scale as a float literal)."""
+        nb = len(call.scores.batch)
+        variables = "".join(f"const int64_t o{j} = t{j}; " for j in range(nb)) + f"const int64_t o{nb} = i, r0 = j; (void)r0;"
+        self.locals[call.scores.c] = dot
+        score = self.expr(call.score)
+        del self.locals[call.scores.c]
+        return variables, score, f"{call.log2_scale!r}f"
+
+    def attention_head(self, call: AttentionCall) -> list[str]:
+        """Sizes as the scores' product names them (m, n, k; V's rows are read where its own
+        names hold) and the flat batch size."""
+        scores = call.scores
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in scores.batch) or "1"
+        return [f"    const int64_t m = {dim(scores.m)}, n = {dim(scores.n)}, k = {scores.k}, batch = {batch};\n", "    (void)k;\n"]
+
+    def attention_rows(self, call: AttentionCall, rows: int, convert: str) -> list[str]:
+        """The loop over batch indices (a block's x, striding) opened, t0.. declared, and the
+        block's `rows` query rows of Q staged into lc_qs (zeros past the last), converted."""
+        scores, head = call.scores, call.scores.k
+        return [
+            f"    const int64_t row0 = (int64_t)blockIdx.y * {rows};\n",
+            "    for (int64_t t = blockIdx.x; t < batch; t += gridDim.x) {\n",
+            *self.batch_indices(scores, "        "),
+            "        __syncthreads();  /* the last batch index's tiles are read */\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {rows * head}; lc_e += {32 * ATTENTION_WARPS}) {{\n",
+            f"            const int64_t lc_i = row0 + lc_e / {head}, lc_k = lc_e % {head};\n",
+            f"            lc_qs[lc_e / {head}][lc_k] = {convert}(lc_i < m ? (float)({self.a_element(scores)}) : 0.0f);\n",
+            "        }\n",
+        ]
+
+    def attention_keys(self, call: GemmCall, keys_are_columns: bool, keys: int, extent: int, store: str) -> list[str]:
+        """`store` run for each element lc_v of a tile of `keys` keys' rows of `call`'s B, at key
+        lc_jj and column lc_c (zeros past the last key): K (the scores' B, whose columns are the
+        keys) or V (the values' B, whose rows are), walked in B's stored order so neighbouring
+        threads read neighbouring elements."""
         by_key = call.trans_b == keys_are_columns  # B stored with a key's elements together
         key, column = (f"lc_e / {extent}", f"lc_e % {extent}") if by_key else (f"lc_e % {keys}", f"lc_e / {keys}")
+        if keys_are_columns:
+            place, inside, names = "lc_k = lc_c, lc_j = j0 + lc_jj", "lc_j < n", ""
+        else:  # V's own sizes where its element is read: k the keys, n the head's width
+            place, inside, names = "lc_k = j0 + lc_jj, lc_j = lc_c", "lc_k < n", f"const int64_t k = n, n = {extent}; (void)k; (void)n;"
         return [
             f"            for (int lc_e = threadIdx.x; lc_e < {keys * extent}; lc_e += {32 * ATTENTION_WARPS}) {{\n",
             f"                const int lc_jj = {key}, lc_c = {column};\n",
@@ -552,9 +580,116 @@ class CudaRenderer(CRenderer):
             *([f"                    {names}\n"] if names else []),
             self.b_element(call, "                    "),
             "                }\n",
-            f"                {into}[lc_jj][lc_c] = lc_v;\n",
+            f"                {store}\n",
             "            }\n",
         ]
+
+    def attention_mma(self, call: AttentionCall, mma: MmaFormat) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """Attention with online softmax on tensor cores (a 16-bit format, heads of at most
+        ATTENTION_MMA_HEAD_MAX, multiples of 16): a block per batch index and ATTENTION_MMA_ROWS
+        query rows, keys ATTENTION_MMA_KEYS at a time. Q, K (transposed) and V are staged in the
+        format; the warps compute the tile's scores S = Q K^T as 16x16 warp products into shared
+        memory (float); four threads a row take the score expression, the tile's max and sum
+        (shuffles), store the probabilities in the format and the row's rescaling factor; the
+        warps compute P V the same way, and each element of the output, kept in shared memory in
+        float32, is rescaled and added to."""
+        scores, values = call.scores, call.values
+        head, width = scores.k, values.n
+        suffix, pad = mma.suffix, MMA_PAD_BYTES // mma.itemsize
+        rows, keys, threads = ATTENTION_MMA_ROWS, ATTENTION_MMA_KEYS, 32 * ATTENTION_WARPS
+        per_row = threads // rows  # threads sharing a row of the tile's scores
+        span = keys // per_row
+        q_ld, k_ld, v_ld, p_ld = head + pad, keys + pad, width + pad, keys + pad
+        s_ld, o_ld = keys + MMA_C_PAD, width + MMA_C_PAD
+        score_frags, output_frags = (rows // 16) * (keys // 16), (rows // 16) * (width // 16)
+        variables, score, scale = self.attention_score(call, "lc_ss[lc_r][lc_jj]")
+        shuffle = " ".join(f"lc_top = lc_max(lc_top, __shfl_xor_sync(0xffffffffu, lc_top, {d}));" for d in _halvings(per_row))
+        total = " ".join(f"lc_tile += __shfl_xor_sync(0xffffffffu, lc_tile, {d});" for d in _halvings(per_row))
+        lines = [
+            *self.attention_head(call),
+            f"    __shared__ __align__(32) {mma.staged} lc_qs[{rows}][{q_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_kt[{head}][{k_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_vs[{keys}][{v_ld}];\n",
+            f"    __shared__ __align__(32) {mma.staged} lc_ps[{rows}][{p_ld}];\n",
+            f"    __shared__ __align__(32) float lc_ss[{rows}][{max(s_ld, o_ld)}];\n",
+            f"    __shared__ __align__(32) float lc_os[{rows}][{o_ld}];\n",
+            f"    __shared__ float lc_row_max[{rows}], lc_row_sum[{rows}], lc_alpha[{rows}];\n",
+            "    const int warp = threadIdx.x / 32;\n",
+            *self.attention_rows(call, rows, f"lc_to_{suffix}"),
+            f"        for (int lc_e = threadIdx.x; lc_e < {rows * width}; lc_e += {threads}) lc_os[lc_e / {width}][lc_e % {width}] = 0.0f;\n",
+            f"        if (threadIdx.x < {rows}) {{ lc_row_max[threadIdx.x] = -INFINITY; lc_row_sum[threadIdx.x] = 0.0f; }}\n",
+            f"        for (int64_t j0 = 0; j0 < n; j0 += {keys}) {{\n",
+            "            __syncthreads();  /* Q is staged; the last tile's K, V, P and sums are read */\n",
+            *self.attention_keys(scores, True, keys, head, f"lc_kt[lc_c][lc_jj] = lc_to_{suffix}(lc_v);"),
+            *self.attention_keys(values, False, keys, width, f"lc_vs[lc_jj][lc_c] = lc_to_{suffix}(lc_v);"),
+            "            __syncthreads();\n",
+            f"            for (int f = warp; f < {score_frags}; f += {ATTENTION_WARPS}) {{  /* S = Q K^T */\n",
+            f"                const int fr = (f / {keys // 16}) * 16, fc = (f % {keys // 16}) * 16;\n",
+            "                lc_frag_c lc_acc; lc_mma_zero(lc_acc);\n",
+            f"                for (int kk = 0; kk < {head}; kk += {mma.k}) {{\n",
+            "                    lc_frag_ab lc_a, lc_b;\n",
+            f"                    lc_mma_load_a_{suffix}(lc_a, &lc_qs[fr][kk], {q_ld});\n",
+            f"                    lc_mma_load_b_{suffix}(lc_b, &lc_kt[kk][fc], {k_ld});\n",
+            f"                    lc_mma_{suffix}(lc_acc, lc_a, lc_b);\n",
+            "                }\n",
+            f"                lc_mma_store(&lc_ss[fr][fc], lc_acc, {max(s_ld, o_ld)});\n",
+            "            }\n",
+            "            __syncthreads();\n",
+            "            {  /* the online softmax: this thread's part of a row of the tile */\n",
+            f"                const int lc_r = threadIdx.x / {per_row}, lc_part = threadIdx.x % {per_row};\n",
+            "                const int64_t i = row0 + lc_r;\n",
+            f"                float lc_x[{span}], lc_top = -INFINITY;\n",
+            f"                for (int u = 0; u < {span}; ++u) {{\n",
+            f"                    const int lc_jj = lc_part * {span} + u;\n",
+            "                    const int64_t j = j0 + lc_jj;\n",
+            "                    lc_x[u] = -INFINITY;\n",
+            f"                    if (i < m && j < n) {{ {variables} lc_x[u] = (float)({score}); }}\n",
+            "                    lc_top = lc_max(lc_top, lc_x[u]);\n",
+            "                }\n",
+            f"                {shuffle}\n",
+            "                const float lc_old = lc_row_max[lc_r], lc_new = lc_max(lc_old, lc_top);\n",
+            "                /* a row with no finite score yet adds nothing (and keeps what it has) */\n",
+            "                const bool lc_none = lc_new == -INFINITY;\n",
+            "                float lc_tile = 0.0f;\n",
+            f"                for (int u = 0; u < {span}; ++u) {{\n",
+            f"                    const int lc_jj = lc_part * {span} + u;\n",
+            f"                    const float lc_p = (lc_x[u] == -INFINITY || lc_none) ? 0.0f : lc_exp2f({scale} * (lc_x[u] + -1.0f * lc_new));\n",
+            f"                    lc_ps[lc_r][lc_jj] = lc_to_{suffix}(lc_p);\n",
+            "                    lc_tile += lc_p;\n",
+            "                }\n",
+            f"                {total}\n",
+            f"                const float lc_a = lc_none ? 1.0f : lc_exp2f({scale} * (lc_old + -1.0f * lc_new));\n",
+            "                __syncwarp();  /* every thread of the row has read its running max */\n",
+            "                if (lc_part == 0) { lc_alpha[lc_r] = lc_a; lc_row_sum[lc_r] = lc_row_sum[lc_r] * lc_a + lc_tile; lc_row_max[lc_r] = lc_new; }\n",
+            "            }\n",
+            "            __syncthreads();\n",
+            f"            for (int f = warp; f < {output_frags}; f += {ATTENTION_WARPS}) {{  /* P V */\n",
+            f"                const int fr = (f / {width // 16}) * 16, fc = (f % {width // 16}) * 16;\n",
+            "                lc_frag_c lc_acc; lc_mma_zero(lc_acc);\n",
+            f"                for (int kk = 0; kk < {keys}; kk += {mma.k}) {{\n",
+            "                    lc_frag_ab lc_a, lc_b;\n",
+            f"                    lc_mma_load_a_{suffix}(lc_a, &lc_ps[fr][kk], {p_ld});\n",
+            f"                    lc_mma_load_b_{suffix}(lc_b, &lc_vs[kk][fc], {v_ld});\n",
+            f"                    lc_mma_{suffix}(lc_acc, lc_a, lc_b);\n",
+            "                }\n",
+            f"                lc_mma_store(&lc_ss[fr][fc], lc_acc, {max(s_ld, o_ld)});\n",
+            "            }\n",
+            "            __syncthreads();\n",
+            f"            for (int lc_e = threadIdx.x; lc_e < {rows * width}; lc_e += {threads}) {{\n",
+            f"                const int lc_r = lc_e / {width}, lc_c = lc_e % {width};\n",
+            "                lc_os[lc_r][lc_c] = lc_os[lc_r][lc_c] * lc_alpha[lc_r] + lc_ss[lc_r][lc_c];\n",
+            "            }\n",
+            "        }\n",
+            "        __syncthreads();\n",
+            f"        for (int lc_e = threadIdx.x; lc_e < {rows * width}; lc_e += {threads}) {{\n",
+            f"            const int lc_r = lc_e / {width}, lc_c = lc_e % {width};\n",
+            "            const int64_t i = row0 + lc_r;\n",
+            f"            if (i < m) b{values.c}[(t * m + i) * {width} + lc_c] = {self.stored(values.c, '(lc_os[lc_r][lc_c] * (1.0f / lc_row_sum[lc_r]))')};\n",
+            "        }\n",
+            "    }\n",
+        ]
+        grid = (numel(scores.batch), dim_ceildiv(scores.m, rows), 1)
+        return "".join(lines), grid, threads
 
     def product(self, call: GemmCall, tile: int = GEMM_TILE) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
