@@ -239,7 +239,12 @@ def measure_model(spec: Model, precisions: list[str], repeats: int, dry_run: boo
         started = time.perf_counter()
         artifact = compile_onnx(data, target, precision="exported" if precision == "float32" else precision)
         ours_compile_s = time.perf_counter() - started
-        print(f"  ours {precision}: compiled in {ours_compile_s:.1f} s ({artifact.report['functions']} functions, {artifact.report['kernels']} kernels)", flush=True)
+        report = artifact.report
+        print(
+            f"  ours {precision}: compiled in {ours_compile_s:.1f} s ({report['functions']} functions, {report['kernels']} kernels;"
+            f" schedule {report['chosen']}, {report['fused_attention']} fused attention, product tiles {report['product_tiles']})",
+            flush=True,
+        )
         program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
         # a copy per precision: half() in place would round the float32 run's weights too
         torch_module = copy.deepcopy(module).to(device)
