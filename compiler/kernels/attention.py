@@ -106,7 +106,7 @@ def _match(program: Program, kernels: list, step: int) -> tuple[AttentionCall, l
         if producer.lets or program.buffers[score_buffer].role != "temp":
             return None
         score = _inline(score, score_buffer, producer, (*rows, n), at_key)
-        if score is None or not _reads_scores_once(score, scores.c, at_key):
+        if score is None or not _reads_scores_at_key(score, scores.c, at_key):
             return None
     # the exponentials: exp2(c * (score - max)), the score read at the loop's own element
     log2_scale = _exponent_scale(exponentials.value, top.value, top.out, rows)
@@ -156,9 +156,10 @@ def _match(program: Program, kernels: list, step: int) -> tuple[AttentionCall, l
             return None
         if values.c in stores | kernel_reads(kernels[other]):
             return None
-    # what the replaced kernels wrote on the way is read by them only
+    # what the replaced kernels wrote on the way is written and read by them only
     for buffer in {scores.c, score_buffer, top.out, exponentials.out, sums.out}:
-        if any(s not in steps for s in readers[buffer]):
+        writers = [s for s, k in enumerate(kernels) if k is not None and buffer in kernel_stores(k)]
+        if any(s not in steps for s in readers[buffer] + writers):
             return None
     return fused, [s for s in steps if s != division_step], division_step
 
@@ -227,9 +228,9 @@ def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at
     return map_loads(score, lambda load: value if load.buffer == buffer else load)
 
 
-def _reads_scores_once(score, scores: int, at_key: Ix) -> bool:
-    """Every load of the scores' buffer reads the row's key (a flat producer's index rewritten
-    into the row's variables must come out so)."""
+def _reads_scores_at_key(score, scores: int, at_key: Ix) -> bool:
+    """Every load of the scores' buffer reads the row's key, and there is one (a flat producer's
+    index rewritten into the row's variables must come out so)."""
     loads = [e for e in _loads(score) if e.buffer == scores]
     return bool(loads) and all(load.index == at_key for load in loads)
 
