@@ -28,7 +28,7 @@ from compiler.render.cuda import (
 )
 from compiler.shape import evaluate
 from tests.conftest import FIXTURES
-from tests.test_cuda import _in_precision, _narrow_close, _TimedEmulation
+from tests.test_cuda import _gpu_driver, _in_precision, _narrow_close, _TimedEmulation
 
 
 def _attention(
@@ -259,3 +259,34 @@ def test_fused_attention_on_tensor_cores_compiles_to_an_sm90_cubin_with_its_warp
     declared = rb"\.shared \.align \d+ \.b8 _ZZ\d+" + fused.kernel.encode() + rb"E\d+lc_\w+\[(\d+)\]"
     sizes = [int(n) for n in re.findall(declared, ptx)]
     assert len(sizes) == 9 and sum(sizes) <= 48 * 1024, sizes
+
+
+# ---- on a GPU (skipped without one) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["exported", "float16", "bfloat16"])
+@pytest.mark.parametrize(("head", "mask"), [(64, "causal"), (32, "additive"), (128, "none")])
+def test_on_a_gpu_fused_attention_computes_what_the_reference_does(precision: str, head: int, mask: str) -> None:
+    from compiler.backends.cuda import CudaProgram, kernel_record
+
+    driver = _gpu_driver()
+    graph = load_graph(_attention(head, mask=mask))
+    program = fuse(lower(graph))
+    program = program if precision == "exported" else _in_precision(program, precision)
+    program = fuse_attention(program, ATTENTION_HEAD_MAX)
+    assert attention_count(program) == 1
+    rendered = render_cuda(program)
+    ptx, cubin = compile_cuda(rendered.source, driver.arch)
+    kernel = kernel_record(program, rendered, driver.arch, graph.size_limits)
+    loaded = CudaProgram(kernel, program.weights, {"program.ptx": ptx, "program.cubin": cubin}, driver)
+    try:
+        for seed, (batch, seq) in enumerate([(1, 130), (3, 45), (3, 45)]):  # the third replays a graph
+            inputs = _inputs(graph, batch, seq, seed)
+            got = loaded.run(inputs)["y"]
+            want = run_graph(graph, inputs)["y"]
+            if precision == "exported":
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"batch={batch} seq={seq}")
+            else:
+                _narrow_close(got, want, precision, f"batch={batch} seq={seq}")
+    finally:
+        loaded.close()
