@@ -799,6 +799,29 @@ def test_a_mask_of_the_float32_minimum_stays_float32_so_a_fully_masked_row_is_un
     assert not got[1, 5:].any()
 
 
+def test_a_weight_beyond_the_narrow_range_stays_float32_and_so_does_what_derives_from_it() -> None:
+    # a mask weight of -1e9 (GPT-2's causal mask): in float16 -inf, and -inf * 0 is NaN where the
+    # float32 model gives 0
+    weight = np.where(np.arange(16) < 4, -1e9, 0.5).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "x"], ["z"])]
+    graph_proto = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 16])], [numpy_helper.from_array(weight, "w")],
+    )
+    graph = load_graph(helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    program = narrow_storage(lower(graph), "float16")
+    assert [b.dtype for b in program.buffers if b.role == "weight"] == ["float32"]
+    x = np.zeros((2, 16), np.float32)
+    x[1] = 1e-6
+    got = emulate(program).run({"x": x})["z"]
+    want = run_graph(graph, {"x": x})["z"]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+    # a weight within the range is stored narrow
+    small = narrow_storage(lower(load_graph(_softmax_after_gemm())), "float16")
+    assert {b.dtype for b in small.buffers if b.role == "weight"} == {"float16"}
+
+
 def test_a_narrow_precision_compiles_for_a_gpu_type_and_is_refused_on_the_cpu() -> None:
     from compiler import compile_onnx
 

@@ -12,9 +12,10 @@ artifact keeps the graph's float32 weights and no second copy.
 A graph exported in float16 or bfloat16 is computed the same way: in float32 (computed_in_float32
 before lowering), its inputs, outputs, weights and temps stored in its format.
 
-A temp stays float32 where its values derive from a finite constant beyond the narrow format's
-range: an attention mask's float32 minimum (-3.4e38) would become -inf in float16, and a fully
-masked row's softmax NaN, where the float32 model gives a uniform row."""
+A weight or temp stays float32 where it holds a finite value beyond the narrow format's range or
+derives from one: an attention mask's float32 minimum (-3.4e38) would become -inf in float16, and
+a fully masked row's softmax NaN, where the float32 model gives a uniform row; a causal mask
+weight of -1e9 times zero would be NaN, not zero."""
 
 from __future__ import annotations
 
@@ -86,9 +87,13 @@ def tf32_products(program: Program) -> Program:
 
 
 def out_of_range(program: Program, limit: float) -> set[int]:
-    """Buffers whose values may be finite and beyond +-limit: computed from a finite constant
-    beyond it, or from such a buffer, through ops that do not bound their result."""
-    wide: set[int] = set()
+    """Buffers whose values may be finite and beyond +-limit: weights holding such values (a
+    causal mask of -1e9), and buffers computed from a finite constant beyond it or from such a
+    buffer, through ops that do not bound their result."""
+    wide = {
+        b.id for b in program.buffers
+        if b.role == "weight" and b.dtype == "float32" and _beyond(program.weights.get(b.name), limit)
+    }
     for kernel in program.kernels:
         if isinstance(kernel, LoopKernel):
             for let in kernel.lets:
@@ -102,6 +107,14 @@ def out_of_range(program: Program, limit: float) -> set[int]:
             if kernel.a in wide or kernel.b in wide or panels or epilogue:
                 wide.add(kernel.c)
     return wide
+
+
+def _beyond(array, limit: float) -> bool:
+    """Whether an array holds a finite value beyond +-limit (in float16 it would be infinite)."""
+    if array is None or np.asarray(array).dtype != np.float32 or not np.asarray(array).size:
+        return False
+    magnitude = np.abs(np.asarray(array))
+    return bool((magnitude[np.isfinite(magnitude)] > limit).any())
 
 
 def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:
