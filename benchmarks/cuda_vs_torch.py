@@ -207,6 +207,25 @@ def program_ms(program, feeds: dict[str, np.ndarray], repeats: int) -> tuple[flo
     return wall_ms, 1000 * statistics.median(device_seconds[WARMUPS:])
 
 
+def kernel_breakdown(program, source: str, feeds: dict[str, np.ndarray]) -> str:
+    """Our device time by kind of kernel, each launched alone (CUDA events between launches):
+    where the time goes, for the next round of schedules."""
+    seconds = program.profile(feeds)
+    by_kind: dict[str, list[float]] = {}
+    for (function, *_), spent in zip(program.launches, seconds):
+        if spent is None:
+            continue
+        body = source[source.index(f" {function}(const lc_symbols S") :]
+        body = body[: body.find('extern "C"') if 'extern "C"' in body else len(body)]
+        kind = (
+            "attention" if "lc_qs[" in body else "product" if "lc_as[" in body
+            else "reduction" if "__shfl_down_sync" in body else "elementwise"
+        )
+        by_kind.setdefault(kind, []).append(spent)
+    ranked = sorted(by_kind.items(), key=lambda item: -sum(item[1]))
+    return ", ".join(f"{kind} {1000 * sum(times):.3f} ms ({len(times)})" for kind, times in ranked)
+
+
 @dataclass
 class Row:
     model: str
@@ -268,6 +287,7 @@ def measure_model(spec: Model, precisions: list[str], repeats: int, dry_run: boo
             got = program.run(feeds)["output"]
             error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
             ours_ms, ours_device_ms = program_ms(program, feeds, repeats)
+            print(f"    kernels one by one: {kernel_breakdown(program, artifact.kernels[0]['source'], feeds)}", flush=True)
             row = Row(
                 spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s,
                 torch_compile_s,

@@ -20,12 +20,9 @@ from dataclasses import replace
 
 from compiler.kernels.ir import (
     Apply,
-    Atom,
     AttentionCall,
     Const,
     GemmCall,
-    Guarded,
-    IndexValue,
     Ix,
     Load,
     LoopKernel,
@@ -39,6 +36,7 @@ from compiler.kernels.lower import (
     plan_slots,
     renamed,
     strides_of,
+    substituted,
     walk,
 )
 from compiler.shape import Dim
@@ -220,7 +218,7 @@ def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at
     flat loop's variable o0 is the element's offset; a loop over the scores' own shape has the
     max loop's variables, the key's named r0."""
     if len(producer.shape) == 1:
-        value = _substituted(producer.value, {"o0": at_key})
+        value = substituted(producer.value, {"o0": at_key})
     elif tuple(producer.shape) == shape:
         value = renamed(producer.value, {f"o{len(shape) - 1}": "r0"})
     else:
@@ -233,29 +231,6 @@ def _reads_scores_at_key(score, scores: int, at_key: Ix) -> bool:
     index rewritten into the row's variables must come out so)."""
     loads = [e for e in _loads(score) if e.buffer == scores]
     return bool(loads) and all(load.index == at_key for load in loads)
-
-
-def _substituted(e, values: dict[str, Ix]):
-    """An expression (or index, or atom) with loop variables replaced by index expressions."""
-    if isinstance(e, Ix):
-        total = Ix.of(e.const)
-        for var, coef in e.terms:
-            if isinstance(var, str) and var in values:
-                total = total + values[var].scale(coef)
-            else:
-                total = total + Ix(((var if isinstance(var, str) else _substituted(var, values), coef),), 0)
-        return total
-    if isinstance(e, Atom):
-        return Atom(e.op, tuple(_substituted(a, values) if isinstance(a, (Ix, Atom, Load, Guarded, Apply, IndexValue, Const)) else a for a in e.args))
-    if isinstance(e, Load):
-        return Load(e.buffer, _substituted(e.index, values))
-    if isinstance(e, Guarded):
-        return Guarded(tuple((_substituted(g, values), n) for g, n in e.guards), _substituted(e.value, values), e.fill, e.dtype)
-    if isinstance(e, Apply):
-        return Apply(e.op, tuple(_substituted(a, values) for a in e.args), e.dtype)
-    if isinstance(e, IndexValue):
-        return IndexValue(_substituted(e.index, values), e.dtype)
-    return e
 
 
 def _exponent_scale(value, top_value, top: int, rows: tuple[Dim, ...]) -> float | None:

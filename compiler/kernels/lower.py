@@ -625,21 +625,29 @@ def _variables(expr: Expr) -> set[str]:
 
 def renamed(e, names: dict[str, str]):
     """An expression (or index, or index atom) with its loop variables renamed."""
+    return substituted(e, {old: Ix.var(new) for old, new in names.items()})
+
+
+def substituted(e, values: dict[str, Ix]):
+    """An expression (or index, or index atom) with loop variables replaced by index expressions."""
     if isinstance(e, Ix):
         total = Ix.of(e.const)
         for var, coef in e.terms:
-            total = total + Ix(((names.get(var, var) if isinstance(var, str) else renamed(var, names), coef),), 0)
+            if isinstance(var, str):
+                total = total + (values[var].scale(coef) if var in values else Ix(((var, coef),), 0))
+            else:
+                total = total + Ix(((substituted(var, values), coef),), 0)
         return total
     if isinstance(e, Atom):
-        return Atom(e.op, tuple(renamed(a, names) if isinstance(a, (Ix, Atom, Load, Guarded, Apply, IndexValue, Const)) else a for a in e.args))
+        return Atom(e.op, tuple(substituted(a, values) if isinstance(a, (Ix, Atom, Load, Guarded, Apply, IndexValue, Const)) else a for a in e.args))
     if isinstance(e, Load):
-        return Load(e.buffer, renamed(e.index, names))
+        return Load(e.buffer, substituted(e.index, values))
     if isinstance(e, Guarded):
-        return Guarded(tuple((renamed(g, names), n) for g, n in e.guards), renamed(e.value, names), e.fill, e.dtype)
+        return Guarded(tuple((substituted(g, values), n) for g, n in e.guards), substituted(e.value, values), e.fill, e.dtype)
     if isinstance(e, Apply):
-        return Apply(e.op, tuple(renamed(a, names) for a in e.args), e.dtype)
+        return Apply(e.op, tuple(substituted(a, values) for a in e.args), e.dtype)
     if isinstance(e, IndexValue):
-        return IndexValue(renamed(e.index, names), e.dtype)
+        return IndexValue(substituted(e.index, values), e.dtype)
     return e
 
 
