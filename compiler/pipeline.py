@@ -282,8 +282,9 @@ def _compile_cuda(
     capability, and verified against the reference: on this machine's GPU when it is of that
     type's compute capability (then also timed, by CUDA events, at the measuring sizes), else in
     the CPU emulation, untimed (a compile worker needs no GPU); the report says which. On a GPU
-    every schedule that can differ (CudaSchedule) is built, verified and timed, and the fastest
-    kept; elsewhere the default one."""
+    every schedule that can differ (CudaSchedule: product tiles, attention fused or not) is built,
+    verified and timed, its kernels also one by one, then a schedule giving each product its
+    fastest tile where the tiles' winners differ; the fastest is kept. Elsewhere the default one."""
     started = time.perf_counter()
     gpu = GPU_TYPES[target]
     tracker = _Tracker(progress, ("cuda",))
