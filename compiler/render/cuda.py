@@ -17,7 +17,10 @@ fewer blocks along x than planned (a grid is capped at MAX_GRID_X) and still com
     memory;
   - a matrix product: tiles of C per block, A and B staged through shared memory, the fused
     epilogue applied as each element is stored; a convolution's windows (Panels) are read in
-    place while B's tile is loaded (an implicit GEMM), never stored.
+    place while B's tile is loaded (an implicit GEMM), never stored;
+  - attention (AttentionCall, where the schedule fuses it): a block per batch index and tile of
+    query rows, keys a tile at a time with a running max and sum (online softmax), the scores
+    never stored; on tensor cores for 16-bit formats.
 
 The expressions (loads, padding guards, gathers, arithmetic) are the C renderer's: CUDA C is C
 there, and the device functions they call (lc_index, lc_exp2f...) are defined here. The code needs
