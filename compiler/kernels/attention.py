@@ -16,6 +16,7 @@ place of the product with V is the same program.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import replace
 
 from compiler.kernels.ir import (
@@ -48,16 +49,18 @@ def fuse_attention(program: Program, head_limit: int) -> Program:
     renderer's kernel holds); the program itself when there is none."""
     kernels: list = list(program.kernels)
     found = False
+    readers = _readers(kernels)
     for step, call in enumerate(program.kernels):
-        if isinstance(call, GemmCall):
-            match = _match(program, kernels, step)
-            heads = (match[0].scores.k, match[0].values.n) if match is not None else ()
-            if match is not None and all(isinstance(h, int) and h <= head_limit for h in heads):
-                fused, replaced, at = match
-                kernels[at] = fused
-                for other in replaced:
-                    kernels[other] = None
-                found = True
+        match = _match(program, kernels, readers, step) if isinstance(call, GemmCall) else None
+        if match is None:
+            continue
+        fused, replaced, at = match
+        if all(isinstance(h, int) and h <= head_limit for h in (fused.scores.k, fused.values.n)):
+            kernels[at] = fused
+            for other in replaced:
+                kernels[other] = None
+            readers = _readers(kernels)
+            found = True
     if not found:
         return program
     result = replace(program, kernels=[k for k in kernels if k is not None])
@@ -69,13 +72,14 @@ def attention_count(program: Program) -> int:
     return sum(isinstance(k, AttentionCall) for k in program.kernels)
 
 
-def _match(program: Program, kernels: list, step: int) -> tuple[AttentionCall, list[int], int] | None:
+def _match(
+    program: Program, kernels: list, readers: dict[int, list[int]], step: int
+) -> tuple[AttentionCall, list[int], int] | None:
     """(the fused kernel, the steps it replaces, the step it takes) when the product at `step`
-    computes the scores of an attention; None otherwise."""
+    computes the scores of an attention; None otherwise. `readers`: the steps reading each buffer."""
     scores = kernels[step]
     if not _plain_product(program, scores):
         return None
-    readers = _readers(kernels)
     batch, m, n = scores.batch, scores.m, scores.n
     rows = (*batch, m)
     nb = len(batch)
@@ -96,15 +100,15 @@ def _match(program: Program, kernels: list, step: int) -> tuple[AttentionCall, l
     if tuple(exponentials.shape) != (*rows, n) or program.buffers[top.out].role != "temp":
         return None
     at_key = linear(row_vars + [key], (*rows, n))
-    score = _score(top.value, score_buffer, at_key)
-    if score is None:
+    if not _reads_at(top.value, score_buffer, at_key):
         return None
+    score = top.value
     if score_producer is not None:
         producer = kernels[score_producer]
         if producer.lets or program.buffers[score_buffer].role != "temp":
             return None
         score = _inline(score, score_buffer, producer, (*rows, n), at_key)
-        if score is None or not _reads_scores_at_key(score, scores.c, at_key):
+        if score is None or not _reads_at(score, scores.c, at_key):
             return None
     # the exponentials: exp2(c * (score - max)), the score read at the loop's own element
     log2_scale = _exponent_scale(exponentials.value, top.value, top.out, rows)
@@ -139,7 +143,7 @@ def _match(program: Program, kernels: list, step: int) -> tuple[AttentionCall, l
         return None
     if score_producer is not None and not step < score_producer < top_step:
         return None
-    if not all(program.buffers[b].role == "temp" for b in (scores.c, exponentials.out)):
+    if program.buffers[scores.c].role != "temp":
         return None
     fused = AttentionCall(scores, values, score, log2_scale, values.node)
     # what the fused kernel reads holds at the division what it held where the pattern first read
@@ -175,18 +179,12 @@ def _plain_product(program: Program, call) -> bool:
 
 
 def _readers(kernels: list) -> dict[int, list[int]]:
-    readers: dict[int, list[int]] = {}
+    """The steps reading each buffer (none for a buffer no kernel reads)."""
+    readers: dict[int, list[int]] = defaultdict(list)
     for step, kernel in enumerate(kernels):
-        if kernel is None:
-            continue
-        for b in kernel_reads(kernel):
-            readers.setdefault(b, []).append(step)
-    return _Missing(readers)
-
-
-class _Missing(dict):
-    def __missing__(self, key):
-        return []
+        for b in kernel_reads(kernel) if kernel is not None else ():
+            readers[b].append(step)
+    return readers
 
 
 def _only(steps: list[int]) -> int | None:
@@ -201,16 +199,11 @@ def _is_reduce(kernel, kind: str) -> bool:
     return isinstance(kernel, LoopKernel) and kernel.reduce is not None and kernel.reduce[0] == kind and not kernel.lets and len(kernel.reduce[1]) == 1
 
 
-def _score(value, buffer: int, at_key: Ix):
-    """The max loop's value, when every load of `buffer` in it reads the row's key `r0`."""
-    loads = [e for e in _loads(value) if e.buffer == buffer]
-    if not loads or any(load.index != at_key for load in loads):
-        return None
-    return value
-
-
-def _loads(e) -> list[Load]:
-    return [x for x in walk(e) if isinstance(x, Load)]
+def _reads_at(value, buffer: int, at_key: Ix) -> bool:
+    """Whether `value` reads `buffer`, and only at the row's key (the max loop's scores; a flat
+    producer's index rewritten into the row's variables must come out so)."""
+    loads = [e for e in walk(value) if isinstance(e, Load) and e.buffer == buffer]
+    return bool(loads) and all(load.index == at_key for load in loads)
 
 
 def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at_key: Ix):
@@ -224,13 +217,6 @@ def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at
     else:
         return None
     return map_loads(score, lambda load: value if load.buffer == buffer else load)
-
-
-def _reads_scores_at_key(score, scores: int, at_key: Ix) -> bool:
-    """Every load of the scores' buffer reads the row's key, and there is one (a flat producer's
-    index rewritten into the row's variables must come out so)."""
-    loads = [e for e in _loads(score) if e.buffer == scores]
-    return bool(loads) and all(load.index == at_key for load in loads)
 
 
 def _exponent_scale(value, top_value, top: int, rows: tuple[Dim, ...]) -> float | None:

@@ -111,10 +111,10 @@ def out_of_range(program: Program, limit: float) -> set[int]:
 
 def _beyond(array, limit: float) -> bool:
     """Whether an array holds a finite value beyond +-limit (in float16 it would be infinite)."""
-    if array is None or np.asarray(array).dtype != np.float32 or not np.asarray(array).size:
+    if array is None or np.asarray(array).dtype != np.float32:
         return False
     magnitude = np.abs(np.asarray(array))
-    return bool((magnitude[np.isfinite(magnitude)] > limit).any())
+    return bool(((magnitude > limit) & np.isfinite(magnitude)).any())
 
 
 def _exceeds(expr: Expr, wide: set[int], limit: float) -> bool:

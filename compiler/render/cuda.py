@@ -206,6 +206,11 @@ __device__ __forceinline__ void lc_mma_store(float *p, const lc_frag_c &d, int l
 """
 
 
+def _shifted_exp2(scale: str, x: str, top: str) -> str:
+    """exp2(scale * (x - top)) as the unfused exponentials compute it (x + -1 * top), in CUDA C."""
+    return f"lc_exp2f({scale} * ({x} + -1.0f * {top}))"
+
+
 def _halvings(count: int) -> list[int]:
     """The xor distances of a butterfly over `count` lanes (a power of two): count/2, ..., 1."""
     return [1 << e for e in range(count.bit_length() - 2, -1, -1)]
@@ -504,8 +509,8 @@ class CudaRenderer(CRenderer):
             "                const float lc_new = lc_max(lc_row_max[r], lc_top);\n",
             "                /* a row with no finite score yet adds nothing (and keeps what it has) */\n",
             "                const bool lc_none = lc_new == -INFINITY;\n",
-            f"                const float lc_p = (i < m && j < n && !lc_none) ? lc_exp2f({scale} * (lc_x + -1.0f * lc_new)) : 0.0f;\n",
-            f"                const float lc_alpha = lc_none ? 1.0f : lc_exp2f({scale} * (lc_row_max[r] + -1.0f * lc_new));\n",
+            f"                const float lc_p = (i < m && j < n && !lc_none) ? {_shifted_exp2(scale, 'lc_x', 'lc_new')} : 0.0f;\n",
+            f"                const float lc_alpha = lc_none ? 1.0f : {_shifted_exp2(scale, 'lc_row_max[r]', 'lc_new')};\n",
             "                float lc_tile = lc_p;\n",
             "                for (int d = 16; d > 0; d /= 2) lc_tile += __shfl_xor_sync(0xffffffffu, lc_tile, d);\n",
             "                lc_row_sum[r] = lc_row_sum[r] * lc_alpha + lc_tile;\n",
@@ -661,12 +666,12 @@ class CudaRenderer(CRenderer):
             "                float lc_tile = 0.0f;\n",
             f"                for (int u = 0; u < {span}; ++u) {{\n",
             f"                    const int lc_jj = lc_part * {span} + u;\n",
-            f"                    const float lc_p = (lc_x[u] == -INFINITY || lc_none) ? 0.0f : lc_exp2f({scale} * (lc_x[u] + -1.0f * lc_new));\n",
+            f"                    const float lc_p = (lc_x[u] == -INFINITY || lc_none) ? 0.0f : {_shifted_exp2(scale, 'lc_x[u]', 'lc_new')};\n",
             f"                    lc_ps[lc_r][lc_jj] = lc_to_{suffix}(lc_p);\n",
             "                    lc_tile += lc_p;\n",
             "                }\n",
             f"                {total}\n",
-            f"                const float lc_a = lc_none ? 1.0f : lc_exp2f({scale} * (lc_old + -1.0f * lc_new));\n",
+            f"                const float lc_a = lc_none ? 1.0f : {_shifted_exp2(scale, 'lc_old', 'lc_new')};\n",
             "                __syncwarp();  /* every thread of the row has read its running max */\n",
             "                if (lc_part == 0) { lc_alpha[lc_r] = lc_a; lc_row_sum[lc_r] = lc_row_sum[lc_r] * lc_a + lc_tile; lc_row_max[lc_r] = lc_new; }\n",
             "            }\n",
