@@ -36,6 +36,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,11 +241,10 @@ class Row:
     torch_compile_s: float
 
 
-def measure_model(spec: Model, precisions: list[str], repeats: int, dry_run: bool, device, driver, target: str) -> list[Row]:
+def measure_model(
+    spec: Model, precisions: list[str], repeats: int, dry_run: bool, device, driver, target: str, failures: list[str]
+) -> list[Row]:
     import torch
-
-    from compiler import compile_onnx
-    from compiler.backends.cuda import CudaProgram
 
     torch.manual_seed(0)
     module = spec.build(dry_run).eval()
@@ -255,46 +255,71 @@ def measure_model(spec: Model, precisions: list[str], repeats: int, dry_run: boo
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for precision in precisions:
-        started = time.perf_counter()
-        artifact = compile_onnx(data, target, precision="exported" if precision == "float32" else precision)
-        ours_compile_s = time.perf_counter() - started
-        report = artifact.report
-        print(
-            f"  ours {precision}: compiled in {ours_compile_s:.1f} s ({report['functions']} functions, {report['kernels']} kernels;"
-            f" schedule {report['chosen']}, {report['fused_attention']} fused attention, product tiles {report['product_tiles']})",
-            flush=True,
-        )
-        program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
-        # a copy per precision: half() in place would round the float32 run's weights too
-        torch_module = copy.deepcopy(module).to(device)
-        torch_module = torch_module.half() if precision == "float16" else torch_module
-        compiled = torch.compile(torch_module, mode="reduce-overhead") if not dry_run else None
-        for batch in batches:
-            feeds = spec.inputs(batch, dry_run)
-            tensors = [torch.from_numpy(v).to(device) for v in feeds.values()]
-            if precision == "float16":
-                tensors = [t.half() if t.is_floating_point() else t for t in tensors]
-            with torch.inference_mode():
-                want = torch_module(*tensors).float().cpu().numpy()
-                eager_ms = torch_ms(torch_module, tensors, repeats, synchronize)
-                torch_compile_s = compiled_ms = math.nan
-                if compiled is not None:
-                    began = time.perf_counter()
-                    compiled(*tensors)
-                    synchronize()
-                    torch_compile_s = time.perf_counter() - began
-                    compiled_ms = torch_ms(compiled, tensors, repeats, synchronize)
-            got = program.run(feeds)["output"]
-            error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
-            ours_ms, ours_device_ms = program_ms(program, feeds, repeats)
-            print(f"    kernels one by one: {kernel_breakdown(program, artifact.kernels[0]['source'], feeds)}", flush=True)
-            row = Row(
-                spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s,
-                torch_compile_s,
-            )
-            print("  " + " | ".join(_cells(row)), flush=True)
-            rows.append(row)
+        try:
+            rows += _measure_precision(spec, module, data, precision, batches, repeats, dry_run, device, driver, target, synchronize)
+        except Exception as exc:  # noqa: BLE001 - one precision failing leaves the others' rows
+            failures.append(f"{spec.name} {precision}: {type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+    return rows
+
+
+def _measure_precision(spec: Model, module, data: bytes, precision: str, batches, repeats: int, dry_run: bool, device, driver, target: str, synchronize) -> list[Row]:
+    import torch
+
+    from compiler import compile_onnx
+    from compiler.backends.cuda import CudaProgram
+
+    rows = []
+    started = time.perf_counter()
+    artifact = compile_onnx(data, target, precision="exported" if precision == "float32" else precision)
+    ours_compile_s = time.perf_counter() - started
+    report = artifact.report
+    print(
+        f"  ours {precision}: compiled in {ours_compile_s:.1f} s ({report['functions']} functions, {report['kernels']} kernels;"
+        f" schedule {report['chosen']}, {report['fused_attention']} fused attention, product tiles {report['product_tiles']})",
+        flush=True,
+    )
+    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
+    # a copy per precision: half() in place would round the float32 run's weights too
+    torch_module = copy.deepcopy(module).to(device)
+    torch_module = torch_module.half() if precision == "float16" else torch_module
+    compiled = torch.compile(torch_module, mode="reduce-overhead") if not dry_run else None
+    try:
+        rows += _measure_batches(spec, artifact, program, torch_module, compiled, precision, batches, repeats, dry_run, device, synchronize, ours_compile_s)
+    finally:
         program.close()
+    return rows
+
+
+def _measure_batches(spec, artifact, program, torch_module, compiled, precision, batches, repeats, dry_run, device, synchronize, ours_compile_s) -> list[Row]:
+    import torch
+
+    rows = []
+    for batch in batches:
+        feeds = spec.inputs(batch, dry_run)
+        tensors = [torch.from_numpy(v).to(device) for v in feeds.values()]
+        if precision == "float16":
+            tensors = [t.half() if t.is_floating_point() else t for t in tensors]
+        with torch.inference_mode():
+            want = torch_module(*tensors).float().cpu().numpy()
+            eager_ms = torch_ms(torch_module, tensors, repeats, synchronize)
+            torch_compile_s = compiled_ms = math.nan
+            if compiled is not None:
+                began = time.perf_counter()
+                compiled(*tensors)
+                synchronize()
+                torch_compile_s = time.perf_counter() - began
+                compiled_ms = torch_ms(compiled, tensors, repeats, synchronize)
+        got = program.run(feeds)["output"]
+        error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
+        ours_ms, ours_device_ms = program_ms(program, feeds, repeats)
+        print(f"    kernels one by one: {kernel_breakdown(program, artifact.kernels[0]['source'], feeds)}", flush=True)
+        row = Row(
+            spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s,
+            torch_compile_s,
+        )
+        print("  " + " | ".join(_cells(row)), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -362,29 +387,40 @@ def main() -> None:
         target = next((t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == driver.arch), "cuda")
         gpu = f"{driver.name} ({driver.arch}, compiled for target {target!r})"
     started = time.perf_counter()
-    rows = []
+    rows: list[Row] = []
+    failures: list[str] = []
     for name in args.models.split(","):
-        rows += measure_model(MODELS[name], args.precisions.split(","), args.repeats, args.dry_run, device, driver, target)
-    lines = table(rows) + [""] + summary(rows)
-    print("\n".join(lines))
-    if args.write:
-        import transformers
+        try:
+            rows += measure_model(MODELS[name], args.precisions.split(","), args.repeats, args.dry_run, device, driver, target, failures)
+        except Exception as exc:  # noqa: BLE001 - one model failing leaves the others' rows
+            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+        if args.write:  # after every model: a run cut short still leaves the rows it measured
+            _write(args, rows, failures, gpu, time.perf_counter() - started)
+    print("\n".join(table(rows) + [""] + summary(rows) + [f"Failed: {f}" for f in failures]))
 
-        body = [
-            "## The CUDA target against PyTorch eager and torch.compile",
-            "",
-            "What `benchmarks/cuda_vs_torch.py` measures (its docstring says how). This run:",
-            "",
-            f"    python3 benchmarks/cuda_vs_torch.py {' '.join(sys.argv[1:])}",
-            "",
-            f"Measured {datetime.date.today().isoformat()} on {gpu}, torch {torch.__version__}, transformers",
-            f"{transformers.__version__}, at commit {revision()}, {args.repeats} timed calls a row after {WARMUPS} warm-ups;",
-            f"the whole run took {time.perf_counter() - started:.0f} s.",
-            "",
-            *lines,
-        ]
-        write_section(args.write, body, SECTION_BEGIN, SECTION_END)
 
+def _write(args: argparse.Namespace, rows: list[Row], failures: list[str], gpu: str, seconds: float) -> None:
+    import torch
+    import transformers
+
+    body = [
+        "## The CUDA target against PyTorch eager and torch.compile",
+        "",
+        "What `benchmarks/cuda_vs_torch.py` measures (its docstring says how). This run:",
+        "",
+        f"    python3 benchmarks/cuda_vs_torch.py {' '.join(sys.argv[1:])}",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {gpu}, torch {torch.__version__}, transformers",
+        f"{transformers.__version__}, at commit {revision()}, {args.repeats} timed calls a row after {WARMUPS} warm-ups;",
+        f"the run so far took {seconds:.0f} s.",
+        "",
+        *table(rows),
+        "",
+        *summary(rows),
+        *(["", "Failed in this run:", "", *(f"- {failure}" for failure in failures)] if failures else []),
+    ]
+    write_section(args.write, body, SECTION_BEGIN, SECTION_END)
 
 if __name__ == "__main__":
     main()

@@ -1018,3 +1018,40 @@ def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str, precisi
                 np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
             else:
                 _narrow_close(got[name], want, precision, f"{name} size={size}")
+
+
+def test_on_a_gpu_a_runtime_built_for_the_device_serves_batches_and_frees_what_it_unloads(tmp_path) -> None:
+    # what `luminal-cloud runtime --device cuda:0` serves with: artifacts from the object store,
+    # batches run as CUDA graphs, device time billed, memory given back on unload
+    from api.services import build_runtime
+    from cloud.storage import make_object_store, save_artifact
+    from compiler import compile_onnx
+    from compiler.targets import GPU_TYPES
+    from tests.conftest import make_settings
+
+    gpu = _gpu_driver()
+    target = next((t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == gpu.arch), "cuda")
+    settings = make_settings(tmp_path / "data")
+    store = make_object_store(settings)
+    graphs = {}
+    for name in ("torch_mlp", "torch_cnn"):
+        data = (FIXTURES / f"{name}.onnx").read_bytes()
+        save_artifact(store, f"artifacts/{name}", compile_onnx(data, target))
+        graphs[name] = load_graph(data)
+    runtime = build_runtime(settings, store, f"{target}:0")
+    free_before = None
+    for name, sizes in (("torch_mlp", [1, 3]), ("torch_cnn", [2, 2]), ("torch_mlp", [4])):
+        requests = [sample_inputs(graphs[name], seed=seed, symbol_size=size) for seed, size in enumerate(sizes)]
+        result = runtime.run_batch(f"artifacts/{name}", requests, sizes)
+        assert 0 < result.exec_seconds < 1
+        for request, outputs in zip(requests, result.outputs):
+            for output, want in run_graph(graphs[name], request).items():
+                np.testing.assert_allclose(outputs[output], want, rtol=1e-4, atol=1e-5, err_msg=name)
+        if free_before is None:
+            free_before = gpu.free_bytes()
+    assert sorted(runtime.loaded_keys) == ["artifacts/torch_cnn", "artifacts/torch_mlp"]
+    assert sorted(runtime.unload_idle(now=10**9)) == ["artifacts/torch_cnn", "artifacts/torch_mlp"]
+    assert runtime.loaded_keys == []
+    # the first program's weights and arena were on the device after its batch; now they are not
+    assert gpu.free_bytes() > free_before
+    gpu.close()

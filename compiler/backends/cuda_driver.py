@@ -135,6 +135,11 @@ class CudaDriver:
             raise MemoryError(f"the GPU has {free} of its {total} bytes free; {nbytes} were asked for")
         return int(_ok((status, address), f"allocating {nbytes} bytes of device memory"))
 
+    def free_bytes(self) -> int:
+        """The device memory no one holds now (all processes' allocations counted)."""
+        self._current()
+        return int(_ok(self.cu.cuMemGetInfo(), "cuMemGetInfo")[0])
+
     def free(self, address: int) -> None:
         self._current()
         _ok(self.cu.cuMemFree(self.cu.CUdeviceptr(address)), "cuMemFree")
