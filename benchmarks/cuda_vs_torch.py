@@ -216,6 +216,9 @@ def kernel_breakdown(program, source: str, feeds: dict[str, np.ndarray]) -> str:
     for (function, *_), spent in zip(program.launches, seconds):
         if spent is None:
             continue
+        if function == "cublas":
+            by_kind.setdefault("cublas product", []).append(spent)
+            continue
         body = source[source.index(f" {function}(const lc_symbols S") :]
         body = body[: body.find('extern "C"') if 'extern "C"' in body else len(body)]
         kind = (
@@ -368,6 +371,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--dry-run", action="store_true", help="tiny models, torch eager on the CPU, ours on the CPU emulation")
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    parser.add_argument("--no-cublas", action="store_true", help="race the generated products alone (no cuBLAS schedule)")
     args = parser.parse_args()
     import torch
 
@@ -383,8 +387,12 @@ def main() -> None:
 
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32: the rule
         torch.backends.cudnn.allow_tf32 = False
+        if args.no_cublas:
+            CudaDriver.has_cublas = False  # (a property: every driver the compiles make says no)
         device, driver = torch.device("cuda"), CudaDriver(0)
-        target = next((t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == driver.arch), "cuda")
+        # the GPU type by name (an H200 is "h200"), else the first of its compute capability
+        types = [t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == driver.arch]
+        target = next((t for t in types if t in driver.name.lower()), types[0] if types else "cuda")
         gpu = f"{driver.name} ({driver.arch}, compiled for target {target!r})"
     started = time.perf_counter()
     rows: list[Row] = []

@@ -26,6 +26,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, Signature
 from compiler.backends import native_cpu
+from compiler.backends.cublas import CublasUnavailable
 from compiler.backends.cuda import CudaBuildFailed, CudaProgram, compile_cuda, kernel_record
 from compiler.codegen import numpy_cpu
 from compiler.dtypes import is_float, numpy_dtype
@@ -47,7 +48,17 @@ from compiler.kernels.precision import (
 from compiler.memory import memory_terms
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
-from compiler.render.cuda import DEFAULT_SCHEDULE, SCHEDULES, CudaSchedule, CudaSource, render_cuda, scheduled
+from compiler.render.cuda import (
+    DEFAULT_SCHEDULE,
+    GEMM_TILE,
+    LIBRARY_TILE,
+    SCHEDULES,
+    CudaSchedule,
+    CudaSource,
+    library_gemm,
+    render_cuda,
+    scheduled,
+)
 from compiler.search import SearchBudget, measure, optimize
 from compiler.search.measure import CandidateFailed
 from compiler.shape import ShapeError, SymDim, evaluate
@@ -315,14 +326,14 @@ def _compile_cuda(
     tolerance = PRECISION_TOLERANCE[precision]
     # schedules are compared by measurement, so only on a GPU of the target's type; elsewhere the
     # default one is built and verified in the emulation
-    schedules = _cuda_schedules(program) if driver is not None else [DEFAULT_SCHEDULE]
+    schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
     cases = _measure_cases(graph, verify_inputs) if driver is not None else []
     tracker = _Tracker(progress, [schedule.name for schedule in schedules])
     built: list[_CudaCandidate] = []
     for schedule in schedules:
         try:
             built.append(_cuda_candidate(program, schedule, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-        except (CudaBuildFailed, VerificationFailed) as exc:
+        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
             if len(schedules) == 1:
                 raise
             built.append(_CudaCandidate(schedule, error=str(exc)))
@@ -331,7 +342,7 @@ def _compile_cuda(
     if mixed is not None:
         try:
             built.append(_cuda_candidate(program, mixed, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-        except (CudaBuildFailed, VerificationFailed) as exc:
+        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
             built.append(_CudaCandidate(mixed, error=str(exc)))
     racing = [c for c in built if c.error is None]
     if not racing:
@@ -364,7 +375,7 @@ def _compile_cuda(
         # chosen schedule
         "fused_attention": attention_count(scheduled(program, chosen.schedule)),
         "product_tiles": _product_tiles(scheduled(program, chosen.schedule), chosen.schedule),
-        "functions": len({launch.kernel for launch in rendered.launches}),
+        "functions": len({launch.kernel for launch in rendered.launches if launch.library is None}),
         "build_seconds": round(build_seconds, 4),
         "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),
         "seconds": round(time.perf_counter() - started, 4),
@@ -394,19 +405,29 @@ class _CudaCandidate:
     error: str | None = None
 
 
-def _cuda_schedules(program: Program) -> list[CudaSchedule]:
+def _cuda_schedules(program: Program, library: bool) -> list[CudaSchedule]:
     """The schedules worth comparing: they differ in products and in attention, so one where
-    there are no products, and attention left unfused only where there is one to fuse."""
+    there are no products, attention left unfused only where there is one to fuse, and products
+    on cuBLAS only where the `library` loads and some product can run there."""
     if not any(isinstance(k, GemmCall) for k in program.kernels):
         return [DEFAULT_SCHEDULE]
-    attention = scheduled(program, DEFAULT_SCHEDULE) is not program
-    return [s for s in SCHEDULES.values() if s.fused_attention or attention]
+    fused = scheduled(program, DEFAULT_SCHEDULE)
+    attention = fused is not program
+    on_library = library and any(library_gemm(fused, k) is not None for k in fused.kernels)
+    return [
+        s for s in SCHEDULES.values()
+        if (s.fused_attention or attention) and (s.product_tile != LIBRARY_TILE or on_library)
+    ]
 
 
 def _product_tiles(program: Program, schedule: CudaSchedule) -> dict[str, int]:
-    """How many products a block of each tile size computes, by tile ("64", "128")."""
-    tiles = Counter(str(schedule.tile_of(n)) for n, k in enumerate(program.kernels) if isinstance(k, GemmCall))
-    return dict(sorted(tiles.items(), key=lambda item: int(item[0])))
+    """How many products each tile size computes ("64", "128"), or cuBLAS ("cublas")."""
+    tiles = Counter(
+        "cublas" if schedule.tile_of(n) == LIBRARY_TILE and library_gemm(program, k) is not None
+        else str(schedule.tile_of(n) or GEMM_TILE)
+        for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)
+    )
+    return dict(sorted(tiles.items(), key=lambda item: (item[0] == "cublas", item[0].isdigit() and int(item[0]))))
 
 
 def _per_kernel_schedule(program: Program, built: list[_CudaCandidate]) -> CudaSchedule | None:
@@ -471,11 +492,21 @@ def _cuda_candidate(
             if device_ms:  # each kernel's time at the largest size that ran, for a per-kernel choice
                 largest = dict(cases)[list(device_ms)[-1]]
                 runs = [loaded.profile(largest) for _ in range(MEASURE_MIN_REPEATS)]
-                launch_ms = [None if run[0] is None else measure.median_ms(list(run)) for run in zip(*runs)]
+                launch_ms = _kernel_ms(rendered, program, [None if run[0] is None else measure.median_ms(list(run)) for run in zip(*runs)])
     except BaseException:
         loaded.close()  # (its device memory, on a GPU compile worker)
         raise
     return _CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, max_error, device_ms, launch_ms)
+
+
+def _kernel_ms(rendered: CudaSource, program: Program, launch_ms: list[float | None]) -> list[float | None]:
+    """Each kernel's median device ms from its launches' (a product on cuBLAS with an epilogue
+    is two launches); None for a kernel none of whose launches ran."""
+    kernel_ms: list[float | None] = [None] * len(program.kernels)
+    for launch, ms in zip(rendered.launches, launch_ms):
+        if ms is not None:
+            kernel_ms[launch.kernel_number] = (kernel_ms[launch.kernel_number] or 0.0) + ms
+    return kernel_ms
 
 
 def _precision_report(program: Program, precision: str, tolerance: float) -> dict[str, Any]:

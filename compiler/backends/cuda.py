@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from compiler.backends.cublas import GemmArguments
 from compiler.backends.layout import arena_layout, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
@@ -105,6 +106,8 @@ class LaunchCall:
     threads: int
     symbols: np.ndarray
     pointers: tuple[int, ...]
+    # a library launch's call (a cuBLAS product: pointers are its A, B and C), else None
+    library: GemmArguments | None = None
 
 
 class Driver(Protocol):
@@ -137,6 +140,15 @@ class Driver(Protocol):
         """The module (and whatever the driver keeps for its calls) leaves the device."""
 
 
+def gemm_arguments(library: Mapping[str, Any], bindings: Mapping[str, int]) -> GemmArguments:
+    """A library launch's cuBLAS call at a call's sizes (its dims evaluated)."""
+    sizes = {k: evaluate(dim_from_json(v), bindings) for k, v in library.items() if k not in _LIBRARY_NAMES}
+    return GemmArguments(**sizes, **{k: library[k] for k in _LIBRARY_NAMES if k != "op"})
+
+
+_LIBRARY_NAMES = ("op", "a_type", "b_type", "c_type", "compute")
+
+
 def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits: Mapping[str, int]) -> dict[str, Any]:
     """What an artifact keeps of a CUDA program besides its PTX and cubin."""
     return {
@@ -165,6 +177,7 @@ class CudaProgram:
             (launch["kernel"], tuple(launch["buffers"]), tuple(dim_from_json(d) for d in launch["grid"]), launch["threads"])
             for launch in kernel["launches"]
         ]
+        self.libraries = [launch.get("library") for launch in kernel["launches"]]
         self.driver = driver
         self.module = driver.load(kernel, binaries)
         self._inputs = [b for b in self.buffers if b.role == "input"]
@@ -254,9 +267,14 @@ class CudaProgram:
                 blocks = tuple(evaluate(d, bindings) for d in grid)
                 if min(blocks) <= 0:
                     continue  # nothing to compute (an empty batch or axis)
+                pointers = tuple(address.get(b, 0) for b in buffers)
+                if self.libraries[number] is not None:
+                    calls.append(LaunchCall(function, blocks, threads, symbols, pointers, gemm_arguments(self.libraries[number], bindings)))
+                    launched.append(number)
+                    continue
                 # kernels stride over x: a capped grid still covers every element
                 blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
-                calls.append(LaunchCall(function, blocks, threads, symbols, tuple(address.get(b, 0) for b in buffers)))
+                calls.append(LaunchCall(function, blocks, threads, symbols, pointers))
                 launched.append(number)
             if per_launch is None:
                 key = (tuple(sorted(bindings.items())), self._arena)
@@ -272,4 +290,6 @@ class CudaProgram:
         return {b.name: outputs[b.id] for b in self._outputs}
 
 
-__all__ = ["ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "kernel_record"]
+__all__ = [
+    "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "gemm_arguments", "kernel_record",
+]

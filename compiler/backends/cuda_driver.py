@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from compiler.backends.cublas import Cublas, CublasUnavailable
 from compiler.backends.cuda import LaunchCall
 from compiler.errors import CompilerError
 
@@ -84,6 +85,8 @@ class CudaDriver:
         self.end = _ok(cu.cuEventCreate(0), "cuEventCreate")
         # events between launches when a program is profiled kernel by kernel
         self._marks: list[Any] = []
+        # cuBLAS on this stream, made on a program's first library launch
+        self._blas: Cublas | None = None
 
     def _current(self) -> None:
         # the runtime calls from its worker threads: each needs the context made current
@@ -95,7 +98,7 @@ class CudaDriver:
         self._current()
         image = binaries["program.cubin"] if kernel["arch"] == self.arch else binaries["program.ptx"] + b"\0"
         module = _ok(self.cu.cuModuleLoadData(image), f"loading the program for {self.arch}")
-        names = {launch["kernel"] for launch in kernel["launches"]}
+        names = {launch["kernel"] for launch in kernel["launches"] if "library" not in launch}
         functions = {name: _ok(self.cu.cuModuleGetFunction(module, name.encode()), f"function {name}") for name in names}
         loaded = CudaModule(module, functions)
         loaded.bad_index, _ = _ok(self.cu.cuModuleGetGlobal(module, b"lc_bad_index"), "the module's lc_bad_index")
@@ -119,8 +122,26 @@ class CudaDriver:
             _ok(self.cu.cuMemsetD32Async(module.bad_index, 0, 1, self.stream), "clearing lc_bad_index")
         return bool(flag[0])
 
+    @property
+    def has_cublas(self) -> bool:
+        """Whether products may run as cuBLAS calls here (its library loads and makes a handle)."""
+        try:
+            self.blas()
+        except CublasUnavailable:
+            return False
+        return True
+
+    def blas(self) -> Cublas:
+        if self._blas is None:
+            self._current()
+            self._blas = Cublas(int(self.stream), self.alloc, self.free)
+        return self._blas
+
     def close(self) -> None:
         """Gives the primary context back (the device's memory is freed once every user has)."""
+        if self._blas is not None:
+            self._blas.close()
+            self._blas = None
         _ok(self.cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
         _ok(self.cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
 
@@ -195,6 +216,9 @@ class CudaDriver:
         return [float(_ok(elapsed(a, b), "cuEventElapsedTime")) / 1000.0 for a, b in pairwise(marks)]
 
     def _launch(self, module: CudaModule, call: LaunchCall) -> None:
+        if call.library is not None:
+            self.blas().gemm(call.library, *call.pointers)
+            return
         symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
         pointers = [ctypes.c_uint64(p) for p in call.pointers]
         # kernelParams: a pointer to each argument's value (the launch copies them)

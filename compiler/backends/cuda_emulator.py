@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from compiler.backends.cublas import emulated_gemm
 from compiler.backends.cuda import ARENA_ALIGNMENT, CudaBuildFailed, CudaProgram, LaunchCall, kernel_record
 from compiler.kernels.ir import Program
-from compiler.render.cuda import DEFAULT_SCHEDULE, render_cuda, scheduled
+from compiler.render.cuda import DEFAULT_SCHEDULE, CudaSchedule, render_cuda, scheduled
 
 _SCHEDULER = r"""
 #include <stdint.h>
@@ -300,6 +301,9 @@ class EmulatedDriver:
     def __init__(self) -> None:
         self._blocks: dict[int, np.ndarray] = {}
 
+    # products as cuBLAS calls are emulated (compiler.backends.cublas.emulated_gemm)
+    has_cublas = True
+
     def load(self, kernel, binaries) -> ctypes.CDLL:
         return _build(kernel["source"])
 
@@ -333,6 +337,10 @@ class EmulatedDriver:
         seconds = []
         for call in calls:
             started = time.perf_counter()
+            if call.library is not None:
+                emulated_gemm(call.library, *call.pointers)
+                seconds.append(time.perf_counter() - started)
+                continue
             symbols = (ctypes.c_int64 * len(call.symbols))(*call.symbols.tolist())
             pointers = (ctypes.c_void_p * max(1, len(call.pointers)))(*call.pointers)
             status = getattr(module, f"launch_{call.function}")(
@@ -344,10 +352,10 @@ class EmulatedDriver:
         return seconds
 
 
-def emulate(program: Program, size_limits: dict[str, int] | None = None) -> CudaProgram:
-    """A kernel-IR program rendered as CUDA C and loaded on the emulated device: the same
-    CudaProgram (arena, launch plan) a GPU runtime runs."""
-    kernel = kernel_record(program, render_cuda(program), "emulated", size_limits or {})
+def emulate(program: Program, size_limits: dict[str, int] | None = None, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> CudaProgram:
+    """A kernel-IR program rendered as CUDA C (in `schedule`) and loaded on the emulated device:
+    the same CudaProgram (arena, launch plan) a GPU runtime runs."""
+    kernel = kernel_record(program, render_cuda(program, schedule), "emulated", size_limits or {})
     return CudaProgram(kernel, program.weights, {}, EmulatedDriver())
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from compiler.kernels.attention import fuse_attention
 from compiler.kernels.ir import AttentionCall, GemmCall, Kernel, Load, LoopKernel, Program
-from compiler.kernels.lower import kernel_reads, kernel_stores
+from compiler.kernels.lower import kernel_reads, kernel_stores, lets_reads
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
@@ -83,6 +83,9 @@ ATTENTION_MMA_KEYS = 64
 ATTENTION_MMA_HEAD_MAX = 64
 # the most blocks a runtime launches along x (kernels stride over the rest)
 MAX_GRID_X = 1 << 20
+# a schedule's "tile" for a product that runs as a cuBLAS call (compiler.backends.cublas) where
+# it can (plain strided operands of one type), its epilogue then a kernel of its own
+LIBRARY_TILE = 0
 # a narrow float's storage type and the suffix of its conversions in the prelude
 NARROW_TYPES = {"float16": ("lc_half", "f16"), "bfloat16": ("lc_bf16", "bf16")}
 
@@ -223,20 +226,29 @@ def _symbols_struct(count: int) -> str:
 @dataclass(frozen=True)
 class Launch:
     """How one kernel is launched: its function, the buffers it takes (its parameters after the
-    symbols, in order), its blocks along x, y and z at the call's sizes, and threads per block."""
+    symbols, in order), its blocks along x, y and z at the call's sizes, and threads per block.
+    A library launch (`library`: a cuBLAS product's arguments, compiler.backends.cublas) names no
+    function of the source; its buffers are cuBLAS's A, B and C (the product's B, A and C: cuBLAS
+    computes C^T = B^T A^T, column-major). `kernel_number` is the
+    program's kernel the launch computes (a product on cuBLAS with an epilogue takes two)."""
 
     kernel: str
     buffers: tuple[int, ...]
     grid: tuple[Dim, Dim, Dim]
     threads: int
+    kernel_number: int = -1
+    library: dict[str, object] | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
+        record: dict[str, object] = {
             "kernel": self.kernel,
             "buffers": list(self.buffers),
             "grid": [dim_to_json(d) for d in self.grid],
             "threads": self.threads,
         }
+        if self.library is not None:
+            record["library"] = self.library
+        return record
 
 
 @dataclass(frozen=True)
@@ -262,6 +274,8 @@ SCHEDULES = {
     "cuda-tile64": CudaSchedule("cuda-tile64", GEMM_TILE),
     "cuda-tile128": CudaSchedule("cuda-tile128", LARGE_TILE),
     "cuda-tile64-unfused-attention": CudaSchedule("cuda-tile64-unfused-attention", GEMM_TILE, fused_attention=False),
+    # products on cuBLAS where they can be (raced only where the driver has cuBLAS)
+    "cuda-cublas": CudaSchedule("cuda-cublas", LIBRARY_TILE),
 }
 DEFAULT_SCHEDULE = SCHEDULES["cuda-tile64"]
 
@@ -288,14 +302,66 @@ def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> 
     parts = [PRELUDE, *([NARROW_PRELUDE] if narrow else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
-    for number, kernel in enumerate(program.kernels):
-        text, buffers, grid, threads = renderer.cuda_kernel(kernel, number)
+
+    def function(text: str, number: int) -> str:
         name = names.get(text)
         if name is None:
             name = names[text] = f"k{number}"
             parts.append(text.replace("NAME", name, 1))
-        launches.append(Launch(name, buffers, grid, threads))
+        return name
+
+    for number, kernel in enumerate(program.kernels):
+        library = library_gemm(program, kernel) if schedule.tile_of(number) == LIBRARY_TILE else None
+        if library is not None:
+            launches.append(Launch("cublas", (kernel.b, kernel.a, kernel.c), library_grid(kernel), 0, number, library))
+            if kernel.epilogue is None:
+                continue
+            text, buffers, grid, threads = renderer.cuda_kernel(kernel, number, epilogue_only=True)
+        else:
+            text, buffers, grid, threads = renderer.cuda_kernel(kernel, number)
+        launches.append(Launch(function(text, number), buffers, grid, threads, number))
     return CudaSource("\n".join(parts), tuple(launches))
+
+
+def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
+    """A product's cublasGemmStridedBatchedEx arguments as dims (compiler.backends.cublas: cuBLAS
+    is column-major, so C^T = B^T A^T: its first operand is B), or None where cuBLAS cannot
+    compute it: B computed by panels (a convolution's windows), operands of different types or
+    of another type than the program multiplies in, batch offsets not one stride."""
+    if not isinstance(kernel, GemmCall) or kernel.b_panels is not None or kernel.packed_b or kernel.dtype != "float32":
+        return None
+    a, b, c = (program.buffers[x].dtype for x in (kernel.a, kernel.b, kernel.c))
+    formats = program.tensor_cores if program.tensor_cores in NARROW_TYPES else "float32"
+    if a != formats or b != formats or c not in ("float32", formats):
+        return None
+    stride_a, stride_b = _flat_stride(kernel.batch, kernel.a_batch_strides), _flat_stride(kernel.batch, kernel.b_batch_strides)
+    if stride_a is None or stride_b is None:
+        return None
+    lda = kernel.lda if kernel.lda is not None else (kernel.m if kernel.trans_a else kernel.k)
+    ldb = kernel.ldb if kernel.ldb is not None else (kernel.k if kernel.trans_b else kernel.n)
+    arguments = {
+        "op": "gemm",
+        "transa": int(kernel.trans_b), "transb": int(kernel.trans_a),
+        "m": kernel.n, "n": kernel.m, "k": kernel.k, "lda": ldb, "ldb": lda, "ldc": kernel.n,
+        "stride_a": stride_b, "stride_b": stride_a, "stride_c": numel((kernel.m, kernel.n)), "batch": numel(kernel.batch),
+    }
+    types = {"a_type": b, "b_type": a, "c_type": c, "compute": "tf32" if program.tensor_cores == "tf32" else "float32"}
+    return {**{key: value if isinstance(value, str) else dim_to_json(value) for key, value in arguments.items()}, **types}
+
+
+def library_grid(call: GemmCall) -> tuple[Dim, Dim, Dim]:
+    """A library launch's 'grid': its extents, so a call with nothing to compute is skipped."""
+    return (call.n, call.m, numel(call.batch))
+
+
+def _flat_stride(batch: tuple[Dim, ...], strides: tuple[Dim, ...]) -> Dim | None:
+    """S where an operand's offset at batch indices t0.. is S times the flat index t, else None."""
+    if not batch:
+        return 0
+    for j in range(len(batch) - 1):
+        if dim_to_json(strides[j]) != dim_to_json(numel((strides[j + 1], batch[j + 1]))):
+            return None
+    return strides[-1]
 
 
 class CudaRenderer(CRenderer):
@@ -337,17 +403,22 @@ class CudaRenderer(CRenderer):
     def dtype_of(self, e) -> str:
         return self.computed_dtype(e.buffer) if isinstance(e, Load) else e.dtype
 
-    def cuda_kernel(self, kernel: Kernel, number: int = -1) -> tuple[str, tuple[int, ...], tuple, int]:
+    def cuda_kernel(self, kernel: Kernel, number: int = -1, epilogue_only: bool = False) -> tuple[str, tuple[int, ...], tuple, int]:
         """(the function's text, named NAME, with its buffers renumbered by position; the buffers
-        it takes, in order; its grid; its threads per block) of the program's kernel `number`."""
+        it takes, in order; its grid; its threads per block) of the program's kernel `number`; of
+        a product's epilogue alone where `epilogue_only` (its sums already in C: cuBLAS's)."""
         stored = sorted(kernel_stores(kernel))
-        if isinstance(kernel, GemmCall):
+        reads = kernel_reads(kernel)
+        if epilogue_only:
+            body, grid, threads = self.product_epilogue(kernel)
+            reads = lets_reads(kernel.epilogue) - {kernel.c}
+        elif isinstance(kernel, GemmCall):
             body, grid, threads = self.product(kernel, self.schedule.tile_of(number))
         elif isinstance(kernel, AttentionCall):
             body, grid, threads = self.attention(kernel)
         else:
             body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel)
-        buffers = (*sorted(kernel_reads(kernel) - set(stored)), *stored)
+        buffers = (*sorted(reads - set(stored)), *stored)
         parameters = ", ".join(self.parameter(b, b in stored) for b in buffers)
         text = (
             f'extern "C" __global__ void __launch_bounds__({threads}) NAME(const lc_symbols S, {parameters}) {{\n'
@@ -704,6 +775,23 @@ class CudaRenderer(CRenderer):
         grid = (numel(scores.batch), dim_ceildiv(scores.m, rows), 1)
         return "".join(lines), grid, threads
 
+    def product_epilogue(self, call: GemmCall) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        """A product's epilogue over C, whose elements hold the sums (a library product's)."""
+        total = numel((*call.batch, call.m, call.n))
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+        lines = [
+            f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, batch = {batch};\n",
+            "    (void)batch;\n",
+            self.grid_stride(
+                f"{dim(total)}", "lc_e", "(int64_t)blockIdx.x * blockDim.x + threadIdx.x", "(int64_t)gridDim.x * blockDim.x", "    "
+            ),
+            "        const int64_t t = lc_e / (m * n), i = lc_e / n % m, j = lc_e % n;\n",
+            *self.batch_indices(call, "        "),
+            *self.product_store(call, None, "        "),
+            "    }\n",
+        ]
+        return "".join(lines), (dim_ceildiv(total, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS
+
     def product(self, call: GemmCall, tile: int = GEMM_TILE) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         """C = A @ B per batch index, a GEMM_TILE square of C per block; on tensor cores where
         the program asks for them (see product_mma), else in the product's own dtype:
@@ -975,12 +1063,13 @@ class CudaRenderer(CRenderer):
         index = f"lc_k * {lda} + lc_i" if call.trans_a else f"lc_i * {lda} + lc_k"
         return self.loaded(call.a, f"b{call.a}[{a_off} + {index}]")
 
-    def product_store(self, call: GemmCall, value: str, indent: str) -> list[str]:
+    def product_store(self, call: GemmCall, value: str | None, indent: str) -> list[str]:
         """C[t, i, j] = value, then the epilogue at that element, if any: it reads C's own
         element, which holds the sum (stored first: the epilogue's expression may read it through
         a view the local cannot stand for)."""
         element = f"b{call.c}[t * m * n + i * n + j]"
-        lines = [f"{indent}{element} = {self.stored(call.c, value)};\n"]
+        # (no value: the sums are in C already, a library product's)
+        lines = [] if value is None else [f"{indent}{element} = {self.stored(call.c, value)};\n"]
         if call.epilogue is not None:
             store = lambda v: f"{element} = {self.stored(call.c, v)};"
             lines.append(f"{indent}{self.with_lets(call.epilogue.lets, 't * m * n + i * n + j', call.epilogue.value, store)}\n")

@@ -1,0 +1,197 @@
+"""Products as cuBLAS calls (compiler.backends.cublas): rendered as library launches with
+cuBLAS's own column-major arguments, emulated on the CPU from exactly those arguments, raced
+against the generated tiles on a GPU (here an emulated one posing as an H100), and run on a GPU
+where there is one."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from compiler.backends.cublas import OP_N, OP_T, GemmArguments, emulated_gemm
+from compiler.backends.cuda import CudaProgram, compile_cuda, kernel_record
+from compiler.backends.cuda_emulator import EmulatedDriver, emulate
+from compiler.frontends.onnx import load_graph
+from compiler.kernels.ir import GemmCall
+from compiler.pipeline import sample_inputs
+from compiler.reference import run_graph
+from compiler.render.cuda import SCHEDULES, render_cuda, scheduled
+from tests.conftest import FIXTURES
+from tests.test_cuda import _gpu_driver, _in_precision, _kernel_source, _narrow_close, _program
+
+CUBLAS = SCHEDULES["cuda-cublas"]
+
+
+@pytest.mark.parametrize(("transa", "transb"), list(itertools.product((OP_N, OP_T), repeat=2)))
+def test_the_emulated_gemm_computes_what_cublas_defines_column_major(transa: int, transb: int) -> None:
+    # cuBLAS's definition, element by element: op(A)[r, p] is A[r + p*lda] untransposed, A[p +
+    # r*lda] transposed; C[r + c*ldc] = sum_p op(A)[r, p] op(B)[p, c] for each batch index
+    rng = np.random.default_rng(transa * 2 + transb)
+    m, n, k, batch = 5, 7, 3, 2
+    lda = (m if transa == OP_N else k) + 2  # rows of a wider buffer
+    ldb = (k if transb == OP_N else n) + 1
+    ldc = m + 3
+    stride_a, stride_b, stride_c = lda * (k if transa == OP_N else m) + 4, 0, ldc * n + 1  # B shared by the batch
+    a = rng.standard_normal(stride_a * batch).astype(np.float32)
+    b = rng.standard_normal(ldb * (n if transb == OP_N else k)).astype(np.float32)
+    c = np.full(stride_c * batch, 7.0, np.float32)
+    args = GemmArguments(transa, transb, m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch, "float32", "float32", "float32", "float32")
+    emulated_gemm(args, a.ctypes.data, b.ctypes.data, c.ctypes.data)
+    want = np.full_like(c, 7.0)
+    for t, r, col in itertools.product(range(batch), range(m), range(n)):
+        total = 0.0
+        for p in range(k):
+            x = a[t * stride_a + (r + p * lda if transa == OP_N else p + r * lda)]
+            y = b[t * stride_b + (p + col * ldb if transb == OP_N else col + p * ldb)]
+            total += float(x) * float(y)
+        want[t * stride_c + r + col * ldc] = total
+    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-6)  # the padding between columns untouched
+
+
+def test_a_product_on_cublas_is_a_library_launch_and_its_epilogue_a_kernel_of_its_own() -> None:
+    program = _program((FIXTURES / "torch_mlp.onnx").read_bytes())
+    rendered = render_cuda(program, CUBLAS)
+    products = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    library = [launch for launch in rendered.launches if launch.library is not None]
+    assert [launch.kernel_number for launch in library] == products
+    first = program.kernels[products[0]]
+    # x[batch, 20] @ W^T, W stored [32, 20]: cuBLAS computes C^T (32 x batch) = op(W) x^T
+    assert library[0].buffers == (first.b, first.a, first.c)
+    assert library[0].library == {
+        "op": "gemm", "transa": OP_T, "transb": OP_N, "m": 32, "n": "batch", "k": 20, "lda": 20, "ldb": 20, "ldc": 32,
+        "stride_a": 0, "stride_b": 0, "stride_c": "32*batch", "batch": 1,
+        "a_type": "float32", "b_type": "float32", "c_type": "float32", "compute": "float32",
+    }
+    # the bias and ReLU after it: a kernel that reads the sums from C and writes C
+    following = rendered.launches[rendered.launches.index(library[0]) + 1]
+    assert following.kernel_number == products[0] and following.buffers[-1] == first.c
+    epilogue = _kernel_source(rendered.source, int(following.kernel[1:]))
+    assert "lc_as[" not in epilogue and "LC_MAX(" in epilogue
+    # every function a launch names is in the PTX; the library launches name none
+    ptx, _ = compile_cuda(rendered.source, "sm_90")
+    assert all(f".entry {launch.kernel}(".encode() in ptx for launch in rendered.launches if launch.library is None)
+    assert b".entry cublas(" not in ptx
+    record = kernel_record(program, rendered, "sm_90", {})
+    assert sum("library" in launch for launch in record["launches"]) == len(products)
+
+
+def test_a_product_cublas_cannot_compute_stays_a_generated_kernel() -> None:
+    # a convolution's B is its windows, computed as the product reads them (panels)
+    cnn = _program((FIXTURES / "torch_cnn.onnx").read_bytes())
+    rendered = render_cuda(cnn, CUBLAS)
+    panels = [n for n, k in enumerate(cnn.kernels) if isinstance(k, GemmCall) and k.b_panels is not None]
+    assert panels and all(
+        launch.library is None and "lc_as[" in _kernel_source(rendered.source, int(launch.kernel[1:]))
+        for launch in rendered.launches if launch.kernel_number in panels
+    )
+    # in float16 the MLP's first product multiplies a float32 input by a float16 weight: cuBLAS
+    # takes operands of one type, so that one stays generated (on tensor cores) and the others go
+    mlp = _in_precision(_program((FIXTURES / "torch_mlp.onnx").read_bytes()), "float16")
+    library = [launch for launch in render_cuda(mlp, CUBLAS).launches if launch.library is not None]
+    assert len(library) == 2 and all(launch.library["a_type"] == "float16" for launch in library)
+
+
+@pytest.mark.parametrize(
+    ("model", "precision"),
+    [("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "float16"), ("gpt2_dynamo", "bfloat16"), ("torch_cnn", "exported")],
+)
+def test_products_on_cublas_compute_what_the_reference_does_in_the_emulation(model: str, precision: str) -> None:
+    graph = load_graph((FIXTURES / f"{model}.onnx").read_bytes())
+    program = _program((FIXTURES / f"{model}.onnx").read_bytes())
+    program = scheduled(program if precision == "exported" else _in_precision(program, precision), CUBLAS)
+    loaded = emulate(program, graph.size_limits, CUBLAS)
+    for size, seed in ((1, 0), (3, 1)):
+        inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
+        got = loaded.run(inputs)
+        for name, want in run_graph(graph, inputs).items():
+            if precision == "exported":
+                np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
+            else:
+                _narrow_close(got[name], want, precision, f"{name} size={size}")
+
+
+class _LibraryEmulation(EmulatedDriver):
+    """The emulated device posing as an H100 with cuBLAS: a library launch takes `library_ms`
+    for the program's first product and `later_ms` for the others, a generated product 1 ms and
+    any other kernel 0.1 ms; a program's time is the sum of its launches'."""
+
+    name, arch = "emulated H100", "sm_90"
+
+    def __init__(self, library_ms: float, later_ms: float) -> None:
+        super().__init__()
+        self.library_ms, self.later_ms = library_ms, later_ms
+
+    def load(self, kernel, binaries):
+        module = super().load(kernel, binaries)
+        self.sources = getattr(self, "sources", {})
+        self.sources[id(module)] = kernel["source"]
+        return module
+
+    def profile(self, module, calls) -> list[float]:
+        super().profile(module, calls)
+        seconds, libraries = [], 0
+        for call in calls:
+            if call.library is not None:
+                seconds.append((self.library_ms if libraries == 0 else self.later_ms) / 1000)
+                libraries += 1
+            else:
+                product = "lc_as[" in _kernel_source(self.sources[id(module)], int(call.function[1:]))
+                seconds.append((1.0 if product else 0.1) / 1000)
+        return seconds
+
+    def execute(self, module, calls, key) -> float:
+        return sum(self.profile(module, calls))
+
+
+@pytest.mark.parametrize(("later_ms", "chosen", "tiles"), [(0.5, "cuda-cublas", {"cublas": 3}), (3.0, "cuda-per-kernel", {"64": 2, "cublas": 1})])
+def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, later_ms: float, chosen: str, tiles: dict) -> None:
+    from compiler import compile_onnx, pipeline
+
+    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _LibraryEmulation(0.5, later_ms))
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    artifact = compile_onnx(data, "h100")
+    report = artifact.report
+    assert "cuda-cublas" in report["measuring"]["device_ms_by_size"]
+    assert report["chosen"] == chosen and report["product_tiles"] == tiles
+    launches = artifact.kernels[0]["launches"]
+    assert sum("library" in launch for launch in launches) == tiles["cublas"]
+    # the artifact runs as a GPU runtime loads it
+    loaded = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, EmulatedDriver())
+    graph = load_graph(data)
+    inputs = sample_inputs(graph, seed=0, symbol_size=4)
+    np.testing.assert_allclose(loaded.run(inputs)["output"], run_graph(graph, inputs)["output"], rtol=1e-4, atol=1e-5)
+
+
+# ---- on a GPU (skipped without one) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "precision"),
+    [("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "exported"), ("bert_dynamo", "float16"), ("gpt2_dynamo", "bfloat16")],
+)
+def test_on_a_gpu_products_on_cublas_compute_what_the_reference_does(model: str, precision: str) -> None:
+    driver = _gpu_driver()
+    assert driver.has_cublas, "this GPU machine cannot load cuBLAS (pip install nvidia-cublas)"
+    data = (FIXTURES / f"{model}.onnx").read_bytes()
+    graph = load_graph(data)
+    program = _program(data)
+    program = scheduled(program if precision == "exported" else _in_precision(program, precision), CUBLAS)
+    rendered = render_cuda(program, CUBLAS)
+    assert any(launch.library is not None for launch in rendered.launches)
+    ptx, cubin = compile_cuda(rendered.source, driver.arch)
+    loaded = CudaProgram(kernel_record(program, rendered, driver.arch, graph.size_limits), program.weights, {"program.ptx": ptx, "program.cubin": cubin}, driver)
+    try:
+        for size, seed in ((1, 0), (5, 1), (5, 2)):  # the third replays the graph the second captured
+            inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
+            got = loaded.run(inputs)
+            assert loaded.last_device_seconds > 0
+            for name, want in run_graph(graph, inputs).items():
+                if precision == "exported":
+                    np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
+                else:
+                    _narrow_close(got[name], want, precision, f"{name} size={size}")
+        assert all(seconds is None or seconds > 0 for seconds in loaded.profile(sample_inputs(graph, seed=3, int_high=1, symbol_size=2)))
+    finally:
+        loaded.close()
