@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,6 +95,8 @@ def _compile(nvrtc, source: str, name: str, target: str, ptx: bool) -> bytes:
 # every buffer of a call starts at a multiple of this many bytes in the arena (float4 loads, and
 # the 256-byte alignment cudaMalloc itself gives)
 ARENA_ALIGNMENT = 256
+# call layouts a loaded program keeps worked out (one per distinct set of sizes)
+MAX_PLANS = 64
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ class CudaProgram:
             driver.unload(self.module)
             raise
         self._arena, self._arena_bytes = 0, 0
+        self._plans: OrderedDict[tuple[tuple[str, int], ...], _CallPlan] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         # the device seconds of the last call's launches (CUDA events on a GPU): what is billed
@@ -236,59 +240,108 @@ class CudaProgram:
         given, their device seconds written into it."""
         arrays = {b.id: np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs}
         bindings = bind_inputs(self._inputs, inputs, self.size_limits)
-        output_shapes, temp_offsets, temps_bytes = arena_layout(self._outputs, self._temps, self.slots, bindings, ARENA_ALIGNMENT)
-        outputs = {b.id: np.empty(shape, numpy_dtype(b.dtype)) for b, shape in zip(self._outputs, output_shapes)}
-        offsets = dict(zip((b.id for b in self._temps), temp_offsets))
-        total = temps_bytes
-        for buffer_id, array in (*arrays.items(), *outputs.items()):  # inputs and outputs after the temps
-            offsets[buffer_id] = total
-            total += -(-max(1, array.nbytes) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
-        symbols = np.array([bindings[s] for s in self.symbols] or [0], np.int64)
+        plan = self._plan(bindings, tuple(array.shape for array in arrays.values()))
+        outputs = {b.id: np.empty(shape, numpy_dtype(b.dtype)) for b, shape in zip(self._outputs, plan.output_shapes)}
         with self._lock:
             if self._closed:
                 raise RuntimeError("this program was unloaded from its device")
-            if total > self._arena_bytes:
+            if plan.total > self._arena_bytes:
                 # at least doubled: a runtime's batches grow a few times, not once per size (each
                 # new arena address invalidates the graphs captured for the old one)
-                grown = max(total, 2 * self._arena_bytes)
+                grown = max(plan.total, 2 * self._arena_bytes)
                 if self._arena:
                     self.driver.free(self._arena)
                     self._arena, self._arena_bytes = 0, 0  # (consistent if the allocation fails)
                 try:
                     self._arena, self._arena_bytes = self.driver.alloc(grown), grown
                 except MemoryError:
-                    self._arena, self._arena_bytes = self.driver.alloc(total), total  # exactly what it needs
-            address = {**self._addresses, **{b: self._arena + o for b, o in offsets.items()}}
+                    self._arena, self._arena_bytes = self.driver.alloc(plan.total), plan.total  # exactly what it needs
+            calls = plan.calls(self._arena, self._addresses)
             for buffer_id, array in arrays.items():
                 if array.nbytes:
-                    self.driver.upload(address[buffer_id], array)
-            calls, launched = [], []
-            for number, (function, buffers, grid, threads) in enumerate(self.launches):
-                blocks = tuple(evaluate(d, bindings) for d in grid)
-                if min(blocks) <= 0:
-                    continue  # nothing to compute (an empty batch or axis)
-                pointers = tuple(address.get(b, 0) for b in buffers)
-                if self.libraries[number] is not None:
-                    calls.append(LaunchCall(function, blocks, threads, symbols, pointers, gemm_arguments(self.libraries[number], bindings)))
-                    launched.append(number)
-                    continue
-                # kernels stride over x: a capped grid still covers every element
-                blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
-                calls.append(LaunchCall(function, blocks, threads, symbols, pointers))
-                launched.append(number)
+                    self.driver.upload(self._arena + plan.offsets[buffer_id], array)
             if per_launch is None:
-                key = (tuple(sorted(bindings.items())), self._arena)
-                self.last_device_seconds = self.driver.execute(self.module, calls, key)
+                self.last_device_seconds = self.driver.execute(self.module, calls, (plan.key, self._arena))
             else:
-                for number, seconds in zip(launched, self.driver.profile(self.module, calls)):
+                for number, seconds in zip(plan.launched, self.driver.profile(self.module, calls)):
                     per_launch[number] = seconds
             if self.driver.bad_index(self.module):
                 raise IndexError("an index is out of bounds for the axis it selects from")
             for buffer_id, array in outputs.items():
                 if array.nbytes:
-                    self.driver.download(address[buffer_id], array)
+                    self.driver.download(self._arena + plan.offsets[buffer_id], array)
         return {b.name: outputs[b.id] for b in self._outputs}
 
+    def _plan(self, bindings: dict[str, int], input_shapes: tuple[tuple[int, ...], ...]) -> _CallPlan:
+        """What a call at these sizes lays out and launches, worked out once per size (the Python
+        of a call is the runtime's overhead on every request: a BERT's 120 launches' grids took
+        about a millisecond to evaluate each time)."""
+        key = tuple(sorted(bindings.items()))
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None and plan.input_shapes == input_shapes:
+                self._plans.move_to_end(key)
+                return plan
+        itemsizes = [numpy_dtype(b.dtype).itemsize for b in self._inputs]
+        output_shapes, temp_offsets, temps_bytes = arena_layout(self._outputs, self._temps, self.slots, bindings, ARENA_ALIGNMENT)
+        offsets = dict(zip((b.id for b in self._temps), temp_offsets))
+        total = temps_bytes
+        sized = [
+            *((b.id, int(np.prod(shape, dtype=np.int64)) * size) for b, shape, size in zip(self._inputs, input_shapes, itemsizes)),
+            *((b.id, int(np.prod(shape, dtype=np.int64)) * numpy_dtype(b.dtype).itemsize) for b, shape in zip(self._outputs, output_shapes)),
+        ]
+        for buffer_id, nbytes in sized:  # inputs and outputs after the temps
+            offsets[buffer_id] = total
+            total += -(-max(1, nbytes) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        symbols = np.array([bindings[s] for s in self.symbols] or [0], np.int64)
+        launches = []
+        for number, (function, buffers, grid, threads) in enumerate(self.launches):
+            blocks = tuple(evaluate(d, bindings) for d in grid)
+            if min(blocks) <= 0:
+                continue  # nothing to compute (an empty batch or axis)
+            library = self.libraries[number]
+            if library is None:
+                # kernels stride over x: a capped grid still covers every element
+                blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
+            launches.append((number, function, blocks, threads, buffers, None if library is None else gemm_arguments(library, bindings)))
+        plan = _CallPlan(key, input_shapes, output_shapes, offsets, total, symbols, launches)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+        return plan
+
+
+@dataclass
+class _CallPlan:
+    """A call's layout at one set of sizes: its outputs' shapes, each input's, output's and temp's
+    offset in the arena, the arena's bytes, the symbols, and the launches with something to
+    compute (number, function, blocks, threads, buffers, cuBLAS call), made into LaunchCalls for
+    an arena address once (the weights' addresses are fixed while the program is loaded)."""
+
+    key: tuple[tuple[str, int], ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: list[tuple[int, ...]]
+    offsets: dict[int, int]
+    total: int
+    symbols: np.ndarray
+    launches: list[tuple[int, str, tuple[int, int, int], int, tuple[int, ...], GemmArguments | None]]
+    _arena: int = -1
+    _calls: list[LaunchCall] = field(default_factory=list)
+
+    @property
+    def launched(self) -> list[int]:
+        return [launch[0] for launch in self.launches]
+
+    def calls(self, arena: int, weights: Mapping[int, int]) -> list[LaunchCall]:
+        if arena != self._arena:
+            address = {**weights, **{b: arena + o for b, o in self.offsets.items()}}
+            self._calls = [
+                LaunchCall(function, blocks, threads, self.symbols, tuple(address.get(b, 0) for b in buffers), library)
+                for _, function, blocks, threads, buffers, library in self.launches
+            ]
+            self._arena = arena
+        return self._calls
 
 __all__ = [
     "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "gemm_arguments", "kernel_record",
