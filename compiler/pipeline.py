@@ -326,39 +326,43 @@ def _compile_cuda(
     tolerance = PRECISION_TOLERANCE[precision]
     # schedules are compared by measurement, so only on a GPU of the target's type; elsewhere the
     # default one is built and verified in the emulation
-    schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
-    cases = _measure_cases(graph, verify_inputs) if driver is not None else []
-    tracker = _Tracker(progress, [schedule.name for schedule in schedules])
-    built: list[_CudaCandidate] = []
-    for schedule in schedules:
-        try:
-            built.append(_cuda_candidate(program, schedule, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
-            if len(schedules) == 1:
-                raise
-            built.append(_CudaCandidate(schedule, error=str(exc)))
-    # each product in the tile that measured fastest for it, where the tiles' winners differ
-    mixed = _per_kernel_schedule(program, built)
-    if mixed is not None:
-        try:
-            built.append(_cuda_candidate(program, mixed, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
-            built.append(_CudaCandidate(mixed, error=str(exc)))
-    racing = [c for c in built if c.error is None]
-    if not racing:
-        raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
-    # compared at the sizes every candidate ran (a size the model does not take ran on none)
-    timed_sizes = set.intersection(*(set(c.device_ms) for c in racing))
-    chosen = min(racing, key=lambda c: sum(c.device_ms[size] for size in timed_sizes))
-    for candidate in built:
-        if candidate is not chosen and candidate.loaded is not None:
-            candidate.loaded.close()
-    rendered, kernel, binaries, max_error = chosen.rendered, chosen.kernel, chosen.binaries, chosen.max_error
-    build_seconds = sum(c.build_seconds for c in built)
-    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
-    if driver is not None:
-        measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
-    chosen.loaded.close()
+    try:
+        schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
+        cases = _measure_cases(graph, verify_inputs) if driver is not None else []
+        tracker = _Tracker(progress, [schedule.name for schedule in schedules])
+        built: list[_CudaCandidate] = []
+        for schedule in schedules:
+            try:
+                built.append(_cuda_candidate(program, schedule, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
+            except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
+                if len(schedules) == 1:
+                    raise
+                built.append(_CudaCandidate(schedule, error=str(exc)))
+        # each product in the tile that measured fastest for it, where the tiles' winners differ
+        mixed = _per_kernel_schedule(program, built)
+        if mixed is not None:
+            try:
+                built.append(_cuda_candidate(program, mixed, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
+            except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
+                built.append(_CudaCandidate(mixed, error=str(exc)))
+        racing = [c for c in built if c.error is None]
+        if not racing:
+            raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
+        # compared at the sizes every candidate ran (a size the model does not take ran on none)
+        timed_sizes = set.intersection(*(set(c.device_ms) for c in racing))
+        chosen = min(racing, key=lambda c: sum(c.device_ms[size] for size in timed_sizes))
+        for candidate in built:
+            if candidate is not chosen and candidate.loaded is not None:
+                candidate.loaded.close()
+        rendered, kernel, binaries, max_error = chosen.rendered, chosen.kernel, chosen.binaries, chosen.max_error
+        build_seconds = sum(c.build_seconds for c in built)
+        measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
+        if driver is not None:
+            measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
+        chosen.loaded.close()
+    finally:
+        if driver is not None:
+            driver.close()  # (its stream, and cuBLAS's handle and workspace)
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     report = {
         "compiler_version": COMPILER_VERSION,

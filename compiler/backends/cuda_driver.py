@@ -99,6 +99,8 @@ class CudaDriver:
         image = binaries["program.cubin"] if kernel["arch"] == self.arch else binaries["program.ptx"] + b"\0"
         module = _ok(self.cu.cuModuleLoadData(image), f"loading the program for {self.arch}")
         names = {launch["kernel"] for launch in kernel["launches"] if "library" not in launch}
+        if len(names) < len(kernel["launches"]) and any("library" in launch for launch in kernel["launches"]):
+            self.blas()  # made now: cuBLAS cannot start inside the stream capture of a first call
         functions = {name: _ok(self.cu.cuModuleGetFunction(module, name.encode()), f"function {name}") for name in names}
         loaded = CudaModule(module, functions)
         loaded.bad_index, _ = _ok(self.cu.cuModuleGetGlobal(module, b"lc_bad_index"), "the module's lc_bad_index")
@@ -139,6 +141,7 @@ class CudaDriver:
 
     def close(self) -> None:
         """Gives the primary context back (the device's memory is freed once every user has)."""
+        self._current()
         if self._blas is not None:
             self._blas.close()
             self._blas = None

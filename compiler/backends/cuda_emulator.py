@@ -325,6 +325,9 @@ class EmulatedDriver:
     def unload(self, module: ctypes.CDLL) -> None:
         pass  # the library stays mapped: others built from the same source share it
 
+    def close(self) -> None:
+        pass  # (host memory: what is still allocated goes with the object)
+
     def bad_index(self, module: ctypes.CDLL) -> bool:
         flag = ctypes.c_int.in_dll(module, "lc_bad_index")
         found, flag.value = bool(flag.value), 0
