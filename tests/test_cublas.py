@@ -195,3 +195,51 @@ def test_on_a_gpu_products_on_cublas_compute_what_the_reference_does(model: str,
         assert all(seconds is None or seconds > 0 for seconds in loaded.profile(sample_inputs(graph, seed=3, int_high=1, symbol_size=2)))
     finally:
         loaded.close()
+
+
+def _convolutions() -> bytes:
+    """x -> 3x3 conv (padding 1), ReLU -> 1x1 conv (stride 1) + bias -> 1x1 conv of stride 2."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+        for name, shape in (("w1", (12, 8, 3, 3)), ("w2", (6, 12, 1, 1)), ("b2", (6,)), ("w3", (4, 6, 1, 1)))
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["h1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["h2"]),
+        helper.make_node("Conv", ["h2", "w3"], ["y"], strides=[2, 2]),
+    ]
+    graph = helper.make_graph(
+        nodes, "convolutions", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 5, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 3, 3])], weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("precision", ["exported", "float16"])
+def test_a_1x1_convolution_of_stride_1_runs_on_cublas_reading_its_input_as_it_is(precision: str) -> None:
+    data = _convolutions()
+    graph = load_graph(data)
+    program = _program(data)
+    program = program if precision == "exported" else _in_precision(program, precision)
+    rendered = render_cuda(program, CUBLAS)
+    convolutions = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    library = [launch for launch in rendered.launches if launch.library is not None]
+    # the 3x3 (padded windows) and the strided 1x1 stay generated; the 1x1 of stride 1 reads the
+    # ReLU's output in place: per image, B = [12 channels, 30 pixels], a row of 30; C^T = op(B) W^T
+    assert [launch.kernel_number for launch in library] == convolutions[1:2]
+    assert library[0].buffers[0] == program.kernels[convolutions[0]].c
+    arguments = library[0].library
+    assert (arguments["m"], arguments["n"], arguments["k"], arguments["lda"], arguments["stride_a"]) == (30, 6, 12, 30, 360)
+    assert (arguments["batch"], arguments["stride_b"], arguments["stride_c"]) == ("n", 0, 180)
+    loaded = emulate(program, graph.size_limits, CUBLAS)
+    for size, seed in ((1, 0), (3, 1)):
+        inputs = sample_inputs(graph, seed=seed, symbol_size=size)
+        got, want = loaded.run(inputs)["y"], run_graph(graph, inputs)["y"]
+        if precision == "exported":
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"size={size}")
+        else:
+            _narrow_close(got, want, precision, f"size={size}")

@@ -29,6 +29,7 @@ no header (NVRTC has none), so fixed-width types and limits are defined in the p
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -313,7 +314,7 @@ def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> 
     for number, kernel in enumerate(program.kernels):
         library = library_gemm(program, kernel) if schedule.tile_of(number) == LIBRARY_TILE else None
         if library is not None:
-            launches.append(Launch("cublas", (kernel.b, kernel.a, kernel.c), library_grid(kernel), 0, number, library))
+            launches.append(Launch("cublas", (library_b(kernel)[0], kernel.a, kernel.c), library_grid(kernel), 0, number, library))
             if kernel.epilogue is None:
                 continue
             text, buffers, grid, threads = renderer.cuda_kernel(kernel, number, epilogue_only=True)
@@ -326,19 +327,23 @@ def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> 
 def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
     """A product's cublasGemmStridedBatchedEx arguments as dims (compiler.backends.cublas: cuBLAS
     is column-major, so C^T = B^T A^T: its first operand is B), or None where cuBLAS cannot
-    compute it: B computed by panels (a convolution's windows), operands of different types or
-    of another type than the program multiplies in, batch offsets not one stride."""
-    if not isinstance(kernel, GemmCall) or kernel.b_panels is not None or kernel.packed_b or kernel.dtype != "float32":
+    compute it: B computed by panels that are not a buffer's rows as they stand (a convolution's
+    windows; a 1x1 convolution of stride 1 reads its input as it is), operands of different types
+    or of another type than the program multiplies in, batch offsets not one stride."""
+    if not isinstance(kernel, GemmCall) or kernel.packed_b or kernel.dtype != "float32":
         return None
-    a, b, c = (program.buffers[x].dtype for x in (kernel.a, kernel.b, kernel.c))
+    operand = library_b(kernel)
+    if operand is None:
+        return None
+    b_buffer, ldb, b_strides = operand
+    a, b, c = (program.buffers[x].dtype for x in (kernel.a, b_buffer, kernel.c))
     formats = program.tensor_cores if program.tensor_cores in NARROW_TYPES else "float32"
     if a != formats or b != formats or c not in ("float32", formats):
         return None
-    stride_a, stride_b = _flat_stride(kernel.batch, kernel.a_batch_strides), _flat_stride(kernel.batch, kernel.b_batch_strides)
+    stride_a, stride_b = _flat_stride(kernel.batch, kernel.a_batch_strides), _flat_stride(kernel.batch, b_strides)
     if stride_a is None or stride_b is None:
         return None
     lda = kernel.lda if kernel.lda is not None else (kernel.m if kernel.trans_a else kernel.k)
-    ldb = kernel.ldb if kernel.ldb is not None else (kernel.k if kernel.trans_b else kernel.n)
     arguments = {
         "op": "gemm",
         "transa": int(kernel.trans_b), "transb": int(kernel.trans_a),
@@ -349,19 +354,57 @@ def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
     return {**{key: value if isinstance(value, str) else dim_to_json(value) for key, value in arguments.items()}, **types}
 
 
+def library_b(call: GemmCall) -> tuple[int, Dim, tuple[Dim, ...]] | None:
+    """The buffer B is read from, its row stride and its offset per batch axis: the call's own,
+    or where B is panels whose value is that buffer's element at
+    (batch offset + flat k * ldb + flat n), as a 1x1 convolution of stride 1 reads its input;
+    None for panels of any other form."""
+    if call.b_panels is None:
+        return call.b, (call.ldb if call.ldb is not None else (call.k if call.trans_b else call.n)), call.b_batch_strides
+    panels = call.b_panels
+    value = panels.kernel.value
+    if panels.kernel.lets or not isinstance(value, Load) or dim_to_json(value.index.const) != 0:
+        return None
+    shape = panels.kernel.shape
+    first = len(panels.batch_axes)
+    coefficients = {var: coef for var, coef in value.index.terms}
+    if any(not (isinstance(var, str) and var.startswith("o")) for var in coefficients):
+        return None
+    k_extents, n_extents = shape[first : first + panels.k_axes], shape[first + panels.k_axes :]
+    # row-major over the n axes with unit stride, over the k axes with ldb a row
+    wanted: dict[str, Dim] = {}
+    for j, extent in enumerate(n_extents):
+        wanted[f"o{first + panels.k_axes + j}"] = numel(n_extents[j + 1 :])
+    ldb = numel(n_extents)
+    for j, extent in enumerate(k_extents):
+        wanted[f"o{first + j}"] = numel((ldb, *k_extents[j + 1 :]))
+    for j, extent in enumerate(shape[first:]):
+        name = f"o{first + j}"
+        if extent != 1 and dim_to_json(coefficients.get(name, 0)) != dim_to_json(wanted[name]):
+            return None
+    strides = [0] * len(call.batch)
+    for j, axis in enumerate(panels.batch_axes):
+        strides[axis] = coefficients.get(f"o{j}", 0)
+    if set(coefficients) - {f"o{j}" for j in range(len(shape))}:
+        return None
+    return value.buffer, ldb, tuple(strides)
+
+
 def library_grid(call: GemmCall) -> tuple[Dim, Dim, Dim]:
     """A library launch's 'grid': its extents, so a call with nothing to compute is skipped."""
     return (call.n, call.m, numel(call.batch))
 
 
 def _flat_stride(batch: tuple[Dim, ...], strides: tuple[Dim, ...]) -> Dim | None:
-    """S where an operand's offset at batch indices t0.. is S times the flat index t, else None."""
-    if not batch:
+    """S where an operand's offset at batch indices t0.. is S times the flat index t, else None
+    (an axis of extent 1 is always at 0: its stride does not matter)."""
+    axes = [(extent, stride) for extent, stride in zip(batch, strides) if extent != 1]
+    if not axes:
         return 0
-    for j in range(len(batch) - 1):
-        if dim_to_json(strides[j]) != dim_to_json(numel((strides[j + 1], batch[j + 1]))):
+    for (_, stride), (extent, inner) in itertools.pairwise(axes):
+        if dim_to_json(stride) != dim_to_json(numel((inner, extent))):
             return None
-    return strides[-1]
+    return axes[-1][1]
 
 
 class CudaRenderer(CRenderer):
