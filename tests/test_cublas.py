@@ -18,10 +18,17 @@ from compiler.kernels.ir import GemmCall
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.cuda import SCHEDULES, render_cuda, scheduled
+from compiler.shape import dim_to_json
 from tests.conftest import FIXTURES
 from tests.test_cuda import _gpu_driver, _in_precision, _kernel_source, _narrow_close, _program
 
 CUBLAS = SCHEDULES["cuda-cublas"]
+
+
+def _function(source: str, name: str) -> str:
+    start = source.index(f" {name}(const lc_symbols S")
+    end = source.find('extern "C"', start)
+    return source[start : end if end >= 0 else len(source)]
 
 
 @pytest.mark.parametrize(("transa", "transb"), list(itertools.product((OP_N, OP_T), repeat=2)))
@@ -77,25 +84,45 @@ def test_a_product_on_cublas_is_a_library_launch_and_its_epilogue_a_kernel_of_it
     assert sum("library" in launch for launch in record["launches"]) == len(products)
 
 
-def test_a_product_cublas_cannot_compute_stays_a_generated_kernel() -> None:
-    # a convolution's B is its windows, computed as the product reads them (panels)
+def test_a_convolution_on_cublas_stores_its_windows_whole_first_in_a_temp_of_their_own() -> None:
     cnn = _program((FIXTURES / "torch_cnn.onnx").read_bytes())
     rendered = render_cuda(cnn, CUBLAS)
     panels = [n for n, k in enumerate(cnn.kernels) if isinstance(k, GemmCall) and k.b_panels is not None]
-    assert panels and all(
-        launch.library is None and "lc_as[" in _kernel_source(rendered.source, int(launch.kernel[1:]))
-        for launch in rendered.launches if launch.kernel_number in panels
-    )
+    assert len(panels) == 2
+    for number in panels:
+        windows, product = [launch for launch in rendered.launches if launch.kernel_number == number][:2]
+        # im2col: the panels' loop as an elementwise kernel into their buffer, then cuBLAS reads it
+        assert windows.kernel == f"k{number}_windows" and windows.buffers[-1] == cnn.kernels[number].b
+        assert product.library is not None and product.buffers[0] == cnn.kernels[number].b
+        assert product.library["lda"] == dim_to_json(cnn.kernels[number].n)
+    layout = kernel_record(cnn, rendered, "sm_90", {})["layout"]
+    windows = {str(cnn.kernels[number].b) for number in panels}
+    assert {layout["buffers"][int(b)]["role"] for b in windows} == {"temp"}
+    assert len({layout["slots"][b] for b in windows}) == 1 and layout["slots"][next(iter(windows))] not in [
+        slot for b, slot in layout["slots"].items() if b not in windows
+    ]
+    # the generated schedules keep reading the windows as they multiply
+    assert all(b.role == "panel" for b in cnn.buffers if str(b.id) in windows)
+    assert "_windows" not in render_cuda(cnn).source
+
+
+def test_a_product_cublas_cannot_compute_stays_a_generated_kernel() -> None:
     # in float16 the MLP's first product multiplies a float32 input by a float16 weight: cuBLAS
     # takes operands of one type, so that one stays generated (on tensor cores) and the others go
     mlp = _in_precision(_program((FIXTURES / "torch_mlp.onnx").read_bytes()), "float16")
-    library = [launch for launch in render_cuda(mlp, CUBLAS).launches if launch.library is not None]
+    rendered = render_cuda(mlp, CUBLAS)
+    library = [launch for launch in rendered.launches if launch.library is not None]
     assert len(library) == 2 and all(launch.library["a_type"] == "float16" for launch in library)
+    first = next(launch for launch in rendered.launches if launch.kernel_number == 0)
+    assert first.library is None and "lc_mma_f16(" in _function(rendered.source, first.kernel)
 
 
 @pytest.mark.parametrize(
     ("model", "precision"),
-    [("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "float16"), ("gpt2_dynamo", "bfloat16"), ("torch_cnn", "exported")],
+    [
+        ("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "float16"), ("gpt2_dynamo", "bfloat16"),
+        ("torch_cnn", "exported"), ("resnet_dynamo", "float16"),
+    ],
 )
 def test_products_on_cublas_compute_what_the_reference_does_in_the_emulation(model: str, precision: str) -> None:
     graph = load_graph((FIXTURES / f"{model}.onnx").read_bytes())
@@ -137,7 +164,7 @@ class _LibraryEmulation(EmulatedDriver):
                 seconds.append((self.library_ms if libraries == 0 else self.later_ms) / 1000)
                 libraries += 1
             else:
-                product = "lc_as[" in _kernel_source(self.sources[id(module)], int(call.function[1:]))
+                product = "lc_as[" in _function(self.sources[id(module)], call.function)
                 seconds.append((1.0 if product else 0.1) / 1000)
         return seconds
 
@@ -169,7 +196,10 @@ def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, l
 
 @pytest.mark.parametrize(
     ("model", "precision"),
-    [("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "exported"), ("bert_dynamo", "float16"), ("gpt2_dynamo", "bfloat16")],
+    [
+        ("torch_mlp", "exported"), ("torch_mlp", "tf32"), ("bert_dynamo", "exported"), ("bert_dynamo", "float16"),
+        ("gpt2_dynamo", "bfloat16"), ("torch_cnn", "exported"), ("resnet_dynamo", "float16"),
+    ],
 )
 def test_on_a_gpu_products_on_cublas_compute_what_the_reference_does(model: str, precision: str) -> None:
     driver = _gpu_driver()
@@ -228,11 +258,13 @@ def test_a_1x1_convolution_of_stride_1_runs_on_cublas_reading_its_input_as_it_is
     rendered = render_cuda(program, CUBLAS)
     convolutions = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
     library = [launch for launch in rendered.launches if launch.library is not None]
-    # the 3x3 (padded windows) and the strided 1x1 stay generated; the 1x1 of stride 1 reads the
-    # ReLU's output in place: per image, B = [12 channels, 30 pixels], a row of 30; C^T = op(B) W^T
-    assert [launch.kernel_number for launch in library] == convolutions[1:2]
-    assert library[0].buffers[0] == program.kernels[convolutions[0]].c
-    arguments = library[0].library
+    # all three on cuBLAS; the 3x3 (padded windows) and the strided 1x1 store their windows first,
+    # the 1x1 of stride 1 reads the ReLU's output in place: per image, B = [12 channels, 30
+    # pixels], a row of 30; C^T = op(B) W^T
+    assert [launch.kernel_number for launch in library] == convolutions
+    assert [launch.kernel_number for launch in rendered.launches if launch.kernel.endswith("_windows")] == convolutions[::2]
+    assert library[1].buffers[0] == program.kernels[convolutions[0]].c
+    arguments = library[1].library
     assert (arguments["m"], arguments["n"], arguments["k"], arguments["lda"], arguments["stride_a"]) == (30, 6, 12, 30, 360)
     assert (arguments["batch"], arguments["stride_b"], arguments["stride_c"]) == ("n", 0, 180)
     loaded = emulate(program, graph.size_limits, CUBLAS)

@@ -159,7 +159,8 @@ def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits
         "arch": arch,
         "source": rendered.source,
         "launches": [launch.to_json() for launch in rendered.launches],
-        "layout": describe(program, size_limits),
+        # (as rendered: windows a cuBLAS product stores whole are temps there)
+        "layout": describe(rendered.program or program, size_limits),
     }
 
 

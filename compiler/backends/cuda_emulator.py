@@ -257,7 +257,7 @@ _BUILD_DIR = Path(tempfile.gettempdir()) / f"luminal-cuda-emulator-{os.getuid()}
 def _wrappers(source: str) -> str:
     """Per kernel function: a body the scheduler runs in each fiber, and an entry point."""
     lines = []
-    for name, parameters in re.findall(r"\) (k\d+)\(const lc_symbols S, ([^)]*)\) \{", source):
+    for name, parameters in re.findall(r"\) (k\d+\w*)\(const lc_symbols S, ([^)]*)\) \{", source):
         types = [re.sub(r"\b__restrict__\s+b\d+$", "", p.strip()).strip() for p in parameters.split(",")]
         arguments = ", ".join(f"({t})c->B[{i}]" for i, t in enumerate(types))
         lines.append(

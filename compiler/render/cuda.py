@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from compiler.kernels.attention import fuse_attention
 from compiler.kernels.ir import AttentionCall, GemmCall, Kernel, Load, LoopKernel, Program
@@ -288,40 +288,48 @@ def scheduled(program: Program, schedule: CudaSchedule) -> Program:
 
 @dataclass(frozen=True)
 class CudaSource:
-    """A program as one CUDA C translation unit and the launches that run it, in order."""
+    """A program as one CUDA C translation unit and the launches that run it, in order; `program`
+    is the program as rendered (its layout: a product on cuBLAS whose B is a convolution's windows
+    stores them whole first, in a temp of their own)."""
 
     source: str
     launches: tuple[Launch, ...]
+    program: Program | None = None
 
 
 def render_cuda(program: Program, schedule: CudaSchedule = DEFAULT_SCHEDULE) -> CudaSource:
     """The program's CUDA C and launch plan (every kernel; none runs on the host) in `schedule`.
     Kernels that differ only in the buffers they read and write (a model's repeated layers) are
     one function, launched once per kernel with its own buffers."""
+    program = materialized_panels(program, schedule)
     renderer = CudaRenderer(program, schedule)
     narrow = renderer.tensor_cores or any(b.dtype in NARROW_TYPES for b in program.buffers)
     parts = [PRELUDE, *([NARROW_PRELUDE] if narrow else []), _symbols_struct(len(program.symbols))]
     names: dict[str, str] = {}  # a function's text (named NAME) -> its name
     launches = []
 
-    def function(text: str, number: int) -> str:
+    def function(text: str, number: int, role: str = "") -> str:
         name = names.get(text)
         if name is None:
-            name = names[text] = f"k{number}"
+            name = names[text] = f"k{number}{role}"
             parts.append(text.replace("NAME", name, 1))
         return name
 
     for number, kernel in enumerate(program.kernels):
         library = library_gemm(program, kernel) if schedule.tile_of(number) == LIBRARY_TILE else None
         if library is not None:
-            launches.append(Launch("cublas", (library_b(kernel)[0], kernel.a, kernel.c), library_grid(kernel), 0, number, library))
+            if kernel.b_panels is not None and program.buffers[kernel.b].role == "temp":
+                # its windows stored whole first (im2col), then multiplied as a plain operand
+                text, buffers, grid, threads = renderer.cuda_kernel(kernel.b_panels.kernel, number)
+                launches.append(Launch(function(text, number, "_windows"), buffers, grid, threads, number))
+            launches.append(Launch("cublas", (library_b(program, kernel)[0], kernel.a, kernel.c), library_grid(kernel), 0, number, library))
             if kernel.epilogue is None:
                 continue
             text, buffers, grid, threads = renderer.cuda_kernel(kernel, number, epilogue_only=True)
         else:
             text, buffers, grid, threads = renderer.cuda_kernel(kernel, number)
         launches.append(Launch(function(text, number), buffers, grid, threads, number))
-    return CudaSource("\n".join(parts), tuple(launches))
+    return CudaSource("\n".join(parts), tuple(launches), program)
 
 
 def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
@@ -332,12 +340,12 @@ def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
     or of another type than the program multiplies in, batch offsets not one stride."""
     if not isinstance(kernel, GemmCall) or kernel.packed_b or kernel.dtype != "float32":
         return None
-    operand = library_b(kernel)
-    if operand is None:
-        return None
-    b_buffer, ldb, b_strides = operand
-    a, b, c = (program.buffers[x].dtype for x in (kernel.a, b_buffer, kernel.c))
     formats = program.tensor_cores if program.tensor_cores in NARROW_TYPES else "float32"
+    b_buffer, ldb, b_strides = library_b(program, kernel)
+    # windows stored whole are stored in the format the products multiply in
+    materialize = kernel.b_panels is not None and b_buffer == kernel.b
+    a, b, c = (program.buffers[x].dtype for x in (kernel.a, b_buffer, kernel.c))
+    b = formats if materialize else b
     if a != formats or b != formats or c not in ("float32", formats):
         return None
     stride_a, stride_b = _flat_stride(kernel.batch, kernel.a_batch_strides), _flat_stride(kernel.batch, b_strides)
@@ -354,13 +362,36 @@ def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
     return {**{key: value if isinstance(value, str) else dim_to_json(value) for key, value in arguments.items()}, **types}
 
 
-def library_b(call: GemmCall) -> tuple[int, Dim, tuple[Dim, ...]] | None:
-    """The buffer B is read from, its row stride and its offset per batch axis: the call's own,
-    or where B is panels whose value is that buffer's element at
-    (batch offset + flat k * ldb + flat n), as a 1x1 convolution of stride 1 reads its input;
-    None for panels of any other form."""
-    if call.b_panels is None:
+def library_b(program: Program, call: GemmCall) -> tuple[int, Dim, tuple[Dim, ...]]:
+    """The buffer cuBLAS reads B from, its row stride and its offset per batch axis: the call's
+    own; or where B is panels whose value is a buffer's element at (batch offset + flat k * ldb
+    + flat n), as a 1x1 convolution of stride 1 reads its input, that buffer; else the panels'
+    own buffer, stored whole first (materialized_panels), packed as lowering laid it out."""
+    if call.b_panels is None or program.buffers[call.b].role == "temp":
         return call.b, (call.ldb if call.ldb is not None else (call.k if call.trans_b else call.n)), call.b_batch_strides
+    return _read_in_place(call) or (call.b, call.n, call.b_batch_strides)
+
+
+def materialized_panels(program: Program, schedule: CudaSchedule) -> Program:
+    """The program with the windows of each product that runs on cuBLAS and cannot read them in
+    place stored whole: their buffer a temp, in the products' format, in one arena slot of their
+    own (each is written just before its product and read by it alone)."""
+    formats = program.tensor_cores if program.tensor_cores in NARROW_TYPES else "float32"
+    panels = [
+        k.b for n, k in enumerate(program.kernels)
+        if isinstance(k, GemmCall) and k.b_panels is not None and program.buffers[k.b].role == "panel"
+        and schedule.tile_of(n) == LIBRARY_TILE and _read_in_place(k) is None and library_gemm(program, k) is not None
+    ]
+    if not panels:
+        return program
+    slot = max(program.slots.values(), default=-1) + 1
+    buffers = [replace(b, role="temp", dtype=formats) if b.id in panels else b for b in program.buffers]
+    return replace(program, buffers=buffers, slots={**program.slots, **dict.fromkeys(panels, slot)})
+
+
+def _read_in_place(call: GemmCall) -> tuple[int, Dim, tuple[Dim, ...]] | None:
+    """Where a product's panels are a buffer's rows as they stand (a 1x1 convolution of stride 1):
+    that buffer, its row stride and offsets per batch axis; else None."""
     panels = call.b_panels
     value = panels.kernel.value
     if panels.kernel.lets or not isinstance(value, Load) or dim_to_json(value.index.const) != 0:
