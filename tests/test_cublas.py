@@ -20,7 +20,15 @@ from compiler.reference import run_graph
 from compiler.render.cuda import SCHEDULES, render_cuda, scheduled
 from compiler.shape import dim_to_json
 from tests.conftest import FIXTURES
-from tests.test_cuda import _gpu_driver, _in_precision, _kernel_source, _narrow_close, _program
+from tests.test_cuda import (
+    _EmulatedH100,
+    _gpu_driver,
+    _in_precision,
+    _kernel_source,
+    _matches_reference,
+    _narrow_close,
+    _program,
+)
 
 CUBLAS = SCHEDULES["cuda-cublas"]
 
@@ -128,33 +136,16 @@ def test_products_on_cublas_compute_what_the_reference_does_in_the_emulation(mod
     graph = load_graph((FIXTURES / f"{model}.onnx").read_bytes())
     program = _program((FIXTURES / f"{model}.onnx").read_bytes())
     program = scheduled(program if precision == "exported" else _in_precision(program, precision), CUBLAS)
-    loaded = emulate(program, graph.size_limits, CUBLAS)
-    for size, seed in ((1, 0), (3, 1)):
-        inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
-        got = loaded.run(inputs)
-        for name, want in run_graph(graph, inputs).items():
-            if precision == "exported":
-                np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
-            else:
-                _narrow_close(got[name], want, precision, f"{name} size={size}")
+    _matches_reference(emulate(program, graph.size_limits, CUBLAS), graph, precision, sizes=((1, 0), (3, 1)))
 
 
-class _LibraryEmulation(EmulatedDriver):
-    """The emulated device posing as an H100 with cuBLAS: a library launch takes `library_ms`
-    for the program's first product and `later_ms` for the others, a generated product 1 ms and
-    any other kernel 0.1 ms; a program's time is the sum of its launches'."""
-
-    name, arch = "emulated H100", "sm_90"
+class _LibraryEmulation(_EmulatedH100):
+    """An emulated H100 with cuBLAS: a library launch takes `library_ms` for the program's first
+    product and `later_ms` for the others, a generated product 1 ms and any other kernel 0.1 ms."""
 
     def __init__(self, library_ms: float, later_ms: float) -> None:
         super().__init__()
         self.library_ms, self.later_ms = library_ms, later_ms
-
-    def load(self, kernel, binaries):
-        module = super().load(kernel, binaries)
-        self.sources = getattr(self, "sources", {})
-        self.sources[id(module)] = kernel["source"]
-        return module
 
     def profile(self, module, calls) -> list[float]:
         super().profile(module, calls)
@@ -167,9 +158,6 @@ class _LibraryEmulation(EmulatedDriver):
                 product = "lc_as[" in _function(self.sources[id(module)], call.function)
                 seconds.append((1.0 if product else 0.1) / 1000)
         return seconds
-
-    def execute(self, module, calls, key) -> float:
-        return sum(self.profile(module, calls))
 
 
 @pytest.mark.parametrize(("later_ms", "chosen", "tiles"), [(0.5, "cuda-cublas", {"cublas": 3}), (3.0, "cuda-per-kernel", {"64": 2, "cublas": 1})])
@@ -213,15 +201,7 @@ def test_on_a_gpu_products_on_cublas_compute_what_the_reference_does(model: str,
     ptx, cubin = compile_cuda(rendered.source, driver.arch)
     loaded = CudaProgram(kernel_record(program, rendered, driver.arch, graph.size_limits), program.weights, {"program.ptx": ptx, "program.cubin": cubin}, driver)
     try:
-        for size, seed in ((1, 0), (5, 1), (5, 2)):  # the third replays the graph the second captured
-            inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
-            got = loaded.run(inputs)
-            assert loaded.last_device_seconds > 0
-            for name, want in run_graph(graph, inputs).items():
-                if precision == "exported":
-                    np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
-                else:
-                    _narrow_close(got[name], want, precision, f"{name} size={size}")
+        _matches_reference(loaded, graph, precision)
         assert all(seconds is None or seconds > 0 for seconds in loaded.profile(sample_inputs(graph, seed=3, int_high=1, symbol_size=2)))
     finally:
         loaded.close()

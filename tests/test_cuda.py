@@ -556,17 +556,11 @@ def test_the_large_product_schedule_computes_what_the_reference_does(model: str)
             np.testing.assert_allclose(emulated.run(inputs)[name], want, rtol=1e-4, atol=1e-5, err_msg=f"{name} size={size}")
 
 
-class _TimedEmulation(EmulatedDriver):
-    """The emulated device posing as an H100 whose device time is the given seconds per call of
-    a program whose source holds `marker` (else 1 s), and that corrupts the outputs of a program
-    whose source holds `broken`."""
+class _EmulatedH100(EmulatedDriver):
+    """The emulated device posing as an H100 (sm_90), remembering each loaded program's source,
+    a call's device time the sum of its launches' (as `profile` gives them)."""
 
     name, arch = "emulated H100", "sm_90"
-    has_cublas = False  # the tiles raced alone (test_on_a_gpu_products_run_on_cublas_where_it_measures_faster adds it)
-
-    def __init__(self, marker: str, seconds: float, broken: str | None = None) -> None:
-        super().__init__()
-        self.marker, self.seconds, self.broken = marker, seconds, broken
 
     def load(self, kernel, binaries):
         module = super().load(kernel, binaries)
@@ -576,6 +570,18 @@ class _TimedEmulation(EmulatedDriver):
 
     def execute(self, module, calls, key) -> float:
         return sum(self.profile(module, calls))
+
+
+class _TimedEmulation(_EmulatedH100):
+    """An emulated H100 whose device time is the given seconds per call of a program whose
+    source holds `marker` (else 1 s), and that corrupts the outputs of a program whose source
+    holds `broken`."""
+
+    has_cublas = False  # the tiles raced alone (tests/test_cublas.py races cuBLAS)
+
+    def __init__(self, marker: str, seconds: float, broken: str | None = None) -> None:
+        super().__init__()
+        self.marker, self.seconds, self.broken = marker, seconds, broken
 
     def profile(self, module, calls) -> list[float]:
         # the program's time shared evenly among its kernels: one schedule is fastest everywhere
@@ -613,19 +619,12 @@ def test_on_a_gpu_a_schedule_that_disagrees_with_the_reference_is_dropped(monkey
     assert "max error" in report["measuring"]["device_ms_by_size"]["cuda-tile128"]
 
 
-class _PerKernelEmulation(EmulatedDriver):
-    """The emulated device posing as an H100 on which the large tile is the faster for the first
-    product of a program and the small tile for the others: a kernel's device time is 1 ms, 2 ms
-    for a product in the tile that loses there; a program's is the sum of its kernels'."""
+class _PerKernelEmulation(_EmulatedH100):
+    """An emulated H100 on which the large tile is the faster for the first product of a program
+    and the small tile for the others: a kernel's device time is 1 ms, 2 ms for a product in the
+    tile that loses there; a program's is the sum of its kernels'."""
 
-    name, arch = "emulated H100", "sm_90"
     has_cublas = False
-
-    def load(self, kernel, binaries):
-        module = super().load(kernel, binaries)
-        self.sources = getattr(self, "sources", {})
-        self.sources[id(module)] = kernel["source"]
-        return module
 
     def profile(self, module, calls) -> list[float]:
         super().profile(module, calls)
@@ -638,9 +637,6 @@ class _PerKernelEmulation(EmulatedDriver):
             products += product
             seconds.append(0.002 if product and large != first else 0.001)
         return seconds
-
-    def execute(self, module, calls, key) -> float:
-        return sum(self.profile(module, calls))
 
 
 def test_on_a_gpu_each_product_gets_the_tile_that_measured_fastest_for_it(monkeypatch) -> None:
@@ -1010,8 +1006,13 @@ def test_on_a_gpu_the_compiled_program_matches_the_reference(model: str, precisi
     artifact = compile_onnx(data, target, precision=precision)
     assert artifact.report["verified_on"] != "cpu emulation"
     program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
-    graph = load_graph(data)
-    for size, seed in ((1, 0), (5, 1), (5, 2)):  # the third replays the graph the second captured
+    _matches_reference(program, load_graph(data), precision)
+
+
+def _matches_reference(program: CudaProgram, graph, precision: str, sizes=((1, 0), (5, 1), (5, 2))) -> None:
+    """The loaded program's outputs at each (size, seed) against the reference, within the
+    precision's tolerance (by default the third replays the CUDA graph the second captured)."""
+    for size, seed in sizes:
         inputs = sample_inputs(graph, seed=seed, int_high=1, symbol_size=size)
         got = program.run(inputs)
         assert program.last_device_seconds > 0
