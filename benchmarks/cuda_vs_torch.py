@@ -15,7 +15,8 @@ sequence 128, batch 1 and 8, no KV cache). Weights are random (seed 0): speed do
 Each model is exported once to ONNX (torch.onnx.export with dynamic batch and sequence) and
 compiled by our compiler for this GPU's type once per precision: float32 is the upload option
 precision="exported", float16 is precision="float16" (weights and intermediates in float16,
-products on tensor cores, float32 sums). It runs through CudaProgram on the driver, as a GPU
+products on tensor cores, float32 sums). The compile races its schedules on this GPU, cuBLAS's
+among them (`--no-cublas` leaves it out). It runs through CudaProgram on the driver, as a GPU
 runtime serves a request: inputs copied in, the launch plan replayed as one CUDA graph, outputs
 copied out. PyTorch runs the same module (`.half()` for float16) on inputs already on the GPU.
 

@@ -364,13 +364,18 @@ def _compile_cuda(
         if driver is not None:
             driver.close()  # (its stream, and cuBLAS's handle and workspace)
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
+    tiles = _product_tiles(scheduled(program, chosen.schedule), chosen.schedule)
+    precision_report = _precision_report(program, precision, tolerance)
+    if "cublas" in tiles:  # (where the chosen schedule put them: what it multiplies with there)
+        operands = "float32" if precision == EXPORTED else precision
+        precision_report["library_products"] = f"{tiles['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): {operands} operands, float32 sums"
     report = {
         "compiler_version": COMPILER_VERSION,
         "strategy": "one generated program, " + ("its schedule chosen by device time" if driver else "in the default schedule"),
         "chosen": chosen.schedule.name,
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
         "verified_on": verified_on,
-        "precision": _precision_report(program, precision, tolerance),
+        "precision": precision_report,
         "measuring": measuring,
         "search": search_report,
         "ir_nodes": len(graph.nodes),
@@ -378,7 +383,7 @@ def _compile_cuda(
         # attentions run as one kernel each (online softmax), and the products by tile, in the
         # chosen schedule
         "fused_attention": attention_count(scheduled(program, chosen.schedule)),
-        "product_tiles": _product_tiles(scheduled(program, chosen.schedule), chosen.schedule),
+        "product_tiles": tiles,
         "functions": len({launch.kernel for launch in rendered.launches if launch.library is None}),
         "build_seconds": round(build_seconds, 4),
         "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),

@@ -170,6 +170,7 @@ def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, l
     report = artifact.report
     assert "cuda-cublas" in report["measuring"]["device_ms_by_size"]
     assert report["chosen"] == chosen and report["product_tiles"] == tiles
+    assert report["precision"]["library_products"] == f"{tiles['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): float32 operands, float32 sums"
     launches = artifact.kernels[0]["launches"]
     assert sum("library" in launch for launch in launches) == tiles["cublas"]
     # the artifact runs as a GPU runtime loads it
