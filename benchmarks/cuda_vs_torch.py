@@ -217,8 +217,8 @@ def kernel_breakdown(program, source: str, feeds: dict[str, np.ndarray]) -> str:
     for (function, *_), spent in zip(program.launches, seconds):
         if spent is None:
             continue
-        if function == "cublas":
-            by_kind.setdefault("cublas product", []).append(spent)
+        if function == "cublas" or function.endswith("_windows"):  # (a product's im2col before cuBLAS)
+            by_kind.setdefault("cublas product" if function == "cublas" else "windows", []).append(spent)
             continue
         body = source[source.index(f" {function}(const lc_symbols S") :]
         body = body[: body.find('extern "C"') if 'extern "C"' in body else len(body)]
