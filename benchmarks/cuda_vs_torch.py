@@ -245,29 +245,38 @@ class Row:
     torch_compile_s: float
 
 
-def measure_model(
-    spec: Model, precisions: list[str], repeats: int, dry_run: bool, device, driver, target: str, failures: list[str]
-) -> list[Row]:
+@dataclass(frozen=True)
+class Setup:
+    """Where and how a run measures: timed calls a row, whether it is a dry run (tiny models on
+    the CPU), torch's device, our driver and GPU type, and how to wait for torch's work."""
+
+    repeats: int
+    dry_run: bool
+    device: object
+    driver: object
+    target: str
+    synchronize: Callable[[], None]
+
+
+def measure_model(spec: Model, precisions: list[str], setup: Setup, failures: list[str]) -> list[Row]:
     import torch
 
     torch.manual_seed(0)
-    module = spec.build(dry_run).eval()
-    batches = spec.batches[:2] if dry_run else spec.batches
+    module = spec.build(setup.dry_run).eval()
     started = time.perf_counter()
-    data = export_onnx(module, spec.inputs(2, dry_run), spec.dynamic)
+    data = export_onnx(module, spec.inputs(2, setup.dry_run), spec.dynamic)
     print(f"{spec.name}: exported in {time.perf_counter() - started:.1f} s ({len(data) / 1e6:.1f} MB)", flush=True)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for precision in precisions:
         try:
-            rows += _measure_precision(spec, module, data, precision, batches, repeats, dry_run, device, driver, target, synchronize)
+            rows += _measure_precision(spec, module, data, precision, setup)
         except Exception as exc:  # noqa: BLE001 - one precision failing leaves the others' rows
             failures.append(f"{spec.name} {precision}: {type(exc).__name__}: {str(exc)[:300]}")
             traceback.print_exc()
     return rows
 
 
-def _measure_precision(spec: Model, module, data: bytes, precision: str, batches, repeats: int, dry_run: bool, device, driver, target: str, synchronize) -> list[Row]:
+def _measure_precision(spec: Model, module, data: bytes, precision: str, setup: Setup) -> list[Row]:
     import torch
 
     from compiler import compile_onnx
@@ -275,7 +284,7 @@ def _measure_precision(spec: Model, module, data: bytes, precision: str, batches
 
     rows = []
     started = time.perf_counter()
-    artifact = compile_onnx(data, target, precision="exported" if precision == "float32" else precision)
+    artifact = compile_onnx(data, setup.target, precision="exported" if precision == "float32" else precision)
     ours_compile_s = time.perf_counter() - started
     report = artifact.report
     print(
@@ -283,48 +292,43 @@ def _measure_precision(spec: Model, module, data: bytes, precision: str, batches
         f" schedule {report['chosen']}, {report['fused_attention']} fused attention, product tiles {report['product_tiles']})",
         flush=True,
     )
-    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
+    program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, setup.driver)
     # a copy per precision: half() in place would round the float32 run's weights too
-    torch_module = copy.deepcopy(module).to(device)
+    torch_module = copy.deepcopy(module).to(setup.device)
     torch_module = torch_module.half() if precision == "float16" else torch_module
-    compiled = torch.compile(torch_module, mode="reduce-overhead") if not dry_run else None
+    compiled = torch.compile(torch_module, mode="reduce-overhead") if not setup.dry_run else None
     try:
-        rows += _measure_batches(spec, artifact, program, torch_module, compiled, precision, batches, repeats, dry_run, device, synchronize, ours_compile_s)
+        for batch in spec.batches[:2] if setup.dry_run else spec.batches:
+            rows.append(_measure_batch(spec, batch, artifact, program, torch_module, compiled, precision, setup, ours_compile_s))
     finally:
         program.close()
     return rows
 
 
-def _measure_batches(spec, artifact, program, torch_module, compiled, precision, batches, repeats, dry_run, device, synchronize, ours_compile_s) -> list[Row]:
+def _measure_batch(spec: Model, batch: int, artifact, program, torch_module, compiled, precision: str, setup: Setup, ours_compile_s: float) -> Row:
     import torch
 
-    rows = []
-    for batch in batches:
-        feeds = spec.inputs(batch, dry_run)
-        tensors = [torch.from_numpy(v).to(device) for v in feeds.values()]
-        if precision == "float16":
-            tensors = [t.half() if t.is_floating_point() else t for t in tensors]
-        with torch.inference_mode():
-            want = torch_module(*tensors).float().cpu().numpy()
-            eager_ms = torch_ms(torch_module, tensors, repeats, synchronize)
-            torch_compile_s = compiled_ms = math.nan
-            if compiled is not None:
-                began = time.perf_counter()
-                compiled(*tensors)
-                synchronize()
-                torch_compile_s = time.perf_counter() - began
-                compiled_ms = torch_ms(compiled, tensors, repeats, synchronize)
-        got = program.run(feeds)["output"]
-        error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
-        ours_ms, ours_device_ms = program_ms(program, feeds, repeats)
-        print(f"    kernels one by one: {kernel_breakdown(program, artifact.kernels[0]['source'], feeds)}", flush=True)
-        row = Row(
-            spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s,
-            torch_compile_s,
-        )
-        print("  " + " | ".join(_cells(row)), flush=True)
-        rows.append(row)
-    return rows
+    feeds = spec.inputs(batch, setup.dry_run)
+    tensors = [torch.from_numpy(v).to(setup.device) for v in feeds.values()]
+    if precision == "float16":
+        tensors = [t.half() if t.is_floating_point() else t for t in tensors]
+    with torch.inference_mode():
+        want = torch_module(*tensors).float().cpu().numpy()
+        eager_ms = torch_ms(torch_module, tensors, setup.repeats, setup.synchronize)
+        torch_compile_s = compiled_ms = math.nan
+        if compiled is not None:
+            began = time.perf_counter()
+            compiled(*tensors)
+            setup.synchronize()
+            torch_compile_s = time.perf_counter() - began
+            compiled_ms = torch_ms(compiled, tensors, setup.repeats, setup.synchronize)
+    got = program.run(feeds)["output"]
+    error = float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
+    ours_ms, ours_device_ms = program_ms(program, feeds, setup.repeats)
+    print(f"    kernels one by one: {kernel_breakdown(program, artifact.kernels[0]['source'], feeds)}", flush=True)
+    row = Row(spec.name, batch, precision, ours_ms, ours_device_ms, eager_ms, compiled_ms, error, ours_compile_s, torch_compile_s)
+    print("  " + " | ".join(_cells(row)), flush=True)
+    return row
 
 
 HEADER = [
@@ -395,12 +399,14 @@ def main() -> None:
         types = [t for t, g in GPU_TYPES.items() if t != "cuda" and g.arch == driver.arch]
         target = next((t for t in types if t in driver.name.lower()), types[0] if types else "cuda")
         gpu = f"{driver.name} ({driver.arch}, compiled for target {target!r})"
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    setup = Setup(args.repeats, args.dry_run, device, driver, target, synchronize)
     started = time.perf_counter()
     rows: list[Row] = []
     failures: list[str] = []
     for name in args.models.split(","):
         try:
-            rows += measure_model(MODELS[name], args.precisions.split(","), args.repeats, args.dry_run, device, driver, target, failures)
+            rows += measure_model(MODELS[name], args.precisions.split(","), setup, failures)
         except Exception as exc:  # noqa: BLE001 - one model failing leaves the others' rows
             failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
             traceback.print_exc()
