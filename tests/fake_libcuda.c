@@ -110,6 +110,10 @@ CUresult cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, u
     append(capturing, line);
     return OK;
 }
+/* for the stand-in cuBLAS (tests/fake_libcublas.c): whether a stream captures, and a library
+   call recorded into the graph it captures, as cuBLAS's kernels would be */
+int fake_cuda_capturing(void) { return capturing != 0; }
+void fake_cuda_record(const char *line) { if (capturing) append(capturing, line); }
 CUresult cuStreamBeginCapture(void *stream, int mode) { capturing = calloc(1, sizeof(Graph)); ++captures; return OK; }
 CUresult cuStreamEndCapture(void *stream, void **graph) { *graph = capturing; capturing = 0; return OK; }
 CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {

@@ -256,3 +256,98 @@ def test_a_1x1_convolution_of_stride_1_runs_on_cublas_reading_its_input_as_it_is
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"size={size}")
         else:
             _narrow_close(got, want, precision, f"size={size}")
+
+
+_DRIVE = r"""
+import ctypes, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+built = sys.argv[2]
+from compiler.backends import cublas
+# the stand-in, whatever cuBLAS this machine may have
+library = ctypes.CDLL(f"{built}/libcublas.so.13")
+library.cublasCreate_v2.restype = library.cublasGemmStridedBatchedEx_64.restype = ctypes.c_int
+cublas._LOADED.append(library)
+from compiler.backends.cuda import CudaProgram, gemm_arguments
+from compiler.backends.cuda_driver import CudaDriver
+from compiler.frontends.onnx import load_graph
+from compiler.pipeline import sample_inputs
+from tests.conftest import FIXTURES
+
+# one product through the adapter on the stand-in's memory: what emulated_gemm computes from
+# the same arguments (every one of the 23 crossed ctypes in its place)
+driver = CudaDriver(0)
+assert driver.has_cublas and library.fake_cublas_handles() == 1
+rng = np.random.default_rng(0)
+args = cublas.GemmArguments(cublas.OP_T, cublas.OP_N, 5, 7, 3, 4, 6, 9, 20, 0, 70, 2, "float32", "float32", "float32", "float32")
+arrays = [rng.standard_normal(40).astype(np.float32), rng.standard_normal(42).astype(np.float32), np.full(140, 3.0, np.float32)]
+addresses = [driver.alloc(x.nbytes) for x in arrays]
+for address, x in zip(addresses, arrays):
+    driver.upload(address, x)
+driver.blas().gemm(args, *addresses)
+got = np.empty_like(arrays[2])
+driver.download(addresses[2], got)
+want = arrays[2].copy()
+cublas.emulated_gemm(args, arrays[0].ctypes.data, arrays[1].ctypes.data, want.ctypes.data)
+np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+for address in addresses:
+    driver.free(address)
+driver.close()
+assert library.fake_cublas_handles() == 0
+print("GEMM", float(np.abs(got - want).max()))
+
+# a program with library launches on a fresh driver: loading it makes the handle, so its first
+# call's stream capture holds its products
+kernel = json.loads(open(f"{built}/kernel.json").read())
+weights = dict(np.load(f"{built}/weights.npz"))
+binaries = {name: open(f"{built}/{name}", "rb").read() for name in ("program.ptx", "program.cubin")}
+driver = CudaDriver(0)
+program = CudaProgram(kernel, weights, binaries, driver)
+assert library.fake_cublas_handles() == 1
+graph = load_graph((FIXTURES / "torch_mlp.onnx").read_bytes())
+program.run(sample_inputs(graph, seed=0, symbol_size=3))
+codes = {**cublas.DATA_TYPES}
+for launch in kernel["launches"]:
+    if "library" in launch:
+        g = gemm_arguments(launch["library"], {"batch": 3})
+        print("LIBRARY", f"cublas {g.transa} {g.transb} {g.m} {g.n} {g.k} 1 {codes[g.a_type]} {g.lda} {g.stride_a} {codes[g.b_type]} "
+              f"{g.ldb} {g.stride_b} 0 {codes[g.c_type]} {g.ldc} {g.stride_c} {g.batch} {cublas.COMPUTE_TYPES[g.compute]} -1")
+program.close()
+driver.close()
+"""
+
+
+def test_the_cublas_adapter_calls_cublas_as_declared_and_before_any_capture(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for source, library in (("fake_libcuda.c", "libcuda.so.1"), ("fake_libcublas.c", "libcublas.so.13")):
+        build = subprocess.run(
+            [os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", str(root / "tests" / source), "-o", str(tmp_path / library), "-ldl"],
+            capture_output=True, text=True, check=False,
+        )
+        assert build.returncode == 0, build.stderr
+    program = _program((FIXTURES / "torch_mlp.onnx").read_bytes())
+    rendered = render_cuda(program, CUBLAS)
+    ptx, cubin = compile_cuda(rendered.source, "sm_90")  # (NVRTC: not in a process with the stand-ins)
+    (tmp_path / "kernel.json").write_text(json.dumps(kernel_record(program, rendered, "sm_90", {})))
+    np.savez(tmp_path / "weights.npz", **program.weights)
+    (tmp_path / "program.ptx").write_bytes(ptx)
+    (tmp_path / "program.cubin").write_bytes(cubin)
+    (tmp_path / "drive.py").write_text(_DRIVE)
+    log = tmp_path / "launches.log"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "FAKE_CUDA_LOG": str(log)}
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "drive.py"), str(root), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("GEMM ") for line in lines)
+    # the graph's replay: each product's call as cuBLAS received it, between the epilogues' launches
+    wanted = [line[8:] for line in lines if line.startswith("LIBRARY ")]
+    replayed = [line for line in log.read_text().splitlines() if line.startswith("cublas ")]
+    assert len(wanted) == 3 and replayed == wanted
