@@ -404,10 +404,10 @@ def _read_in_place(call: GemmCall) -> tuple[int, Dim, tuple[Dim, ...]] | None:
     k_extents, n_extents = shape[first : first + panels.k_axes], shape[first + panels.k_axes :]
     # row-major over the n axes with unit stride, over the k axes with ldb a row
     wanted: dict[str, Dim] = {}
-    for j, extent in enumerate(n_extents):
+    for j in range(len(n_extents)):
         wanted[f"o{first + panels.k_axes + j}"] = numel(n_extents[j + 1 :])
     ldb = numel(n_extents)
-    for j, extent in enumerate(k_extents):
+    for j in range(len(k_extents)):
         wanted[f"o{first + j}"] = numel((ldb, *k_extents[j + 1 :]))
     for j, extent in enumerate(shape[first:]):
         name = f"o{first + j}"
