@@ -324,47 +324,19 @@ def _compile_cuda(
     driver = _gpu_of_arch(gpu.arch)
     verified_on = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
     tolerance = PRECISION_TOLERANCE[precision]
-    # schedules are compared by measurement, so only on a GPU of the target's type; elsewhere the
-    # default one is built and verified in the emulation
     try:
-        schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
-        cases = _measure_cases(graph, verify_inputs) if driver is not None else []
-        tracker = _Tracker(progress, [schedule.name for schedule in schedules])
-        built: list[_CudaCandidate] = []
-        for schedule in schedules:
-            try:
-                built.append(_cuda_candidate(program, schedule, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-            except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
-                if len(schedules) == 1:
-                    raise
-                built.append(_CudaCandidate(schedule, error=str(exc)))
-        # each product in the tile that measured fastest for it, where the tiles' winners differ
-        mixed = _per_kernel_schedule(program, built)
-        if mixed is not None:
-            try:
-                built.append(_cuda_candidate(program, mixed, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, cases, tracker))
-            except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
-                built.append(_CudaCandidate(mixed, error=str(exc)))
-        racing = [c for c in built if c.error is None]
-        if not racing:
-            raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
-        # compared at the sizes every candidate ran (a size the model does not take ran on none)
-        timed_sizes = set.intersection(*(set(c.device_ms) for c in racing))
-        chosen = min(racing, key=lambda c: sum(c.device_ms[size] for size in timed_sizes))
-        for candidate in built:
-            if candidate is not chosen and candidate.loaded is not None:
-                candidate.loaded.close()
-        rendered, kernel, binaries, max_error = chosen.rendered, chosen.kernel, chosen.binaries, chosen.max_error
-        build_seconds = sum(c.build_seconds for c in built)
-        measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
-        if driver is not None:
-            measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
-        chosen.loaded.close()
+        chosen, built = _race_cuda_schedules(program, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, progress)
     finally:
         if driver is not None:
             driver.close()  # (its stream, and cuBLAS's handle and workspace)
+    rendered, kernel, binaries, max_error = chosen.rendered, chosen.kernel, chosen.binaries, chosen.max_error
+    build_seconds = sum(c.build_seconds for c in built)
+    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
+    if driver is not None:
+        measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
-    tiles = _product_tiles(scheduled(program, chosen.schedule), chosen.schedule)
+    chosen_program = scheduled(program, chosen.schedule)
+    tiles = _product_tiles(chosen_program, chosen.schedule)
     precision_report = _precision_report(program, precision, tolerance)
     if "cublas" in tiles:  # (where the chosen schedule put them: what it multiplies with there)
         operands = "float32" if precision == EXPORTED else precision
@@ -382,7 +354,7 @@ def _compile_cuda(
         "kernels": len(rendered.launches),
         # attentions run as one kernel each (online softmax), and the products by tile, in the
         # chosen schedule
-        "fused_attention": attention_count(scheduled(program, chosen.schedule)),
+        "fused_attention": attention_count(chosen_program),
         "product_tiles": tiles,
         "functions": len({launch.kernel for launch in rendered.launches if launch.library is None}),
         "build_seconds": round(build_seconds, 4),
@@ -394,6 +366,44 @@ def _compile_cuda(
     return Artifact(
         target, graph.content_hash(), signature, graph, [kernel], report, binaries, program_weights,
     )
+
+
+def _race_cuda_schedules(
+    program: Program, arch: str, graph: Graph, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], tolerance: float,
+    driver, progress: Progress | None,
+) -> tuple[_CudaCandidate, list[_CudaCandidate]]:
+    """The fastest schedule that verified, and every candidate built. Schedules are compared by
+    measurement, so only on a GPU of the target's type (`driver`); elsewhere the default one is
+    built and verified in the emulation. The candidates' programs are closed (the chosen one's
+    too: the artifact keeps its binaries, not its device memory)."""
+    schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
+    cases = _measure_cases(graph, case[0]) if driver is not None else []
+    tracker = _Tracker(progress, [schedule.name for schedule in schedules])
+    built: list[_CudaCandidate] = []
+    for schedule in schedules:
+        try:
+            built.append(_cuda_candidate(program, schedule, arch, graph, case, tolerance, driver, cases, tracker))
+        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
+            if len(schedules) == 1:
+                raise
+            built.append(_CudaCandidate(schedule, error=str(exc)))
+    # each product in the tile that measured fastest for it, where the tiles' winners differ
+    mixed = _per_kernel_schedule(program, built)
+    if mixed is not None:
+        try:
+            built.append(_cuda_candidate(program, mixed, arch, graph, case, tolerance, driver, cases, tracker))
+        except (CudaBuildFailed, VerificationFailed, CublasUnavailable) as exc:
+            built.append(_CudaCandidate(mixed, error=str(exc)))
+    racing = [c for c in built if c.error is None]
+    if not racing:
+        raise VerificationFailed(f"no CUDA schedule ran correctly: {'; '.join(f'{c.schedule.name}: {c.error}' for c in built)}")
+    # compared at the sizes every candidate ran (a size the model does not take ran on none)
+    timed_sizes = set.intersection(*(set(c.device_ms) for c in racing))
+    chosen = min(racing, key=lambda c: sum(c.device_ms[size] for size in timed_sizes))
+    for candidate in built:
+        if candidate.loaded is not None:
+            candidate.loaded.close()
+    return chosen, built
 
 
 @dataclass

@@ -143,13 +143,14 @@ class Driver(Protocol):
         """The module (and whatever the driver keeps for its calls) leaves the device."""
 
 
+# a library launch's entries that are names, not dims
+_LIBRARY_NAMES = ("op", "a_type", "b_type", "c_type", "compute")
+
+
 def gemm_arguments(library: Mapping[str, Any], bindings: Mapping[str, int]) -> GemmArguments:
     """A library launch's cuBLAS call at a call's sizes (its dims evaluated)."""
     sizes = {k: evaluate(dim_from_json(v), bindings) for k, v in library.items() if k not in _LIBRARY_NAMES}
     return GemmArguments(**sizes, **{k: library[k] for k in _LIBRARY_NAMES if k != "op"})
-
-
-_LIBRARY_NAMES = ("op", "a_type", "b_type", "c_type", "compute")
 
 
 def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits: Mapping[str, int]) -> dict[str, Any]:
@@ -343,6 +344,7 @@ class _CallPlan:
             ]
             self._arena = arena
         return self._calls
+
 
 __all__ = [
     "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "gemm_arguments", "kernel_record",

@@ -99,7 +99,7 @@ class CudaDriver:
         image = binaries["program.cubin"] if kernel["arch"] == self.arch else binaries["program.ptx"] + b"\0"
         module = _ok(self.cu.cuModuleLoadData(image), f"loading the program for {self.arch}")
         names = {launch["kernel"] for launch in kernel["launches"] if "library" not in launch}
-        if len(names) < len(kernel["launches"]) and any("library" in launch for launch in kernel["launches"]):
+        if any("library" in launch for launch in kernel["launches"]):
             self.blas()  # made now: cuBLAS cannot start inside the stream capture of a first call
         functions = {name: _ok(self.cu.cuModuleGetFunction(module, name.encode()), f"function {name}") for name in names}
         loaded = CudaModule(module, functions)
@@ -158,11 +158,6 @@ class CudaDriver:
             free, total = _ok(cu.cuMemGetInfo(), "cuMemGetInfo")
             raise MemoryError(f"the GPU has {free} of its {total} bytes free; {nbytes} were asked for")
         return int(_ok((status, address), f"allocating {nbytes} bytes of device memory"))
-
-    def free_bytes(self) -> int:
-        """The device memory no one holds now (all processes' allocations counted)."""
-        self._current()
-        return int(_ok(self.cu.cuMemGetInfo(), "cuMemGetInfo")[0])
 
     def free(self, address: int) -> None:
         self._current()
