@@ -197,6 +197,16 @@ class Database:
         finally:
             session.close()
 
+    @contextmanager
+    def serialized(self) -> Iterator[Session]:
+        """A unit of work for a read-modify-write: on SQLite it takes the database's write lock
+        before its first read (BEGIN IMMEDIATE), so two such units never interleave, across
+        threads and processes; on PostgreSQL the caller locks the rows it reads FOR UPDATE."""
+        with self.session() as session:
+            if self.is_sqlite:
+                session.connection().exec_driver_sql("BEGIN IMMEDIATE")
+            yield session
+
     def dispose(self) -> None:
         self.engine.dispose()
 

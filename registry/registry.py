@@ -23,10 +23,11 @@ from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
 from compiler.targets import EXPORTED, check_precision
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# checked with fullmatch: `$` would also match before a final newline ("prod\n")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 STATUSES = ("queued", "compiling", "ready", "failed")
 # an alias starts with a letter, so it never reads as a version number
-ALIAS_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+ALIAS_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 # the note on a version whose compile a server stop interrupted once
 INTERRUPTED = "the compile was interrupted by a server stop and resumed"
 # while a version compiles, its report column holds {PROGRESS: the latest progress event and the
@@ -46,15 +47,16 @@ def version_ref(text: str) -> int | str:
         if int(text) < 1:
             raise InvalidRequest(f"version {text!r} is invalid: versions are numbered from 1")
         return int(text)
-    if not ALIAS_PATTERN.match(text):
+    if not ALIAS_PATTERN.fullmatch(text):
         raise InvalidRequest(f"version {text!r} is neither a version number nor an alias name")
     return text
 
 
 def _check_alias_name(alias: str) -> None:
-    if not ALIAS_PATTERN.match(alias):
+    if not ALIAS_PATTERN.fullmatch(alias):
         raise InvalidRequest(
-            f"alias {alias!r} is invalid: use a lowercase letter, then up to 63 lowercase letters, digits, '_' or '-'"
+            f"alias {alias!r} is invalid: use a lowercase ASCII letter (a-z), then up to 63 lowercase ASCII "
+            "letters, digits, '_' or '-'"
         )
 
 
@@ -64,7 +66,8 @@ def alias_stack(history: list[AliasEvent]) -> list[AliasEvent]:
     stack: list[AliasEvent] = []
     for event in history:
         if event.action == "rollback":
-            stack.pop()
+            if stack:  # a history written before moves were serialised may hold extra rollbacks
+                stack.pop()
         else:
             stack.append(event)
     return stack
@@ -112,9 +115,10 @@ class Registry:
         `max_bytes`, else PayloadTooLarge) and streamed to the store: never whole in memory
         but while the parser checks it. It compiles for `target` in `precision` (a narrow float
         on a GPU type only, else InvalidRequest)."""
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.fullmatch(name):
             raise InvalidRequest(
-                f"model name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'"
+                f"model name {name!r} is invalid: use 1-128 ASCII letters (A-Z, a-z), digits, '.', '_' or '-', "
+                "starting with a letter or digit"
             )
         if target not in self.targets:
             raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
@@ -145,7 +149,7 @@ class Registry:
     def _insert_version(
         self, tenant_id: int, name: str, key: str, size: int, target: str, precision: str
     ) -> ModelVersion:
-        with self.db.session() as session:
+        with self.db.serialized() as session:
             model = session.scalar(
                 select(Model).where(Model.tenant_id == tenant_id, Model.name == name).with_for_update()
             )
@@ -247,15 +251,16 @@ class Registry:
         return cached[1] if cached is not None and cached[0] > time.monotonic() else None
 
     def _forget_served(self, tenant_id: int, name: str) -> None:
-        for key in [k for k in self._served if k[:2] == (tenant_id, name)]:
+        # a copy of the keys: request threads add entries while this runs
+        for key in [k for k in tuple(self._served) if k[:2] == (tenant_id, name)]:
             self._served.pop(key, None)
 
     def delete_model(self, tenant_id: int, name: str) -> list[int]:
         """Deletes the model and its versions, and the stored graphs and artifacts no other
         version (of any tenant) still uses; returns the deleted version ids."""
         with self._insert_lock:
-            with self.db.session() as session:
-                model = self._model(session, tenant_id, name)
+            with self.db.serialized() as session:
+                model = self._locked_model(session, tenant_id, name)
                 self._forget_served(tenant_id, name)
                 ids = [v.id for v in model.versions]
                 keys = {v.graph_key for v in model.versions}
@@ -268,7 +273,7 @@ class Registry:
         artifact when no other version uses them; returns the version's id. Conflict while an
         alias points at it: move or delete the alias first."""
         with self._insert_lock:
-            with self.db.session() as session:
+            with self.db.serialized() as session:
                 model = self._locked_model(session, tenant_id, name)
                 version = self._version(model, number)
                 pointing = sorted(a.name for a in model.aliases if a.version_id == version.id)
@@ -306,7 +311,7 @@ class Registry:
         """Points `alias` at version `number` (a promote), noting the move in its history.
         Only a ready version takes an alias: one still compiling might yet fail (Conflict)."""
         _check_alias_name(alias)
-        with self.db.session() as session:
+        with self.db.serialized() as session:
             model = self._locked_model(session, tenant_id, name)
             version = self._version(model, number)
             _check_aliasable(name, version, alias)
@@ -325,7 +330,7 @@ class Registry:
         """Moves `alias` back to the version it pointed at before its last promote (the history
         is kept: the rollback is one more event). Conflict when there is none, or that version
         was deleted or is no longer ready."""
-        with self.db.session() as session:
+        with self.db.serialized() as session:
             model = self._locked_model(session, tenant_id, name)
             found = self._alias(model, alias)
             stack = alias_stack(found.history)
@@ -346,14 +351,14 @@ class Registry:
             return self._loaded_alias(session, found)
 
     def delete_alias(self, tenant_id: int, name: str, alias: str) -> None:
-        with self.db.session() as session:
+        with self.db.serialized() as session:
             model = self._locked_model(session, tenant_id, name)
             session.delete(self._alias(model, alias))
             self._forget_served(tenant_id, name)
 
     def _locked_model(self, session: Session, tenant_id: int, name: str) -> Model:
-        """The model, locked against concurrent alias moves and deletions (SQLite: its writes
-        take turns anyway)."""
+        """The model, locked against concurrent alias moves and deletions until the session ends
+        (PostgreSQL: FOR UPDATE; SQLite: the session must be Database.serialized)."""
         model = session.scalar(
             select(Model)
             .where(Model.tenant_id == tenant_id, Model.name == name)
