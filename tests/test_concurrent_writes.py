@@ -84,7 +84,7 @@ def test_parallel_alias_moves_and_deletions_are_linearisable(server) -> None:
         return lambda: httpx.put(f"{url}/v1/models/m/aliases/{alias}", json={"version": version}, headers=headers)
 
     assert put("prod", one)().status_code == 200 and put("prod", two)().status_code == 200
-    rollback = lambda: httpx.post(f"{url}/v1/models/m/aliases/prod/rollback", headers=headers)  # noqa: E731
+    rollback = lambda: httpx.post(f"{url}/v1/models/m/aliases/prod/rollback", headers=headers)
     replies = at_once(*[rollback] * PARALLEL)
     assert Counter(r.status_code for r in replies) == {200: 1, 409: PARALLEL - 1}, [r.text for r in replies]
     assert all("no earlier version" in r.json()["error"]["message"] for r in replies if r.status_code == 409)
@@ -104,7 +104,7 @@ def test_parallel_alias_moves_and_deletions_are_linearisable(server) -> None:
     # an alias pointed at a version while that version is deleted: one of them wins, cleanly
     for _ in range(3):
         doomed = deploy(url, headers)
-        delete = lambda n=doomed: httpx.delete(f"{url}/v1/models/m/versions/{n}", headers=headers)  # noqa: E731
+        delete = lambda n=doomed: httpx.delete(f"{url}/v1/models/m/versions/{n}", headers=headers)
         pointed, deleted = at_once(put("green", doomed), delete)
         outcome = (pointed.status_code, deleted.status_code)
         assert outcome in ((200, 409), (404, 200)), (pointed.text, deleted.text)
