@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -112,6 +113,11 @@ class InProcessEngine:
         self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
         self._batchers: dict[int, Batcher] = {}
+        # versions forgotten lately (deleted) -> when: a request that resolved its version just
+        # before the delete is refused, not given a new batcher for a program that is gone
+        self._forgotten: dict[tuple[int, int, str, int], float] = {}
+        # batchers closed but maybe still finishing a batch; awaited by close()
+        self._closing: set[Batcher] = set()
         # needs the running loop the engine is built in (see api.services.build_engine)
         self._janitor = asyncio.get_running_loop().create_task(self._unload_idle_every(idle_check_s))
 
@@ -129,21 +135,37 @@ class InProcessEngine:
             raise Unavailable(f"no runtime serves device type {route.target!r}")
         batcher = self._batchers.get(route.version_id)
         if batcher is None:
+            if _route_identity(route) in self._forgotten:
+                raise Unavailable(_deleted_message(route))
             policy = BatchPolicy(**self._policy, batchable=route.batchable)
             batcher = Batcher(self, route, policy)
             self._batchers[route.version_id] = batcher
         return await batcher.submit(inputs, rows, request_id)
 
     def forget(self, version_id: int) -> None:
+        """The version was deleted: its queued requests get 503 now, a batch it is running
+        finishes and answers (it ran, and is billed), and its program leaves the device after."""
         batcher = self._batchers.pop(version_id, None)
-        if batcher is not None:
-            batcher.close()
-            self.runtimes[batcher.route.target].unload(batcher.route.artifact_key)
+        if batcher is None:
+            return
+        now = time.monotonic()
+        self._forgotten = {k: t for k, t in self._forgotten.items() if now - t < 2 * self.request_timeout_s}
+        self._forgotten[_route_identity(batcher.route)] = now
+        batcher.close()
+        self._closing.add(batcher)
+        batcher.finished.add_done_callback(lambda _: self._closing.discard(batcher))
+        self.runtimes[batcher.route.target].unload(batcher.route.artifact_key)
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 30.0) -> None:
+        """Stops every batcher; batches under way get `grace_s` to finish and answer."""
         self._janitor.cancel()
         for version_id in list(self._batchers):
             self.forget(version_id)
+        running = [b.finished for b in self._closing]
+        if running:
+            _, late = await asyncio.wait(running, timeout=grace_s)
+            for task in late:
+                task.cancel()
 
     def run_and_meter(self, route: Route, batch: list[Pending], busy: bool = False) -> list[InferenceResult]:
         """Runs in a worker thread: execute the batch, then write its usage records."""
@@ -202,6 +224,9 @@ def run_isolating[T](
         return list(zip(batch, run(batch)))
     except DoesNotFit as exc:  # the model, not a request: every request of it waits for room
         return [(pending, Unavailable(str(exc))) for pending in batch]
+    except FileNotFoundError:  # its artifact left the store: the version was deleted meanwhile
+        gone = Unavailable(f"the compiled program of {label} is no longer stored: the model was deleted")
+        return [(pending, gone) for pending in batch]
     except (IndexError, ShapeError, MemoryError) as exc:
         if len(batch) > 1:
             return [outcome for pending in batch for outcome in run_isolating(run, [pending], label)]
@@ -220,9 +245,12 @@ class Batcher:
         self.queue = BatchQueue(policy)
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        self._task = self._loop.create_task(self._run(), name=f"batcher-{route.version_id}")
+        self._closed = False
+        self.finished = self._loop.create_task(self._run(), name=f"batcher-{route.version_id}")
 
     async def submit(self, inputs: Mapping[str, np.ndarray], rows: int, request_id: str):
+        if self._closed:
+            raise Unavailable(_deleted_message(self.route))
         now = self._loop.time()
         future = self._loop.create_future()
         pending = Pending(
@@ -245,12 +273,15 @@ class Batcher:
         return await future
 
     def close(self) -> None:
-        self._task.cancel()
+        """Queued requests fail now; the task ends once a batch under way has answered. Never
+        cancels that batch: its thread would run on, and its callers wait forever."""
+        self._closed = True
         for pending in self.queue.expired(float("inf")):
-            _fail(pending, Unavailable("the model was removed while the request was queued"))
+            _fail(pending, Unavailable(_deleted_message(self.route, "while the request was queued")))
+        self._wakeup.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closed:
             now = self._loop.time()
             for pending in self.queue.expired(now):
                 _fail(pending, DeadlineExceeded("the request waited in the queue past its deadline"))
@@ -284,6 +315,14 @@ class Batcher:
             outcome.queue_seconds = started - pending.enqueued_at
             if not pending.payload.future.done():
                 pending.payload.future.set_result(outcome)
+
+
+def _route_identity(route: Route) -> tuple[int, int, str, int]:
+    return (route.version_id, route.tenant_id, route.model_name, route.version)
+
+
+def _deleted_message(route: Route, when: str = "") -> str:
+    return f"model {route.model_name!r} version {route.version} was deleted{' ' + when if when else ''}"
 
 
 def _request_error(exc: Exception) -> LuminalError:
