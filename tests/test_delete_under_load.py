@@ -62,7 +62,7 @@ def test_forgetting_a_version_mid_batch_answers_every_request_and_bills_only_the
         calls = [asyncio.create_task(engine.infer(ROUTE, x, 1, f"r{i}")) for i in range(16)]
         await asyncio.sleep(0.1)  # the first batch of 4 is on the device, 12 wait
         engine.forget(ROUTE.version_id)
-        done, pending = await asyncio.wait(calls, timeout=5)
+        _, pending = await asyncio.wait(calls, timeout=5)
         assert not pending, f"{len(pending)} requests never answered"
         answered = [c for c in calls if c.exception() is None]
         refused = [c.exception() for c in calls if c.exception() is not None]
