@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import error_response, install_error_handlers
 from api.routes import admin, health, infer, kserve_v2, models, usage, versions
 from api.services import build_engine, build_services
+from api.uploads import UploadSlots
 from cloud.errors import PayloadTooLarge, Unauthorized
 from cloud.settings import Settings, get_settings
 
@@ -97,5 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     routers = (infer, kserve_v2, models, versions, usage, admin, health)
     for router in (module.router for module in routers):
         app.include_router(router)
+    # the last added runs first: the key is checked before an upload takes one of its tenant's slots
+    app.add_middleware(UploadSlots, settings=settings)
     app.add_middleware(GuardedBody, settings=settings)
     return app

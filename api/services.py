@@ -23,6 +23,7 @@ from compiler import Artifact
 from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
 from compiler.targets import GPU_TYPES
 from registry import Registry
+from registry.checks import CheckInChild
 from runtime import CpuDevice, CudaDevice, Runtime
 from runtime.cuda import parse_device
 from scheduler.engine import Engine, InProcessEngine
@@ -87,7 +88,14 @@ def build_services(settings: Settings) -> Services:
         undo.callback(db.dispose)
         store = make_object_store(settings)
         undo.pop_all()
-    registry = Registry(db, store, settings.targets)
+    registry = Registry(
+        db,
+        store,
+        settings.targets,
+        check_model=CheckInChild(settings.compile_memory_bytes),
+        max_models_per_tenant=settings.max_models_per_tenant or None,
+        max_versions_per_model=settings.max_versions_per_model or None,
+    )
     return Services(
         settings=settings,
         db=db,

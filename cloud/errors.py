@@ -6,6 +6,7 @@
     │   └── InvalidInput (400)       inference inputs do not match the signature
     ├── Unauthorized (401)
     ├── Forbidden (403)              an operator-only endpoint asked from elsewhere
+    ├── QuotaExceeded (403)          a tenant's model or a model's version quota is full
     ├── NotFound (404)
     ├── NotReady (409)               the version has not compiled (yet, or ever)
     ├── Conflict (409)               the change would break a rule: an alias on a version not ready,
@@ -84,6 +85,13 @@ class Conflict(LuminalError):
 class PayloadTooLarge(LuminalError):
     status = 413
     code = "payload_too_large"
+
+
+class QuotaExceeded(LuminalError):
+    """The tenant holds as many models (or the model as many versions) as its quota allows."""
+
+    status = 403
+    code = "quota_exceeded"
 
 
 class Overloaded(LuminalError):

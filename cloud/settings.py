@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     targets: tuple[str, ...] = ("cpu",)
     # largest accepted upload, in bytes
     max_upload_bytes: int = 200 * 1024 * 1024
+    # uploads one tenant may have in flight at once on a gateway (one more gets 429 with
+    # Retry-After before its body is read), and all tenants together
+    max_uploads_per_tenant: int = Field(default=2, ge=1)
+    max_concurrent_uploads: int = Field(default=8, ge=1)
+    # quotas: models a tenant may keep, and versions one model may keep (403 past them; 0: none)
+    max_models_per_tenant: int = Field(default=100, ge=0)
+    max_versions_per_model: int = Field(default=100, ge=0)
     # largest inference request body, in bytes (JSON); far below uploads, since it is decoded whole
     max_infer_body_bytes: int = 32 * 1024 * 1024
     # request bodies and responses at least this large are decoded and rendered in child

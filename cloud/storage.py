@@ -122,9 +122,11 @@ def spool(source: BinaryIO, max_bytes: int | None = None) -> Iterator[SpooledFil
         yield SpooledFile(Path(f.name), digest.hexdigest(), size)
 
 
-def graph_key(sha256: str) -> str:
-    """Where an uploaded graph is stored: by the hex digest of its bytes."""
-    return f"graphs/{sha256}.onnx"
+def graph_key(tenant_id: int, sha256: str) -> str:
+    """Where a tenant's uploaded graph is stored: by tenant and the hex digest of its bytes. Per
+    tenant, so are the artifacts compiled from it: a second tenant uploading the same bytes
+    compiles them anew, and can learn from no timing or report that another tenant has them."""
+    return f"graphs/t{tenant_id}/{sha256}.onnx"
 
 
 def graph_digest(graph_key: str) -> str:

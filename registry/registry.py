@@ -9,19 +9,17 @@ import random
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
-from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion
-from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady
+from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion, Tenant
+from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady, QuotaExceeded
 from cloud.storage import ObjectStore, artifacts_prefix, graph_key, spool
-from compiler import InvalidModel, UnsupportedModel
-from compiler.frontends.onnx import parse_model
 from compiler.targets import EXPORTED, check_precision
+from registry.checks import ModelCheck, check_here
 
 # checked with fullmatch: `$` would also match before a final newline ("prod\n")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -84,19 +82,23 @@ class ServedVersion(NamedTuple):
     graph_bytes: int
 
 
-def _check_model(path: Path) -> None:
-    """InvalidModelFile unless the file parses as an ONNX model this service can take."""
-    try:
-        parse_model(path.read_bytes())  # the bytes are dropped before the blob is stored
-    except (InvalidModel, UnsupportedModel) as exc:
-        raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
-
-
 class Registry:
-    def __init__(self, db: Database, store: ObjectStore, targets: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        targets: tuple[str, ...],
+        check_model: ModelCheck = check_here,
+        max_models_per_tenant: int | None = None,
+        max_versions_per_model: int | None = None,
+    ) -> None:
         self.db = db
         self.store = store
         self.targets = targets
+        self.check_model = check_model
+        # quotas (None: unlimited): a tenant's models, and the versions one model keeps
+        self.max_models_per_tenant = max_models_per_tenant
+        self.max_versions_per_model = max_versions_per_model
         self._insert_lock = threading.Lock()
         # (tenant id, model name, version number, alias or None) -> (expires at, the version to serve)
         self._served: dict[tuple[int, str, int | str | None], tuple[float, ServedVersion]] = {}
@@ -112,9 +114,10 @@ class Registry:
         precision: str = EXPORTED,
     ) -> ModelVersion:
         """A new version from the ONNX file read from `source`, spooled to disk (at most
-        `max_bytes`, else PayloadTooLarge) and streamed to the store: never whole in memory
-        but while the parser checks it. It compiles for `target` in `precision` (a narrow float
-        on a GPU type only, else InvalidRequest)."""
+        `max_bytes`, else PayloadTooLarge), checked by `check_model` (the gateway's checks in a
+        child process) and streamed to the store: never whole in this process's memory. It
+        compiles for `target` in `precision` (a narrow float on a GPU type only, else
+        InvalidRequest). QuotaExceeded past the tenant's model or the model's version quota."""
         if not NAME_PATTERN.fullmatch(name):
             raise InvalidRequest(
                 f"model name {name!r} is invalid: use 1-128 ASCII letters (A-Z, a-z), digits, '.', '_' or '-', "
@@ -129,8 +132,8 @@ class Registry:
         with spool(source, max_bytes) as graph:
             if graph.size == 0:
                 raise InvalidModelFile("the uploaded file is empty")
-            _check_model(graph.path)
-            key = graph_key(graph.sha256)
+            self.check_model(graph.path)
+            key = graph_key(tenant_id, graph.sha256)
             # uploads racing on a new name or the next number: within this process they take turns
             # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered
             # pause. The blob is stored under the same lock, so a delete cannot free it in between.
@@ -154,9 +157,12 @@ class Registry:
                 select(Model).where(Model.tenant_id == tenant_id, Model.name == name).with_for_update()
             )
             if model is None:
+                self._check_model_quota(session, tenant_id, name)
                 model = Model(tenant_id=tenant_id, name=name)
                 session.add(model)
                 session.flush()
+            else:
+                self._check_version_quota(session, model)
             last = session.scalar(select(func.max(ModelVersion.number)).where(ModelVersion.model_id == model.id))
             model.last_version = max(model.last_version or 0, last or 0) + 1
             version = ModelVersion(
@@ -172,6 +178,31 @@ class Registry:
             session.flush()
             session.refresh(version, ["model"])
             return version
+
+    def _check_model_quota(self, session: Session, tenant_id: int, name: str) -> None:
+        if self.max_models_per_tenant is None:
+            return
+        # PostgreSQL: the tenant's row serialises its model creations, so the count stays true
+        session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+        count = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id))
+        if count >= self.max_models_per_tenant:
+            raise QuotaExceeded(
+                f"model {name!r} would be this tenant's model number {count + 1}, past its quota of "
+                f"{self.max_models_per_tenant}: delete a model first",
+                quota="models",
+                limit=self.max_models_per_tenant,
+            )
+
+    def _check_version_quota(self, session: Session, model: Model) -> None:
+        if self.max_versions_per_model is None:
+            return
+        count = session.scalar(select(func.count(ModelVersion.id)).where(ModelVersion.model_id == model.id))
+        if count >= self.max_versions_per_model:
+            raise QuotaExceeded(
+                f"model {model.name!r} already keeps {count} versions, its quota: delete an old version first",
+                quota="versions",
+                limit=self.max_versions_per_model,
+            )
 
     # -- reads --
     def list_models(self, tenant_id: int) -> list[Model]:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from api.main import create_app
 from api.services import open_database
 from cloud.auth import create_key
-from cloud.db import UsageRecord
+from cloud.db import Model, ModelVersion, UsageRecord
 from cloud.metrics import REGISTRY
 from tests.conftest import FIXTURES, auth, make_settings, upload, wait_for
 from tests.onnx_models import (
@@ -183,11 +183,11 @@ def test_unsupported_ops_fail_the_version_with_the_missing_ops(client, keys) -> 
         ({"x": [[0.0] * 8], "z": [1]}, "unknown input 'z'"),
         ({"x": [0.0] * 8}, "input 'x' has rank 1"),
         ({"x": [[0.0] * 7]}, "dimension 1 is 7, expected 8"),
-        ({"x": [["a"] * 8]}, "strings where float32 is expected"),
-        ({"x": [[True] * 8]}, "booleans where float32 is expected"),
+        ({"x": [["a"] * 8]}, "element [0, 0] is a string (\"a\") where float32 numbers are expected"),
+        ({"x": [[True] * 8]}, "element [0, 0] is true: booleans are accepted only for bool inputs"),
         ({"x": [[0.0] * 8, [0.0] * 7]}, "not a rectangular"),
-        ({"x": [[None] * 8]}, "nulls"),
-        ({"x": [[1e39] * 8]}, "overflow float32"),
+        ({"x": [[None] * 8]}, "element [0, 0] is null"),
+        ({"x": [[1e39] * 8]}, "element [0, 0] (1e+39) is out of range for float32"),
         ({"x": [[0.0] * 8] * 300}, "allowed 1 to 256"),
     ],
 )
@@ -206,7 +206,7 @@ def test_float_given_for_integer_input_gets_400(client, keys) -> None:
     assert infer(client, keys["alice"], "ids", {"ids": [[1, 2, 3]]}).json()["outputs"]["y"] == [[1, 2, 3]]
     response = infer(client, keys["alice"], "ids", {"ids": [[1.5, 2, 3]]})
     assert response.status_code == 400
-    assert "floats where int64 is expected" in response.json()["error"]["message"]
+    assert "element [0, 0] is 1.5 where int64 integers are expected" in response.json()["error"]["message"]
 
 
 def test_out_of_range_token_id_gets_400_and_spares_the_rest_of_its_batch(client, keys) -> None:
@@ -302,20 +302,29 @@ def test_a_tenant_cannot_tell_that_another_uploaded_the_same_bytes(client, keys,
     bobs = wait_for(client, keys["bob"], "mine", 1)
     alices = client.get("/v1/models/mlp", headers=auth(keys["alice"])).json()["versions"][0]
     assert bobs["status"] == "ready"
-    assert bobs["report"] == alices["report"]  # the shared artifact's report, nothing about this compile
+    # bob's compile is his own: its own measurements, in a report that names nothing of alice's
+    assert bobs["report"] != alices["report"]
     assert "cached" not in str(bobs) and "artifacts/" not in str(bobs)
+    with client.app.state.services.db.session() as session:
+        stored = dict(session.execute(select(Model.name, ModelVersion.artifact_key).join(ModelVersion.model)).all())
+    assert stored["mine"] != stored["mlp"] and stored["mine"].split("/")[1] != stored["mlp"].split("/")[1]
 
 
 def test_deleting_frees_the_stored_files_no_other_version_uses(client, keys, deployed, settings) -> None:
     def stored() -> list[str]:
         return sorted(str(p.relative_to(settings.objects_dir)) for p in settings.objects_dir.rglob("*") if p.is_file())
 
+    upload(client, keys["alice"], "same-bytes", MLP)
+    assert wait_for(client, keys["alice"], "same-bytes", 1)["status"] == "ready"
     upload(client, keys["bob"], "same-bytes", MLP)
     assert wait_for(client, keys["bob"], "same-bytes", 1)["status"] == "ready"
-    shared = stored()
-    assert any(p.startswith("graphs/") for p in shared) and any(p.startswith("artifacts/") for p in shared)
+    before = stored()
+    assert any(p.startswith("graphs/") for p in before) and any(p.startswith("artifacts/") for p in before)
     assert client.delete("/v1/models/mlp", headers=auth(keys["alice"])).status_code == 200
-    assert stored() == shared  # bob's version still uses them
+    assert stored() == before  # alice's other version still uses them
+    assert client.delete("/v1/models/same-bytes", headers=auth(keys["alice"])).status_code == 200
+    bobs = stored()
+    assert bobs and len(bobs) < len(before)  # alice's copies are gone, bob's (his own) stay
     assert infer(client, keys["bob"], "same-bytes", {"x": [[0.0] * 8]}).status_code == 200
     assert client.delete("/v1/models/same-bytes", headers=auth(keys["bob"])).status_code == 200
     assert not [p for p in stored() if p.startswith(("graphs/", "artifacts/"))]

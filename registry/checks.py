@@ -1,0 +1,92 @@
+"""Checking that an uploaded file is an ONNX model this service can take, before it is stored.
+
+Parsing a model holds it whole in memory, about twice its size: a gateway that parsed every
+upload itself grew by hundreds of megabytes per concurrent upload. The gateway's check runs in a
+child process instead, under an address-space limit and a wall-time limit, so what an upload
+costs the gateway stays a few buffers whatever its size. Tools and tests check in-process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Protocol
+
+from cloud.errors import InvalidModelFile
+from compiler import InvalidModel, UnsupportedModel
+from compiler.frontends.onnx import parse_model
+
+# what a model check may take before it is stopped: parsing and the ONNX checker run in
+# seconds even for the largest upload allowed
+CHECK_TIMEOUT_S = 120.0
+
+
+class ModelCheck(Protocol):
+    def __call__(self, path: Path) -> None:
+        """InvalidModelFile, naming why, unless the file at `path` is a usable ONNX model."""
+
+
+def check_here(path: Path) -> None:
+    """The check in this process (command-line tools, tests, workers)."""
+    _refuse_unless_usable(path.read_bytes())
+
+
+def _refuse_unless_usable(data: bytes) -> None:
+    try:
+        parse_model(data)
+    except (InvalidModel, UnsupportedModel) as exc:
+        raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
+
+
+def _check_child(conn: Connection, path: str, memory_bytes: int) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
+    try:
+        _refuse_unless_usable(Path(path).read_bytes())
+        conn.send(("ok", None))
+    except InvalidModelFile as exc:
+        conn.send(("invalid", exc.message))
+    except MemoryError:
+        conn.send(("memory", None))
+
+
+class CheckInChild:
+    """The check in a child process from the forkserver the compile sandbox also uses (its
+    children start in milliseconds with the compiler imported)."""
+
+    def __init__(self, memory_bytes: int, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        self.memory_bytes = memory_bytes
+        self.timeout_s = timeout_s
+        self._context = multiprocessing.get_context("forkserver")
+        # children start with the parser imported; the compile sandbox asks for a superset
+        self._context.set_forkserver_preload(["compiler"])
+
+    def __call__(self, path: Path) -> None:
+        receiver, sender = self._context.Pipe(duplex=False)
+        child = self._context.Process(
+            target=_check_child, args=(sender, str(path), self.memory_bytes), daemon=True, name="model-check"
+        )
+        child.start()
+        sender.close()
+        try:
+            if not receiver.poll(self.timeout_s):
+                raise InvalidModelFile(f"checking the uploaded model took longer than {self.timeout_s:g} s")
+            try:
+                kind, message = receiver.recv()
+            except EOFError:
+                raise InvalidModelFile("the uploaded model could not be checked: its parser crashed") from None
+        finally:
+            if child.exitcode is None:
+                os.kill(child.pid, signal.SIGKILL)
+            child.join()
+            receiver.close()
+        if kind == "invalid":
+            raise InvalidModelFile(message)
+        if kind == "memory":
+            raise InvalidModelFile(
+                f"the uploaded model needs more than {self.memory_bytes / 2**30:g} GiB to read, the limit of a model here"
+            )
