@@ -2,8 +2,11 @@
 integration tests. Celery compile workers, runtime processes and a gateway, each a child in its
 own process group with its output in a log file, against a Redis, a PostgreSQL (the database is
 created when missing) and an S3 endpoint (moto's standalone server, started here, when none is
-given). Ctrl-C or SIGTERM stops them all: the gateway first, so nothing new arrives, then the
-runtimes and workers, then the S3 server."""
+given). Once the stack runs it supervises its children as systemd or Kubernetes would: a child
+that dies is restarted with the same command, environment and ports after a backoff
+(RestartPolicy decides when; the supervisor only acts), each death and restart one line on
+stdout; a child in a crash loop stops the stack. Ctrl-C or SIGTERM stops them all: the gateway
+first, so nothing new arrives, then the runtimes and workers, then the S3 server."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,18 @@ LOG_TAIL_LINES = 25
 # how long a stopping child may take before its process group is killed
 STOP_GRACE_S = 20.0
 POLL_S = 0.1
+
+# a dead child's first restart waits this long: a role killed once is back within a second
+RESTART_BACKOFF_S = 0.5
+# each quick death doubles the wait up to this, so a failing role never spins and one whose
+# dependency came back is up again within seconds
+RESTART_BACKOFF_MAX_S = 10.0
+# a child up this long was healthy: its next death waits RESTART_BACKOFF_S again
+HEALTHY_AFTER_S = 30.0
+# a child restarted this often within the window that dies again is in a crash loop, which
+# restarting cannot fix: five quick restarts take about 16 s of backoff plus five starts
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 class StackError(Exception):
@@ -62,6 +78,61 @@ class StackOptions:
     start_timeout_s: float = 120.0  # for each wave of children to become ready
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What to do about one death of a child."""
+
+    restart_in_s: float | None  # the backoff before restarting it; None: a crash loop, give up
+    restarts_in_window: int  # restarts within the crash-loop window, counting this one if any
+
+
+class RestartPolicy:
+    """When to restart one child, from the times it started and died (no clock, no I/O: the
+    supervisor passes them). Exponential backoff that starts over once the child has stayed up
+    `healthy_after_s`; a crash loop when it dies again after `crash_loop_restarts` restarts within
+    `crash_loop_window_s`."""
+
+    def __init__(
+        self,
+        backoff_s: float = RESTART_BACKOFF_S,
+        max_backoff_s: float = RESTART_BACKOFF_MAX_S,
+        healthy_after_s: float = HEALTHY_AFTER_S,
+        crash_loop_restarts: int = CRASH_LOOP_RESTARTS,
+        crash_loop_window_s: float = CRASH_LOOP_WINDOW_S,
+    ) -> None:
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.healthy_after_s = healthy_after_s
+        self.crash_loop_restarts = crash_loop_restarts
+        self.crash_loop_window_s = crash_loop_window_s
+        self._quick_deaths = 0  # deaths in a row, each before the child had stayed up healthy_after_s
+        self._restarts: deque[float] = deque()  # when the restarts still within the window were decided
+
+    def died(self, started_at: float, now: float) -> Verdict:
+        """The child started at `started_at` died at `now`: restart it after a delay, or give up."""
+        if now - started_at >= self.healthy_after_s:
+            self._quick_deaths = 0
+        while self._restarts and now - self._restarts[0] >= self.crash_loop_window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.crash_loop_restarts:
+            return Verdict(None, len(self._restarts))
+        # the exponent stops growing long before a float would overflow
+        delay = min(self.backoff_s * 2 ** min(self._quick_deaths, 32), self.max_backoff_s)
+        self._quick_deaths += 1
+        self._restarts.append(now)
+        return Verdict(delay, len(self._restarts))
+
+
+def exit_reason(code: int) -> str:
+    """How a child ended, from Popen's returncode (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 @dataclass
 class Child:
     """One process of the stack, in its own process group so that a stop reaches its children."""
@@ -72,16 +143,45 @@ class Child:
     env: dict[str, str]
     log: Path
     is_ready: Callable[[Child], bool]
+    # said when it dies: what a restart loses (moto's S3 server keeps its objects in memory)
+    restart_loses: str = ""
+    # run once a restarted child is ready again; returns what it did, for the log line
+    after_restart: Callable[[Child], str] | None = field(default=None, repr=False)
+    policy: RestartPolicy = field(default_factory=RestartPolicy, repr=False)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started_at: float = 0.0  # time.monotonic() at the last start
+    ready: bool = False  # this run answered its readiness check
+    restart_at: float | None = None  # a restart waiting out its backoff
+    last_exit: str = ""  # how the last run ended, for the log line that opens the next
+    log_offset: int = 0  # where this run's output begins in the log
 
-    def start(self) -> None:
-        with open(self.log, "wb") as out:  # truncated: a failure's tail is from this run
+    def start(self, restarted_after: str | None = None) -> None:
+        """Runs the command; a restart appends to the log, after a line saying how the run before
+        ended, so that a crash stays readable (the first start truncates it: a failure's tail is
+        from this stack)."""
+        with open(self.log, "ab" if restarted_after else "wb") as out:
+            if restarted_after:
+                out.write(f"--- luminal-cloud stack: restarted; the run above {restarted_after} ---\n".encode())
+                out.flush()  # before the child writes after it
+            self.log_offset = out.tell()
             self.process = subprocess.Popen(
                 self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self.started_at = time.monotonic()
+        self.ready = False
+        self.restart_at = None
 
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def output(self) -> str:
+        """What this run has written to the log so far."""
+        try:
+            with open(self.log, "rb") as log:
+                log.seek(self.log_offset)
+                return log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def log_tail(self) -> str:
         try:
@@ -102,7 +202,8 @@ class Child:
 
 
 def log_says(words: str) -> Callable[[Child], bool]:
-    return lambda child: words in child.log.read_text(errors="replace")
+    """Ready when this run of the child has logged `words`."""
+    return lambda child: words in child.output()
 
 
 def answers(url: str) -> Callable[[Child], bool]:
@@ -118,7 +219,8 @@ def answers(url: str) -> Callable[[Child], bool]:
 
 
 class Stack:
-    """Children started in waves (each wave ready before the next starts), stopped in reverse."""
+    """Children started in waves (each wave ready before the next starts), supervised while the
+    stack runs, stopped in reverse."""
 
     def __init__(self, start_timeout_s: float) -> None:
         self.start_timeout_s = start_timeout_s
@@ -140,21 +242,53 @@ class Stack:
             self._check_stop()
             for child in list(waiting):
                 if (code := child.exited()) is not None:
-                    raise child.failure(f"exited with status {code} before it was ready")
+                    raise child.failure(f"{exit_reason(code)} before it was ready")
                 if child.is_ready(child):
+                    child.ready = True
                     waiting.remove(child)
             if waiting and time.monotonic() > deadline:
                 raise waiting[0].failure(f"was not ready within {self.start_timeout_s:.0f} s")
             time.sleep(POLL_S)
 
     def watch(self) -> None:
-        """Returns when a stop is requested; raises when a child dies meanwhile."""
+        """Supervises the children until a stop is requested (then StopRequested): one that dies is
+        restarted after its policy's backoff; StackError when one is in a crash loop."""
         while True:
             self._check_stop()
             for child in self.children():
-                if (code := child.exited()) is not None:
-                    raise child.failure(f"exited with status {code} while the stack was running")
+                self._tend(child, time.monotonic())
             time.sleep(POLL_S)
+
+    def _tend(self, child: Child, now: float) -> None:
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                self._restart(child)
+        elif (code := child.exited()) is not None:
+            self._died(child, exit_reason(code), now)
+        elif not child.ready and child.is_ready(child):
+            child.ready = True
+            did = child.after_restart(child) if child.after_restart else ""
+            print(f"{child.name:<10} ready again, {now - child.started_at:.1f} s after its restart{did}", flush=True)
+
+    def _died(self, child: Child, how: str, now: float) -> None:
+        # what it started and left behind goes too: an orphan may hold its port or its stream
+        child.signal_group(signal.SIGKILL)
+        verdict = child.policy.died(child.started_at, now)
+        said = f"{child.name:<10} {how} after {now - child.started_at:.1f} s up"
+        count, window = verdict.restarts_in_window, f"within {child.policy.crash_loop_window_s:.0f} s"
+        if verdict.restart_in_s is None:
+            print(f"{said}; a crash loop ({count} restarts {window}): the stack stops; log {child.log}", flush=True)
+            raise child.failure(f"{how} again after {count} restarts {window}, a crash loop")
+        child.restart_at, child.last_exit = now + verdict.restart_in_s, how
+        loses = f"; {child.restart_loses}" if child.restart_loses else ""
+        print(f"{said}; restarting in {verdict.restart_in_s:.1f} s (restart {count} {window}, "
+              f"{child.policy.crash_loop_restarts} allowed){loses}; log {child.log}", flush=True)
+
+    def _restart(self, child: Child) -> None:
+        child.start(restarted_after=child.last_exit)
+        assert child.process is not None
+        print(f"{child.name:<10} pid {child.process.pid:<8} restarted: {child.where}; log {child.log} (appended)",
+              flush=True)
 
     def stop(self) -> None:
         for wave in reversed(self.waves):
@@ -216,7 +350,23 @@ def _moto_server(log_dir: Path, env: dict[str, str]) -> tuple[Child, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    return Child("s3", f"{url} (moto, kept in memory)", command, env, log_dir / "s3.log", answers(f"{url}/moto-api/")), url
+    # restarted all the same: the rest of the stack keeps serving what it has loaded, and new uploads work
+    loses = "moto keeps objects in memory, so the restarted S3 server starts empty: what was uploaded before is lost"
+    child = Child("s3", f"{url} (moto, kept in memory)", command, env, log_dir / "s3.log", answers(f"{url}/moto-api/"),
+                  restart_loses=loses, after_restart=lambda _: _create_bucket(url))
+    return child, url
+
+
+def _create_bucket(url: str) -> str:
+    """The bucket again, in a restarted (empty) moto server: the children created it at their start."""
+    from cloud.s3 import S3ObjectStore
+
+    credentials = {name.removeprefix("LUMINAL_").lower(): value for name, value in MOTO_CREDENTIALS.items()}
+    try:
+        store = S3ObjectStore.from_settings(Settings(s3_endpoint_url=url, **credentials))
+    except LuminalError as exc:
+        return f"; the bucket could not be created again: {exc.message}"
+    return f"; bucket {store.bucket!r} created again, empty"
 
 
 def _runtime_metrics_ports(first: int, count: int) -> list[int]:
