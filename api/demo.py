@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -44,7 +46,22 @@ def sample_mlp(seed: int = 0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
-def run_demo(settings: Settings, port: int = 0, requests: int = 24) -> None:
+def batches_by_size(batch_sizes: list[int]) -> dict[int, int]:
+    """How many batches ran with each number of requests, from what each request was told (a
+    batch of k requests tells each of its k requests k)."""
+    return {size: count // size for size, count in sorted(Counter(batch_sizes).items())}
+
+
+def leave_sample(sample_dir: Path, model: onnx.ModelProto) -> tuple[Path, Path]:
+    """The sample model and an input for it, for the commands of the README's "Using it"."""
+    sample_dir.mkdir(parents=True, exist_ok=True)
+    model_path, input_path = sample_dir / "demo-mlp.onnx", sample_dir / "features.npy"
+    onnx.save(model, model_path)
+    np.save(input_path, np.random.default_rng(2).standard_normal((2, 16)).astype(np.float32))
+    return model_path, input_path
+
+
+def run_demo(settings: Settings, port: int = 0, requests: int = 24, sample_dir: Path | None = None) -> None:
     db = open_database(settings)
     key = create_key(db, "demo")
     db.dispose()
@@ -84,10 +101,11 @@ def run_demo(settings: Settings, port: int = 0, requests: int = 24) -> None:
         first_reply = results[0][0]
         print(f"\nfirst request ({payloads[0].shape[0]} row) -> probabilities:")
         print(np.round(np.asarray(first_reply["outputs"]["probabilities"]), 4))
-        batch_sizes = [r["usage"]["batch_size"] for r, _ in results]
+        batches = batches_by_size([r["usage"]["batch_size"] for r, _ in results])
         latencies = sorted(t for _, t in results)
         print(f"\n{requests} concurrent requests: all match onnxruntime (max abs diff {worst:.2e})")
-        print(f"batch sizes seen (requests per batch): {batch_sizes}")
+        print(f"they ran in {sum(batches.values())} batches: "
+              + ", ".join(f"{n} of {size} request{'s' if size > 1 else ''}" for size, n in batches.items()))
         print(f"latency per request: median {statistics.median(latencies) * 1000:.1f} ms, "
               f"max {latencies[-1] * 1000:.1f} ms")
 
@@ -98,3 +116,8 @@ def run_demo(settings: Settings, port: int = 0, requests: int = 24) -> None:
             print(f"{item['model']:<12}{item['version']:>8}{item['requests']:>10}{item['rows']:>6}"
                   f"{item['billed_seconds']:>12.6f}{item['price_per_second']:>10.5f}{item['cost']:>14.10f}")
         print(f"total: {bill['total_billed_seconds']:.6f} s billed, ${bill['total_cost']:.10f}")
+    if sample_dir is not None:
+        model_path, input_path = leave_sample(sample_dir, model)
+        print(f"\nleft for you: {model_path} (input 'features', [batch, 16]) and {input_path} (2 rows);")
+        print(f"  luminal-cloud deploy {model_path} --name mlp")
+        print(f"  luminal-cloud predict mlp --input features={input_path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -118,12 +119,27 @@ def test_cli_create_key_deploy_and_predict(settings, tmp_path) -> None:
     np.testing.assert_allclose(np.load(tmp_path / "output.npy"), ort(FIXTURES / "torch_mlp.onnx", {"input": x}), rtol=1e-4)
 
 
-def test_demo_prints_outputs_batches_and_bill(settings, capsys) -> None:
-    run_demo(settings, requests=12)
+def test_demo_prints_outputs_batches_and_bill_and_leaves_a_sample_to_try(settings, capsys, tmp_path) -> None:
+    run_demo(settings, requests=12, sample_dir=tmp_path / "sample")
     out = capsys.readouterr().out
     assert "12 concurrent requests: all match onnxruntime" in out
-    assert "batch sizes seen" in out
+    # one entry per batch, not per request: the sizes of the batches add up to the requests
+    ran = re.search(r"they ran in (\d+) batches: (.*)", out)
+    assert ran is not None, out
+    sizes = [(int(n), int(k)) for n, k in re.findall(r"(\d+) of (\d+) request", ran.group(2))]
+    assert sum(n for n, _ in sizes) == int(ran.group(1)) and sum(n * k for n, k in sizes) == 12
     assert "bill for tenant 'demo'" in out and "demo-mlp" in out
+    # what the README's "Using it" deploys and predicts with
+    model, features = tmp_path / "sample" / "demo-mlp.onnx", tmp_path / "sample" / "features.npy"
+    assert f"luminal-cloud predict mlp --input features={features}" in out
+    expected = ort(model, {"features": np.load(features)})
+    assert expected.shape == (2, 10)
+
+
+def test_batches_are_counted_once_each() -> None:
+    from api.demo import batches_by_size
+
+    assert batches_by_size([1, 3, 3, 3, 2, 2, 3, 3, 3]) == {1: 1, 2: 1, 3: 2}
 
 
 def test_versions_left_unfinished_compile_after_a_restart(settings, keys) -> None:
