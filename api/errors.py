@@ -5,7 +5,7 @@ own {"error": "<message>"} under /v2."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,14 +31,17 @@ def error_response(path: str, status: int, code: str, message: str, headers=None
 
 
 def _status_for(path: str, exc: LuminalError) -> int:
-    # v2 has no 409: a version still compiling is unavailable for now, a failed one never serves
-    if isinstance(exc, NotReady) and speaks_v2(path):
-        return 400 if exc.details.get("version_status") == "failed" else 503
+    # v2 (as Triton speaks it) has no 409: a failed version is a 400 there; queued or compiling
+    # stays NotReady's 503 on both
+    if isinstance(exc, NotReady) and exc.status == 409 and speaks_v2(path):
+        return 400
     return exc.status
 
 
 async def _luminal_error(request: Request, exc: LuminalError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    # Overloaded, and a version still compiling (NotReady), say when to come back
+    retry_after = exc.retry_after if isinstance(exc, Overloaded | NotReady) else None
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     if exc.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     path = request.url.path
@@ -49,9 +52,28 @@ def describe_validation_errors(errors: Sequence[Any]) -> str:
     """Pydantic's errors as one line: "where: what; where: what"."""
     problems = []
     for err in errors:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            problems.append(_invalid_json(loc, err))
+            continue
+        if loc == ("body",) and err.get("type") == "missing":
+            problems.append("the body is empty; send a JSON object")
+            continue
+        if loc == ("body",) and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            problems.append("the body must be a JSON object")
+            continue
+        where = ".".join(str(p) for p in loc if p != "body")
         problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "; ".join(problems) or "invalid request"
+
+
+def _invalid_json(loc: tuple, err: Mapping[str, Any]) -> str:
+    # FastAPI puts the character offset in loc ("body", 14) and json's reason in ctx; pydantic's
+    # own parser says both in msg ("Invalid JSON: EOF while parsing ... at line 1 column 12")
+    reason = str((err.get("ctx") or {}).get("error") or err.get("msg") or "")
+    reason = reason.removeprefix("Invalid JSON: ")
+    at = f" at character {loc[1]}" if len(loc) == 2 and loc[0] == "body" and isinstance(loc[1], int) else ""
+    return f"the body is not valid JSON ({reason}{at})" if reason else f"the body is not valid JSON{at}"
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -19,7 +19,15 @@ from api.codec import encode_output
 from api.errors import describe_validation_errors
 from api.schemas import V2InferRequest, V2InferResponse, V2RequestInput, V2TensorMetadata
 from cloud.errors import InvalidInput, InvalidRequest
-from cloud.validation import DecodedInputs, FlatTensor, check_input_names, decode_flat_inputs, describe
+from cloud.validation import (
+    DecodedInputs,
+    FlatTensor,
+    InputRules,
+    check_input_names,
+    decode_flat_inputs,
+    describe,
+    loads,
+)
 from compiler import Signature, TensorSpec
 from compiler.shape import Shape
 
@@ -80,7 +88,12 @@ def decode_request(
     the Inference-Header-Content-Length header as sent (None: the body is all JSON)."""
     split = _header_length(header_length, len(raw))
     try:
-        request = V2InferRequest.model_validate_json(raw[:split])
+        # json, not pydantic's parser: it tells a NaN token from 1e999 (cloud.validation.loads)
+        parsed = loads(raw[:split])
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"the inference request's JSON header is not valid JSON ({exc})") from None
+    try:
+        request = V2InferRequest.model_validate(parsed)
     except ValidationError as exc:
         raise InvalidRequest(f"the inference request's JSON: {describe_validation_errors(exc.errors())}") from None
     given = _tensors(request.inputs, memoryview(raw)[split:])
@@ -90,7 +103,8 @@ def decode_request(
         declared, expected = declared_types[spec.name], datatype(spec.dtype)
         if declared != expected:
             raise InvalidInput(f"input {spec.name!r} is {declared}; the model expects {expected} ({describe(spec)})")
-    decoded = decode_flat_inputs(signature, given, max_elements, limits, max_memory_bytes)
+    rules = InputRules(allow_non_finite=request.parameters.allow_non_finite)
+    decoded = decode_flat_inputs(signature, given, max_elements, limits, max_memory_bytes, rules)
     return DecodedV2Request(decoded.arrays, decoded.rows, request.id, _requested_outputs(signature, request))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import date, datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 
 class TensorSpecPublic(BaseModel):
@@ -138,9 +138,15 @@ class VersionDeleted(BaseModel):
     deleted: bool
 
 
+class InferParameters(BaseModel, extra="forbid"):
+    # let NaN, Infinity and -Infinity into float inputs (refused by default)
+    allow_non_finite: StrictBool = False
+
+
 class InferRequest(BaseModel):
     # input name -> nested list matching the input's shape
     inputs: dict[str, Any] = Field(min_length=1)
+    parameters: InferParameters = Field(default_factory=InferParameters)
 
 
 class InferUsage(BaseModel):
@@ -189,6 +195,25 @@ class UsageReport(BaseModel):
     currency: str = "USD"
 
 
+# -- API keys, for operators (api.routes.admin) --
+
+
+class ApiKeyPublic(BaseModel):
+    # the key is shown once, when made; this is what identifies it afterwards
+    id: int
+    prefix: str
+    tenant: str
+    created_at: datetime
+
+
+class ApiKeyList(BaseModel):
+    keys: list[ApiKeyPublic]
+
+
+class ApiKeyRevoked(ApiKeyPublic):
+    revoked: bool = True
+
+
 # -- the KServe v2 / Open Inference Protocol (api.routes.kserve_v2) --
 
 
@@ -216,15 +241,18 @@ class V2ModelMetadata(BaseModel):
     outputs: list[V2TensorMetadata]
 
 
+# v2 requests are checked strictly: "yes" is no bool, "3" and 3.0 no dimension, 1 no name
+
+
 class V2InputParameters(BaseModel, extra="allow"):
     # binary tensor data extension: this many bytes of the body after the JSON header hold the input
-    binary_data_size: int | None = Field(None, ge=0)
+    binary_data_size: StrictInt | None = Field(None, ge=0)
 
 
 class V2RequestInput(BaseModel):
-    name: str
-    shape: list[Annotated[int, Field(ge=0)]]
-    datatype: str
+    name: StrictStr
+    shape: list[Annotated[StrictInt, Field(ge=0)]]
+    datatype: StrictStr
     parameters: V2InputParameters = Field(default_factory=V2InputParameters)
     # the elements in row-major order, flat or nested; absent when they follow the header in binary
     data: Any = None
@@ -232,22 +260,24 @@ class V2RequestInput(BaseModel):
 
 class V2OutputParameters(BaseModel, extra="allow"):
     # answer with this output's raw bytes after the JSON header; unset: the request's default
-    binary_data: bool | None = None
+    binary_data: StrictBool | None = None
 
 
 class V2RequestOutput(BaseModel):
-    name: str
+    name: StrictStr
     parameters: V2OutputParameters = Field(default_factory=V2OutputParameters)
 
 
 class V2RequestParameters(BaseModel, extra="allow"):
     # the default for outputs that do not say whether they come in binary
-    binary_data_output: bool = False
+    binary_data_output: StrictBool = False
+    # let NaN, Infinity and -Infinity into float inputs (refused by default), as on /v1
+    allow_non_finite: StrictBool = False
 
 
 class V2InferRequest(BaseModel):
     # echoed in the response
-    id: str | None = None
+    id: StrictStr | None = None
     parameters: V2RequestParameters = Field(default_factory=V2RequestParameters)
     inputs: list[V2RequestInput] = Field(min_length=1)
     # the outputs to return, in this order; absent: all of them

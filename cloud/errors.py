@@ -5,14 +5,18 @@
     │   ├── InvalidModelFile (400)   the upload is not a usable ONNX file
     │   └── InvalidInput (400)       inference inputs do not match the signature
     ├── Unauthorized (401)
-    ├── Forbidden (403)              an operator-only endpoint asked from elsewhere
+    ├── Forbidden (403)              a valid key where its kind may not go: a tenant's on /v1/admin,
+    │                                an operator's on a tenant route
     ├── QuotaExceeded (403)          a tenant's model or a model's version quota is full
     ├── NotFound (404)
-    ├── NotReady (409)               the version has not compiled (yet, or ever)
+    ├── BodyReadTimeout (408)        the request body stalled: no bytes for LUMINAL_BODY_READ_TIMEOUT_S
+    ├── NotReady (409 or 503)        the version has not compiled: 409 once failed (it never will),
+    │                                503 with retry_after while queued or compiling (it may soon)
     ├── Conflict (409)               the change would break a rule: an alias on a version not ready,
     │                                deleting a version an alias points at
     ├── PayloadTooLarge (413)
     ├── Overloaded (429)             a queue is full; carries retry_after seconds
+    ├── ClientDisconnected (499)     the client left before sending the whole body (a client event)
     ├── Unavailable (503)
     │   └── Unreachable (503)        the database or object store cannot be reached or refuses us
     └── DeadlineExceeded (504)
@@ -73,8 +77,19 @@ class NotFound(LuminalError):
 
 
 class NotReady(LuminalError):
+    """A version that cannot serve; `version_status` in the details says whether it may yet."""
+
     status = 409
     code = "not_ready"
+    # seconds a client waits before asking again for a version still queued or compiling
+    RETRY_AFTER_S = 1
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message, **details)
+        # queued or compiling passes by itself: the protocols' "unavailable for now", retried
+        self.retry_after: int | None = None
+        if details.get("version_status") in ("queued", "compiling"):
+            self.status, self.retry_after = 503, self.RETRY_AFTER_S
 
 
 class Conflict(LuminalError):
@@ -85,6 +100,17 @@ class Conflict(LuminalError):
 class PayloadTooLarge(LuminalError):
     status = 413
     code = "payload_too_large"
+
+
+class BodyReadTimeout(LuminalError):
+    status = 408
+    code = "request_timeout"
+
+
+class ClientDisconnected(LuminalError):
+    # nginx's "client closed request": never sent, since no one is left to read it
+    status = 499
+    code = "client_disconnected"
 
 
 class QuotaExceeded(LuminalError):

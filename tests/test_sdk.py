@@ -537,24 +537,29 @@ def test_typed_errors_from_the_live_server(server, keys, tmp_path) -> None:
     assert issubclass(Unauthorized, APIError) and issubclass(ServerUnreachable, LuminalCloudError)
 
 
-def test_predict_on_a_version_not_ready_raises_not_ready_at_once(server, keys, tmp_path, monkeypatch) -> None:
+def test_predict_on_a_failed_version_raises_not_ready_at_once_and_retries_a_queued_one(
+    server, keys, tmp_path, monkeypatch
+) -> None:
     bad, good = tmp_path / "exotic.onnx", tmp_path / "mlp.onnx"
     bad.write_bytes(unsupported_model().SerializeToString())
     good.write_bytes(mlp().SerializeToString())
     x = {"x": np.zeros((1, 8), np.float32)}
-    with Client(server.url, keys["alice"], progress_stream=io.StringIO()) as client:
+    with Client(server.url, keys["alice"], progress_stream=io.StringIO(), max_attempts=2) as client:
         with pytest.raises(DeployFailed):
             client.deploy(bad, name="exotic")
-        with pytest.raises(NotReady, match="version 1 is"):
+        started = time.monotonic()
+        with pytest.raises(NotReady, match="version 1 is") as failed:
             client.predict("exotic", {"x": np.zeros((1, 4), np.float32)}, version=1)
+        # failed never serves: a 409, not retried
+        assert failed.value.status == 409 and time.monotonic() - started < 1
         services = server._server.config.app.state.services
         monkeypatch.setattr(services.compiler, "submit", lambda *_: None)  # it stays queued
         assert client.deploy(good, name="later", wait=False)["status"] == "queued"
         started = time.monotonic()
-        with pytest.raises(NotReady):
+        with pytest.raises(NotReady, match="is queued") as queued:
             client.predict("later", x)
-        # v2 says 503 for "not yet" (it has no 409): not retried, /v1 names it
-        assert time.monotonic() - started < 1
+        # queued may pass: a 503 with Retry-After 1, retried like any 503 until max_attempts
+        assert queued.value.status == 503 and 1 <= time.monotonic() - started < 5
 
 
 class CountingTransport(httpx.HTTPTransport):

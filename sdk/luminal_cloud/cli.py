@@ -26,6 +26,8 @@ from luminal_cloud.client import Client
 from luminal_cloud.errors import LuminalCloudError, ServerUnreachable, Unauthorized
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# the first bytes of every .npy file (numpy.lib.format)
+NPY_MAGIC = b"\x93NUMPY"
 
 EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_CODES = f"""exit codes:
@@ -87,9 +89,16 @@ def _load_input(spec: str) -> tuple[str, np.ndarray]:
     if not Path(path).is_file():
         raise UsageError(f"no such file: {path} (input {name!r})")
     try:
+        with open(path, "rb") as file:
+            magic = file.read(len(NPY_MAGIC))
+        if magic != NPY_MAGIC:
+            # np.load would try it as a pickle and answer with its allow_pickle hint
+            raise UsageError(f"{path} (input {name!r}) is not a .npy array file; write one with numpy.save")
         return name, np.load(Path(path), allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
+        if "allow_pickle" in reason:
+            reason = "it holds Python objects (dtype object); save an array of numbers"
         raise UsageError(f"cannot read {path} (input {name!r}) as a .npy array: {reason}") from None
 
 

@@ -10,7 +10,8 @@ LuminalCloudError at the boundary (luminal_cloud._calls).
     │   ├── Unauthorized       401
     │   ├── Forbidden          403
     │   ├── NotFound           404
-    │   ├── NotReady           409 the version has not compiled (yet, or ever)
+    │   ├── NotReady           409 the version failed to compile; 503 still queued or compiling,
+    │   │                      after the client's retries
     │   ├── Conflict           409 an alias on a version not ready, deleting a version an alias points at
     │   ├── PayloadTooLarge    413
     │   ├── Overloaded         429 still, after the client's retries; carries retry_after
