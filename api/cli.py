@@ -14,6 +14,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the server (embedded defaults)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
+    _data_dir_option(serve)
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser(
@@ -71,7 +72,25 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--admin", action="store_true", help="an operator key: reads every tenant's usage, acts for no tenant"
     )
     create_key.add_argument("--name", default="operator", help="who holds the operator key (with --admin)")
+    _data_dir_option(create_key)
     create_key.set_defaults(run=_create_key)
+
+    list_keys = admin_commands.add_parser(
+        "list-keys", help="list API keys: id, prefix, tenant, created (never the keys themselves)"
+    )
+    list_keys.add_argument("--tenant", help="only this tenant's keys")
+    list_keys.add_argument("--admin", action="store_true", help="the operator keys instead, with who holds each")
+    _data_dir_option(list_keys)
+    list_keys.set_defaults(run=_list_keys)
+
+    revoke_key = admin_commands.add_parser(
+        "revoke-key", help="delete an API key: refused at once by a server revoking it over HTTP, "
+        "within LUMINAL_AUTH_CACHE_TTL_S by running servers otherwise"
+    )
+    revoke_key.add_argument("key", metavar="PREFIX_OR_ID", help="the key's id or prefix (as listed), or the whole key")
+    revoke_key.add_argument("--admin", action="store_true", help="an operator key rather than a tenant's")
+    _data_dir_option(revoke_key)
+    revoke_key.set_defaults(run=_revoke_key)
 
     demo = commands.add_parser(
         "demo", help="start a server, deploy a sample model, batch, bill (in a temporary data directory)"
@@ -85,6 +104,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(run=_demo)
 
 
+def _data_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir", type=Path, help="the data directory: the SQLite database holding the keys, and the object store "
+        "(default: LUMINAL_DATA_DIR, else ~/.luminal-cloud); serve and admin must use the same one"
+    )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings(data_dir=args.data_dir) if args.data_dir is not None else Settings()
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -94,7 +124,7 @@ def _serve(args: argparse.Namespace) -> None:
     from cloud.storage import make_object_store
 
     logging.basicConfig(level=logging.INFO)
-    settings = Settings()
+    settings = _settings(args)
     try:  # fail before any work, with a message rather than uvicorn's startup traceback
         DataDirLock(settings.data_dir).release()
         open_database(settings).dispose()  # and brings a PostgreSQL schema to head
@@ -153,26 +183,79 @@ def _stack(args: argparse.Namespace) -> None:
     sys.exit(run_stack(options))
 
 
-def _create_key(args: argparse.Namespace) -> None:
+def _open_database(args: argparse.Namespace):
     from api.services import open_database
-    from cloud.auth import create_admin_key, create_key
     from cloud.errors import LuminalError
+
+    try:
+        return open_database(_settings(args))
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud admin: {exc}")
+
+
+def _where(args: argparse.Namespace) -> str:
+    settings = _settings(args)
+    return "the database of LUMINAL_DATABASE_URL" if settings.database_url else str(settings.data_dir)
+
+
+def _create_key(args: argparse.Namespace) -> None:
+    from cloud.auth import create_admin_key, create_key
 
     if args.admin == bool(args.tenant):
         sys.exit("luminal-cloud admin create-key: give --tenant NAME for a tenant's key, or --admin for an operator's")
-    settings = Settings()
-    try:
-        db = open_database(settings)
-    except LuminalError as exc:
-        sys.exit(f"luminal-cloud admin: {exc}")
+    db = _open_database(args)
     try:
         key = create_admin_key(db, args.name) if args.admin else create_key(db, args.tenant)
     finally:
         db.dispose()
+    # the key last: scripts take the last word; the data directory, since serve must share it
     if args.admin:
-        print(f"Operator key for {args.name!r} (for /v1/admin only): {key}")
+        print(f"Operator key for {args.name!r} (for /v1/admin only, in {_where(args)}): {key}")
     else:
-        print(f"API key for tenant {args.tenant!r}: {key}")
+        print(f"API key for tenant {args.tenant!r} (in {_where(args)}): {key}")
+
+
+def _list_keys(args: argparse.Namespace) -> None:
+    from cloud.auth import list_admin_keys, list_keys
+    from cloud.errors import LuminalError
+
+    if args.admin and args.tenant:
+        sys.exit("luminal-cloud admin list-keys: --tenant lists a tenant's keys, --admin the operators': not both")
+    db = _open_database(args)
+    try:
+        keys = list_admin_keys(db) if args.admin else list_keys(db, args.tenant)
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud admin list-keys: {exc.message}")
+    finally:
+        db.dispose()
+    rows = [("ID", "PREFIX", "HOLDER" if args.admin else "TENANT", "CREATED")]
+    rows += [(str(k.id), k.prefix, k.owner, k.created_at.strftime("%Y-%m-%d %H:%M")) for k in keys]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _revoke_key(args: argparse.Namespace) -> None:
+    from cloud.auth import ADMIN_KEY_PREFIX, revoke_admin_key, revoke_key
+    from cloud.errors import LuminalError, NotFound
+
+    db = _open_database(args)
+    try:
+        revoked = (revoke_admin_key if args.admin else revoke_key)(db, args.key)
+    except NotFound as exc:
+        operators = args.key.startswith(ADMIN_KEY_PREFIX) and not args.admin
+        hint = "; it looks like an operator key: add --admin" if operators else ""
+        sys.exit(f"luminal-cloud admin revoke-key: {exc.message}{hint}")
+    except LuminalError as exc:
+        sys.exit(f"luminal-cloud admin revoke-key: {exc.message}")
+    finally:
+        db.dispose()
+    if args.admin:  # operator keys are looked up on every request
+        print(f"Revoked operator key {revoked.prefix} (id {revoked.id}, {revoked.owner}); refused from now on")
+        return
+    ttl = _settings(args).auth_cache_ttl_s
+    print(f"Revoked key {revoked.prefix} (id {revoked.id}, tenant {revoked.owner}); running servers refuse it "
+          f"within {ttl:g} s (LUMINAL_AUTH_CACHE_TTL_S)")
 
 
 def _demo(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ from api.schemas import InferUsage
 from api.services import Services
 from cloud import metrics
 from cloud.db import ModelVersion, Tenant
-from cloud.errors import LuminalError
+from cloud.errors import ClientDisconnected, LuminalError
 from cloud.settings import Settings
 from cloud.validation import DecodedInputs, symbol_limits
 from compiler import Signature
@@ -112,7 +112,8 @@ async def serve[Decoded: DecodedInputs](
         result = await services.engine.infer(route, decoded.arrays, decoded.rows, request_id)
         outcome = "ok"
     except LuminalError as exc:
-        outcome = str(exc.status)
+        # a client that left got no status: its outcome is a client event, never a server error
+        outcome = exc.code if isinstance(exc, ClientDisconnected) else str(exc.status)
         raise
     finally:
         metrics.REQUESTS.labels(tenant.name, model_label, outcome).inc()

@@ -99,7 +99,7 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         db=db,
-        auth=Authenticator(db),
+        auth=Authenticator(db, ttl_s=settings.auth_cache_ttl_s),
         store=store,
         registry=registry,
         ledger=Ledger(db),

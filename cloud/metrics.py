@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 UNKNOWN_MODEL = "(unknown)"
+# the tenant label of a request made with no tenant's key (operators' routes, refused keys)
+NO_TENANT = "(none)"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -25,6 +27,14 @@ REQUEST_LATENCY = Histogram(
     "End-to-end inference latency at the gateway",
     ["tenant", "model"],
     buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+# what a client did, not the server: kept apart so that it never reads as a server error
+CLIENT_EVENTS = Counter(
+    "luminal_client_events_total",
+    "Requests whose client left mid-body (client_disconnected) or whose body stalled (body_timeout), "
+    "by route kind (infer, upload, other)",
+    ["tenant", "route", "event"],
     registry=REGISTRY,
 )
 QUEUE_WAIT = Histogram(

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     # processes (this many), so a big JSON parse never holds the server's interpreter lock
     codec_process_above_bytes: int = 1024 * 1024
     codec_workers: int = 1
+    # a request body that sends no bytes for this long gets 408 and its connection is closed; it
+    # is idle time per chunk, not a total, so a large upload at any steady pace is never cut off
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    # a gateway remembers a key's tenant this long: a key revoked through another gateway or the
+    # command line keeps working here for at most this long (through this gateway: at once)
+    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
     # batching policy, per model version
     max_batch_rows: int = 32
     max_queue_delay_ms: float = 5.0

@@ -381,12 +381,16 @@ def test_malformed_json_body_gets_400(client, keys, deployed) -> None:
     assert response.json()["error"]["code"] == "invalid_request"
 
 
-def test_concurrent_uploads_of_a_new_name_get_distinct_versions(client, keys) -> None:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        created = list(pool.map(lambda i: upload(client, keys["alice"], "race", mlp(seed=i).SerializeToString()), range(4)))
-    assert sorted(c["version"] for c in created) == [1, 2, 3, 4]
-    for number in range(1, 5):
-        assert wait_for(client, keys["alice"], "race", number)["status"] == "ready"
+def test_concurrent_uploads_of_a_new_name_get_distinct_versions(tmp_path) -> None:
+    settings = make_settings(tmp_path / "data", max_uploads_per_tenant=4)  # all four at once
+    db = open_database(settings)
+    key = create_key(db, "alice")
+    db.dispose()
+    with TestClient(create_app(settings)) as client, ThreadPoolExecutor(max_workers=4) as pool:
+        created = list(pool.map(lambda i: upload(client, key, "race", mlp(seed=i).SerializeToString()), range(4)))
+        assert sorted(c["version"] for c in created) == [1, 2, 3, 4]
+        for number in range(1, 5):
+            assert wait_for(client, key, "race", number)["status"] == "ready"
 
 
 def cube_model() -> bytes:

@@ -10,8 +10,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -128,12 +130,12 @@ def test_exit_codes_and_one_line_messages(deployed, keys, tmp_path) -> None:
     garbage = tmp_path / "garbage.npy"
     garbage.write_bytes(b"this is not numpy")
     message = one_line_error(cli("predict", "m", "--input", f"x={garbage}", url=deployed, key=keys["alice"]), 2)
-    assert "cannot read" in message and "garbage.npy" in message
+    assert "garbage.npy (input 'x') is not a .npy array file" in message and "pickle" not in message
 
     pickled = tmp_path / "objects.npy"
     np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     message = one_line_error(cli("predict", "m", "--input", f"x={pickled}", url=deployed, key=keys["alice"]), 2)
-    assert "objects.npy" in message
+    assert "objects.npy" in message and "holds Python objects" in message and "pickle" not in message
 
     message = one_line_error(cli("status", "nope", url=deployed, key=keys["alice"]), 1)
     assert "404" in message and "'nope'" in message
@@ -194,3 +196,66 @@ def test_demo_runs_in_a_temporary_data_directory(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all match onnxruntime" in result.stdout
     assert not (home / ".luminal-cloud").exists()
+
+
+def test_admin_keys_and_serve_share_a_data_dir_given_by_option(tmp_path: Path) -> None:
+    data, home = tmp_path / "data", tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home)}  # nothing may fall back to ~/.luminal-cloud
+    admin = lambda *args: cli("admin", *args, "--data-dir", str(data), env=env)
+    made = admin("create-key", "--tenant", "acme")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.split()[-1]
+    assert str(data) in made.stdout  # says where, since serve must use the same
+    other = admin("create-key", "--tenant", "acme").stdout.split()[-1]
+    admin("create-key", "--tenant", "bob")
+
+    listed = admin("list-keys")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["ID", "PREFIX", "TENANT", "CREATED"]
+    assert [row.split()[1:3] for row in rows] == [[key[:10], "acme"], [other[:10], "acme"], [rows[2].split()[1], "bob"]]
+    assert key not in listed.stdout
+    assert [row.split()[2] for row in admin("list-keys", "--tenant", "bob").stdout.splitlines()[1:]] == ["bob"]
+    assert "no tenant named 'nobody'" in one_line_error(admin("list-keys", "--tenant", "nobody"), 1)
+
+    port, log = free_port(), tmp_path / "serve.log"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LUMINAL_")}
+    with log.open("w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "luminal_cloud.cli", "serve", "--data-dir", str(data), "--port", str(port)],
+            env={**base, **env, "LUMINAL_AUTH_CACHE_TTL_S": "0"}, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not _answers(f"{url}/healthz"):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        headers = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 200  # the key made with --data-dir
+
+        ambiguous = one_line_error(admin("revoke-key", "lc_"), 1)
+        assert "matches 3 tenant keys" in ambiguous and key[:10] in ambiguous and "bob" in ambiguous
+        revoked = admin("revoke-key", key[:10])
+        assert revoked.returncode == 0, revoked.stderr
+        assert f"Revoked key {key[:10]}" in revoked.stdout and "acme" in revoked.stdout
+        # this server caches no key (LUMINAL_AUTH_CACHE_TTL_S=0): refused on the next request
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {other}"}).status_code == 200
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert "no tenant key matches" in one_line_error(admin("revoke-key", key[:10]), 1)
+    assert "add --admin" in one_line_error(admin("revoke-key", "lca_abc"), 1)
+    operator = admin("create-key", "--admin", "--name", "ops").stdout.split()[-1]
+    assert admin("list-keys", "--admin").stdout.splitlines()[1].split()[1:3] == [operator[:10], "ops"]
+    assert admin("revoke-key", "--admin", operator[:10]).returncode == 0
+    assert not (home / ".luminal-cloud").exists()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -1,15 +1,15 @@
-"""The operators' view across tenants, for operator keys only (a tenant's key gets 403)."""
+"""The operators' view across tenants and their keys, for operator keys only (a tenant's key gets 403)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Response
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentOperator, ServicesDep
-from api.schemas import UsageReport
+from api.schemas import ApiKeyList, ApiKeyPublic, ApiKeyRevoked, UsageReport
 from api.usage_report import (
     CSV_RESPONSES,
     FORMAT_HELP,
@@ -20,6 +20,7 @@ from api.usage_report import (
     parse_period,
     wants_csv,
 )
+from cloud.auth import KeyInfo, list_keys
 from cloud.db import Database, Tenant
 from cloud.errors import NotFound
 
@@ -47,6 +48,31 @@ async def usage_of_every_tenant(
     dimensions = _DIMENSIONS[group_by]
     report = await build_report(services.ledger, dimensions, group_by, tenant, tenant_id, period)
     return csv_response(report, dimensions) if wants_csv(format, accept) else report
+
+
+def _public(key: KeyInfo) -> ApiKeyPublic:
+    return ApiKeyPublic(id=key.id, prefix=key.prefix, tenant=key.owner, created_at=key.created_at)
+
+
+@router.get("/keys", response_model=ApiKeyList)
+async def list_api_keys(
+    _operator: CurrentOperator,
+    services: ServicesDep,
+    tenant: Annotated[str | None, Query(description="one tenant's keys, by name (default: every tenant's)")] = None,
+) -> ApiKeyList:
+    keys = await run_in_threadpool(list_keys, services.db, tenant)
+    return ApiKeyList(keys=[_public(key) for key in keys])
+
+
+@router.delete("/keys/{key_id}", response_model=ApiKeyRevoked)
+async def revoke_api_key(
+    key_id: Annotated[str, Path(description="the key's id, its prefix as listed, or the whole key")],
+    _operator: CurrentOperator,
+    services: ServicesDep,
+) -> ApiKeyRevoked:
+    # through the gateway's authenticator, so that its cache forgets the key at once
+    revoked = await run_in_threadpool(services.auth.revoke, key_id)
+    return ApiKeyRevoked(**_public(revoked).model_dump())
 
 
 def _tenant_id(db: Database, name: str) -> int:
