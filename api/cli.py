@@ -101,6 +101,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--data-dir", type=Path, help="keep the demo's key, model and bill in this directory (default: a temporary "
         "one, removed at the end, with the embedded database and store whatever LUMINAL_* says)"
     )
+    demo.add_argument(
+        "--sample-dir", type=Path, default=Path("."),
+        help="leave the sample model (demo-mlp.onnx) and an input for it (features.npy) here, to try the "
+        "deploy and predict commands with (default: the current directory)",
+    )
     demo.set_defaults(run=_demo)
 
 
@@ -200,12 +205,15 @@ def _where(args: argparse.Namespace) -> str:
 
 def _create_key(args: argparse.Namespace) -> None:
     from cloud.auth import create_admin_key, create_key
+    from cloud.errors import InvalidRequest
 
     if args.admin == bool(args.tenant):
         sys.exit("luminal-cloud admin create-key: give --tenant NAME for a tenant's key, or --admin for an operator's")
     db = _open_database(args)
     try:
         key = create_admin_key(db, args.name) if args.admin else create_key(db, args.tenant)
+    except InvalidRequest as exc:
+        sys.exit(f"luminal-cloud admin create-key: {exc.message}")
     finally:
         db.dispose()
     # the key last: scripts take the last word; the data directory, since serve must share it
@@ -264,7 +272,7 @@ def _demo(args: argparse.Namespace) -> None:
     from api.demo import run_demo
 
     if args.data_dir is not None:
-        run_demo(Settings(data_dir=args.data_dir), port=args.port, requests=args.requests)
+        run_demo(Settings(data_dir=args.data_dir), port=args.port, requests=args.requests, sample_dir=args.sample_dir)
         return
     # the user's own data directory, database and bucket gain no demo key or model on each run
     with tempfile.TemporaryDirectory(prefix="luminal-cloud-demo-") as data_dir:
@@ -272,5 +280,5 @@ def _demo(args: argparse.Namespace) -> None:
             data_dir=Path(data_dir), database_url="", object_store="local", compile_backend="embedded",
             request_queue="embedded",
         )
-        run_demo(settings, port=args.port, requests=args.requests)
+        run_demo(settings, port=args.port, requests=args.requests, sample_dir=args.sample_dir)
     print(f"\n(the demo's data directory {data_dir} is removed; --data-dir DIR keeps one)")

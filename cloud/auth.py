@@ -4,6 +4,7 @@ listed and revoked by operators."""
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -12,13 +13,15 @@ from datetime import datetime
 from sqlalchemy import select
 
 from cloud.db import AdminKey, ApiKey, Database, Tenant
-from cloud.errors import Conflict, Forbidden, NotFound, Unauthorized
+from cloud.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized
 
 KEY_PREFIX = "lc_"
 # operators' keys look different, so one pasted in the wrong place is easy to spot
 ADMIN_KEY_PREFIX = "lca_"
 # the characters of a key kept in clear, so an operator can tell keys apart
 _SHOWN = 10
+# a tenant's name appears in bills, CSV files and metric labels: checked whole (fullmatch)
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def hash_key(key: str) -> str:
@@ -28,6 +31,11 @@ def hash_key(key: str) -> str:
 
 def create_key(db: Database, tenant_name: str) -> str:
     """A new key for the tenant (created if new). The key is returned once, never stored."""
+    if not TENANT_NAME.fullmatch(tenant_name):
+        raise InvalidRequest(
+            f"tenant name {tenant_name!r} is invalid: use 1-128 ASCII letters (A-Z, a-z), digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     with db.session() as session:
         tenant = session.scalar(select(Tenant).where(Tenant.name == tenant_name))

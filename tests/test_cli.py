@@ -192,10 +192,12 @@ def test_every_option_of_every_verb_has_help() -> None:
 def test_demo_runs_in_a_temporary_data_directory(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    result = cli("demo", "--requests", "2", env={"HOME": str(home)}, timeout=300)
+    sample = tmp_path / "sample"
+    result = cli("demo", "--requests", "2", "--sample-dir", str(sample), env={"HOME": str(home)}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all match onnxruntime" in result.stdout
     assert not (home / ".luminal-cloud").exists()
+    assert sorted(p.name for p in sample.iterdir()) == ["demo-mlp.onnx", "features.npy"]
 
 
 def test_admin_keys_and_serve_share_a_data_dir_given_by_option(tmp_path: Path) -> None:

@@ -40,3 +40,16 @@ def test_an_alias_with_a_trailing_newline_is_refused_over_http(client, keys) -> 
     )
     assert response.status_code == 400, response.text
     assert "alias 'prod\\n' is invalid" in response.json()["error"]["message"]
+
+
+def test_a_tenant_name_is_checked_whole(settings) -> None:
+    from api.services import open_database
+    from cloud.auth import create_key
+
+    db = open_database(settings)
+    try:
+        with pytest.raises(InvalidRequest, match=r"tenant name 'acme\\n' is invalid"):
+            create_key(db, "acme\n")
+        assert create_key(db, "acme").startswith("lc_")
+    finally:
+        db.dispose()
