@@ -87,7 +87,9 @@ class Model(Base):
 
 class ModelVersion(Base):
     __tablename__ = "model_versions"
-    __table_args__ = (UniqueConstraint("model_id", "number"),)
+    # a deleted version's id is never given again on SQLite either (PostgreSQL's sequences never
+    # do): a compile or cancel still under way for it can never reach a new version
+    __table_args__ = (UniqueConstraint("model_id", "number"), {"sqlite_autoincrement": True})
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)

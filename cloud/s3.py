@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import RetriesExceededError, S3TransferFailedError, S3UploadFailedError
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -91,6 +91,11 @@ class S3ObjectStore:
         with self._translated(f"read {key!r} from"):
             return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
 
+    def get_file(self, key: str, path: Path) -> None:
+        # download_file streams to disk, in parallel ranged parts above 8 MiB
+        with self._translated(f"read {key!r} from"):
+            self.client.download_file(self.bucket, key, str(path))
+
     def exists(self, key: str) -> bool:
         try:
             with self._translated(f"look up {key!r} in"):
@@ -140,7 +145,7 @@ class S3ObjectStore:
                 else ""
             )
             raise Unreachable(f"{failed} {message or ''}".rstrip() + hint) from None
-        except (BotoCoreError, S3UploadFailedError) as exc:
+        except (BotoCoreError, S3UploadFailedError, S3TransferFailedError, RetriesExceededError) as exc:
             raise Unreachable(f"object store: cannot {action} {self._where}: {exc}") from None
 
 

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
     compile_max_retries: int = 5
     # compiles at a time, taken round-robin across tenants
     compile_workers: int = 1
+    # of those, how many one tenant may hold at once (0: half, rounded up), so that one tenant's
+    # long compiles leave the others a slot
+    compile_slots_per_tenant: int = Field(default=0, ge=0)
+    # one more compile slot, for graphs smaller than this many bytes only, so that a small model
+    # never waits behind a giant (0: no such slot); on Celery these go first in their queue
+    compile_small_graph_bytes: int = Field(default=10 * 1024 * 1024, ge=0)
     # each compile's limits: wall time, and address space of its process
     compile_timeout_s: float = 600.0
     compile_memory_bytes: int = 8 * 1024**3

@@ -31,6 +31,8 @@ class ObjectStore(Protocol):
     # streamed from the file: a large upload never sits whole in memory
     def put_file(self, key: str, path: Path) -> None: ...
     def get(self, key: str) -> bytes: ...
+    # streamed to the file (created or replaced): a large graph never sits whole in memory
+    def get_file(self, key: str, path: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
     def delete_prefix(self, prefix: str) -> None: ...
 
@@ -75,6 +77,14 @@ class LocalObjectStore:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise NotFound(f"object {key!r} not found") from None
+
+    def get_file(self, key: str, path: Path) -> None:
+        try:
+            source = self._path(key).open("rb")
+        except FileNotFoundError:
+            raise NotFound(f"object {key!r} not found") from None
+        with source, path.open("wb") as f:
+            shutil.copyfileobj(source, f, _CHUNK)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -16,9 +16,10 @@ goes through a `progress` callback (see PHASES).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +46,7 @@ from compiler.kernels.precision import (
     tf32_products,
     with_interface_dtypes,
 )
-from compiler.memory import memory_terms
+from compiler.memory import memory_terms, peak_bytes
 from compiler.reference import bind_symbols, run_graph
 from compiler.render.c import prepack_weights, render
 from compiler.render.cuda import (
@@ -133,10 +134,11 @@ def compile_onnx(
     search: bool | None = None,
     progress: Progress | None = None,
     precision: str = EXPORTED,
+    memory_bytes: int | None = None,
 ) -> Artifact:
     check_precision(target, precision)
     _Tracker(progress, _wanted(candidates)).phase("parse")
-    return compile_graph(load_graph(data), target, candidates, search, progress, precision)
+    return compile_graph(load_graph(data), target, candidates, search, progress, precision, memory_bytes)
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -208,16 +210,19 @@ def compile_graph(
     search: bool | None = None,
     progress: Progress | None = None,
     precision: str = EXPORTED,
+    memory_bytes: int | None = None,
 ) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
     rejected, not the compile; the NumPy lowering needs nothing but NumPy and is always a
     candidate. `search` turns the search on or off (None: SEARCH); `progress` is told each
     phase as it begins (see Progress); `precision` is one of compiler.targets.PRECISIONS that the
-    target offers (ValueError otherwise)."""
+    target offers (ValueError otherwise). `memory_bytes` is the compile's memory limit (None:
+    none): a size whose run would pass it is not measured, and a model that passes it at its
+    smallest size fails at once (MemoryBudget)."""
     check_precision(target, precision)
     if is_gpu(target):
-        return _compile_cuda(graph, target, search, progress, precision)
+        return _compile_cuda(graph, target, search, progress, precision, memory_bytes)
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
     started = time.perf_counter()
@@ -229,9 +234,12 @@ def compile_graph(
     native = target == "cpu" and any(name.startswith("native") for name in wanted)
     tracker.phase("lower", "numpy")
     numpy_kernels = CODEGENS[target].generate(graph)
+    terms = memory_terms(graph, numpy_kernels)
+    budget = MemoryBudget(graph, terms, memory_bytes)
+    budget.check_smallest()
     tracker.phase("reference")
-    verify_inputs, expected = verification_case(graph)
-    cases = _measure_cases(graph, verify_inputs) if len(wanted) > 1 else []
+    verify_inputs, expected = verification_case(graph, budget)
+    cases = _measure_cases(graph, verify_inputs, budget) if len(wanted) > 1 else []
     found: list[_Candidate] = []
     rejected: dict[str, str] = {}
     measuring: dict[str, Any] = {}
@@ -259,6 +267,7 @@ def compile_graph(
             found = natives + found
             if len(found) > 1 and cases:
                 measuring = _measure(runner, found, cases, rejected, tracker)
+                measuring["notes"] = budget.notes + measuring["notes"]
     if not found:  # every native candidate failed and NumPy was not asked for: it is the fallback
         tracker.phase("verify", "numpy")
         found.append(_numpy_candidate(graph, numpy_kernels, target, verify_inputs, expected))
@@ -279,14 +288,15 @@ def compile_graph(
         "seconds": round(time.perf_counter() - started, 4),
         "verify_max_abs_error": best.max_error,
     }
-    signature = Signature.of(graph, memory_terms(graph, numpy_kernels))
+    signature = Signature.of(graph, terms)
     return Artifact(
         target, graph.content_hash(), signature, graph, best.kernels, report, best.binaries, program_weights
     )
 
 
 def _compile_cuda(
-    graph: Graph, target: str, search: bool | None, progress: Progress | None, precision: str = EXPORTED
+    graph: Graph, target: str, search: bool | None, progress: Progress | None, precision: str = EXPORTED,
+    memory_bytes: int | None = None,
 ) -> Artifact:
     """The graph as one CUDA program for the GPU type `target`: searched and lowered as for the
     CPU, rendered as CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute
@@ -299,8 +309,11 @@ def _compile_cuda(
     started = time.perf_counter()
     gpu = GPU_TYPES[target]
     tracker = _Tracker(progress, ("cuda",))
+    terms = memory_terms(graph, numpy_cpu.generate(graph))
+    budget = MemoryBudget(graph, terms, memory_bytes)
+    budget.check_smallest()
     tracker.phase("reference")
-    verify_inputs, expected = verification_case(graph)
+    verify_inputs, expected = verification_case(graph, budget)
     searching = SEARCH if search is None else search
     if searching:
         tracker.phase("search")
@@ -325,7 +338,9 @@ def _compile_cuda(
     verified_on = f"{driver.name} ({driver.arch})" if driver is not None else "cpu emulation"
     tolerance = PRECISION_TOLERANCE[precision]
     try:
-        chosen, built = _race_cuda_schedules(program, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, progress)
+        chosen, built = _race_cuda_schedules(
+            program, gpu.arch, graph, (verify_inputs, expected), tolerance, driver, progress, budget
+        )
     finally:
         if driver is not None:
             driver.close()  # (its stream, and cuBLAS's handle and workspace)
@@ -334,6 +349,8 @@ def _compile_cuda(
     measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
     if driver is not None:
         measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
+        if budget.notes:
+            measuring["notes"] = budget.notes
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     chosen_program = scheduled(program, chosen.schedule)
     tiles = _product_tiles(chosen_program, chosen.schedule)
@@ -362,7 +379,7 @@ def _compile_cuda(
         "seconds": round(time.perf_counter() - started, 4),
         "verify_max_abs_error": max_error,
     }
-    signature = Signature.of(graph, memory_terms(graph, numpy_cpu.generate(graph)))
+    signature = Signature.of(graph, terms)
     return Artifact(
         target, graph.content_hash(), signature, graph, [kernel], report, binaries, program_weights,
     )
@@ -370,14 +387,14 @@ def _compile_cuda(
 
 def _race_cuda_schedules(
     program: Program, arch: str, graph: Graph, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], tolerance: float,
-    driver, progress: Progress | None,
+    driver, progress: Progress | None, budget: MemoryBudget | None = None,
 ) -> tuple[_CudaCandidate, list[_CudaCandidate]]:
     """The fastest schedule that verified, and every candidate built. Schedules are compared by
     measurement, so only on a GPU of the target's type (`driver`); elsewhere the default one is
     built and verified in the emulation. The candidates' programs are closed (the chosen one's
     too: the artifact keeps its binaries, not its device memory)."""
     schedules = _cuda_schedules(program, driver.has_cublas) if driver is not None else [DEFAULT_SCHEDULE]
-    cases = _measure_cases(graph, case[0]) if driver is not None else []
+    cases = _measure_cases(graph, case[0], budget) if driver is not None else []
     tracker = _Tracker(progress, [schedule.name for schedule in schedules])
     built: list[_CudaCandidate] = []
     for schedule in schedules:
@@ -737,22 +754,120 @@ def _loop_flops(program: Any, inputs: dict[str, np.ndarray], graph: Graph) -> fl
     return total
 
 
+# ---- memory -----------------------------------------------------------------------------------
+
+# inputs are drawn as float64 and then narrowed: while one is drawn it needs about twice its
+# float32 bytes more
+_DRAW_OVERHEAD = 2
+
+
+class MemoryBudget:
+    """Whether the compile can run the graph at given symbol sizes within its memory limit (its
+    process's address-space limit, which the compile sandbox sets; None: no limit): what the
+    process holds now (the model's weights among it), the inputs at those sizes as they are
+    drawn, and the peak of live values the program holds (compiler/memory.py). A size that
+    would not fit is passed over before its inputs are made, and noted for the report: measuring
+    at a full batch of a large model used to take the only compile slot for most of a minute
+    before failing on the limit."""
+
+    def __init__(self, graph: Graph, terms: Sequence[str], limit: int | None) -> None:
+        self.graph = graph
+        self.terms = terms
+        self.limit = limit
+        # the sizes passed over, and why: the report's measuring notes
+        self.notes: list[str] = []
+
+    def need(self, sizes: Mapping[str, int]) -> int | None:
+        """Bytes the process would hold while running at `sizes` (symbol -> size, as
+        sample_inputs takes them); None when the sizes do not bind every symbol of the terms."""
+        bindings: dict[str, int] = {}
+        drawn = 0
+        for _, shape, dtype in self.graph.input_specs():
+            concrete = [_sample_size(self.graph, d, sizes) if isinstance(d, SymDim) else int(d) for d in shape]
+            for declared, size in zip(shape, concrete):
+                if isinstance(declared, SymDim) and (symbol := declared.as_symbol()) is not None:
+                    bindings[symbol] = size
+            drawn += math.prod(concrete) * numpy_dtype(dtype).itemsize
+        try:
+            values = peak_bytes(self.terms, bindings) if self.terms else 0
+        except (ValueError, KeyError, ArithmeticError):  # (ShapeError is a ValueError)
+            return None
+        return _address_space_in_use() + values + _DRAW_OVERHEAD * drawn
+
+    def fits(self, sizes: Mapping[str, int], label: str | None = None) -> bool:
+        """Whether running at `sizes` fits; when not and a `label` is given, a note says so."""
+        over = self._over(sizes)
+        if over is not None and label is not None:
+            self.notes.append(f"{label} not measured: {over}")
+        return over is None
+
+    def largest(self, symbol_sizes: Sequence[int], what: str) -> int | None:
+        """The first of `symbol_sizes` (every symbol at it) that fits, or None; a note for each
+        passed over."""
+        for size in symbol_sizes:
+            over = self._over(_wanted_sizes(self.graph, size))
+            if over is None:
+                return size
+            self.notes.append(f"{what} {size} passed over: {over}")
+        return None
+
+    def check_smallest(self) -> None:
+        """CompilerError, at once, when even one run at the smallest sizes (every symbol 1) would
+        pass the limit: it could be neither verified nor served."""
+        if self.limit is None:
+            return
+        held = _address_space_in_use()
+        need = self.need(_wanted_sizes(self.graph, 1))
+        if need is not None and need > self.limit:
+            raise CompilerError(
+                f"the model needs about {_gib(need - held)} of memory to run once at its smallest size "
+                f"(every symbol 1), besides the {_gib(held)} the compiler holds with its weights: "
+                f"more than the limit of {self.limit / 2**30:g} GiB"
+            )
+
+    def _over(self, sizes: Mapping[str, int]) -> str | None:
+        """Why running at `sizes` does not fit, or None when it does (or nobody knows)."""
+        need = None if self.limit is None else self.need(sizes)
+        if need is None or need <= self.limit:
+            return None
+        return f"it needs about {_gib(need)}, over the compile's memory limit of {self.limit / 2**30:g} GiB"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def _address_space_in_use() -> int:
+    """This process's address space in bytes, what its limit (RLIMIT_AS) counts; 0 where /proc
+    does not say (no such limit is set there)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 # ---- measuring --------------------------------------------------------------------------------
 
 
 def _measure_cases(
-    graph: Graph, verify_inputs: dict[str, np.ndarray]
+    graph: Graph, verify_inputs: dict[str, np.ndarray], budget: MemoryBudget | None = None
 ) -> list[tuple[str, dict[str, np.ndarray]]]:
     """The inputs candidates are timed on, by size label: the small size (the verification case
     when the model does not allow it), a request's size (MEASURE_REQUEST_SEQUENCE), then the large
     one, each where the model's limits let it differ from those before. Integer inputs are all 0:
-    always a valid index, whatever the indexed axis."""
-    small = sample_inputs(graph, seed=1, int_high=1, symbol_size=MEASURE_SYMBOL_SIZE)
+    always a valid index, whatever the indexed axis. A size that does not fit the `budget` is
+    replaced by a smaller one (the small size down to 1, the large down to half), or left out."""
+    budget = budget or MemoryBudget(graph, [], None)
+    small_size = budget.largest(_halvings(MEASURE_SYMBOL_SIZE), "the small measuring size")
+    if small_size is None:
+        return [(str(VERIFY_SYMBOL_SIZE), verify_inputs)]
+    small = sample_inputs(graph, seed=1, int_high=1, symbol_size=small_size)
     try:
         run_graph(graph, small) if graph.size_limits else None
     except (ShapeError, IndexError):
         return [(str(VERIFY_SYMBOL_SIZE), verify_inputs)]  # sizes the model does not allow together
-    cases = [(str(MEASURE_SYMBOL_SIZE), small)]
+    cases = [(str(small_size), small)]
     batch = Signature.of(graph).batch_symbol
     request = {
         s: 1 if s == batch else min(MEASURE_REQUEST_SEQUENCE, graph.size_limits.get(s, MEASURE_REQUEST_SEQUENCE))
@@ -760,13 +875,17 @@ def _measure_cases(
     }
     request_label = ",".join(f"{s}={v}" for s, v in request.items())
     try:
-        served = sample_inputs(graph, seed=1, int_high=1, sizes=request)
-        run_graph(graph, served) if graph.size_limits else None
-        cases.append((request_label, served))
+        if budget.fits(request, f"size {request_label}"):
+            served = sample_inputs(graph, seed=1, int_high=1, sizes=request)
+            run_graph(graph, served) if graph.size_limits else None
+            cases.append((request_label, served))
     except (ShapeError, IndexError):
         pass  # sizes the model does not allow together
-    large = sample_inputs(graph, seed=1, int_high=1, symbol_size=MEASURE_LARGE_SYMBOL_SIZE)
-    cases.append((str(MEASURE_LARGE_SYMBOL_SIZE), large))
+    large_sizes = (MEASURE_LARGE_SYMBOL_SIZE, MEASURE_LARGE_SYMBOL_SIZE // 2)
+    large_size = budget.largest([size for size in large_sizes if size > small_size], "the large measuring size")
+    if large_size is not None:
+        large = sample_inputs(graph, seed=1, int_high=1, symbol_size=large_size)
+        cases.append((str(large_size), large))
     distinct: list[tuple[str, dict[str, np.ndarray]]] = []
     for label, inputs in cases:
         if not any(all(inputs[k].shape == seen[k].shape for k in inputs) for _, seen in distinct):
@@ -871,21 +990,27 @@ def _choose(found: list[_Candidate]) -> _Candidate:
     return best
 
 
-def verification_case(graph: Graph) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def verification_case(
+    graph: Graph, budget: MemoryBudget | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Random inputs and the reference's outputs for them. Each symbol has its own size, so a
     program that reads one symbol for another (batch for seq) disagrees; all share one size only
-    when the model does not run with different ones."""
-    try:
-        inputs = sample_inputs(graph, distinct=True)
-        return inputs, run_graph(graph, inputs)
-    except (ValueError, IndexError):  # (ShapeError is a ValueError)
-        pass
-    inputs = sample_inputs(graph)
+    when the model does not run with different ones, or when distinct sizes do not fit the
+    `budget` (then the largest size up to VERIFY_SYMBOL_SIZE that fits)."""
+    budget = budget or MemoryBudget(graph, [], None)
+    if budget.fits(_wanted_sizes(graph, VERIFY_SYMBOL_SIZE, distinct=True)):
+        try:
+            inputs = sample_inputs(graph, distinct=True)
+            return inputs, run_graph(graph, inputs)
+        except (ValueError, IndexError):  # (ShapeError is a ValueError)
+            pass
+    size = budget.largest(_halvings(VERIFY_SYMBOL_SIZE), "the verification size") or 1
+    inputs = sample_inputs(graph, symbol_size=size)
     try:
         return inputs, run_graph(graph, inputs)
     except IndexError:
         # integer inputs used as indices may be out of range at random; index 0 is always valid
-        inputs = sample_inputs(graph, int_high=1)
+        inputs = sample_inputs(graph, int_high=1, symbol_size=size)
         return inputs, run_graph(graph, inputs)
 
 
@@ -898,8 +1023,7 @@ def sample_inputs(
     as `sizes` gives (each within the model's size limit)."""
     rng = np.random.default_rng(seed)
     specs = graph.input_specs()
-    wanted = {name: symbol_size + (k if distinct else 0) for k, name in enumerate(_input_symbols(graph))}
-    wanted.update(sizes or {})
+    wanted = {**_wanted_sizes(graph, symbol_size, distinct), **(sizes or {})}
     inputs = {}
     for name, shape, dtype in specs:
         concrete = tuple(_sample_size(graph, d, wanted) if isinstance(d, SymDim) else d for d in shape)
@@ -910,6 +1034,16 @@ def sample_inputs(
         else:
             inputs[name] = rng.integers(0, int_high, concrete).astype(numpy_dtype(dtype))
     return inputs
+
+
+def _wanted_sizes(graph: Graph, symbol_size: int, distinct: bool = False) -> dict[str, int]:
+    """Each input symbol at `symbol_size`, or with `distinct` at symbol_size, symbol_size + 1, ..."""
+    return {name: symbol_size + (k if distinct else 0) for k, name in enumerate(_input_symbols(graph))}
+
+
+def _halvings(size: int) -> list[int]:
+    """size, size // 2, ... down to 1."""
+    return [size >> k for k in range(size.bit_length())]
 
 
 def _input_symbols(graph: Graph) -> list[str]:

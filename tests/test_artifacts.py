@@ -91,9 +91,9 @@ def test_the_cache_reuses_an_artifact_only_for_the_same_options_and_cpu(tmp_path
     services = build_services(make_settings(tmp_path / "data"))
     compiled: list[tuple[int, str]] = []
 
-    def counting(version_id: int, data: bytes, target: str, progress=None, precision="exported") -> Artifact:
+    def counting(version_id: int, graph: Path, target: str, progress=None, precision="exported") -> Artifact:
         compiled.append((version_id, target))
-        return compile_onnx(data, target, candidates=("native-blas",), progress=progress)
+        return compile_onnx(graph.read_bytes(), target, candidates=("native-blas",), progress=progress)
 
     try:
         registry, store = services.registry, services.store

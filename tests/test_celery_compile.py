@@ -28,12 +28,14 @@ from tests.onnx_models import heavy_compile_model, mlp
 from tests.processes import ServiceProcess, flushed_redis, free_port
 from worker.celery_app import (
     COMPILE_TASK,
+    LARGE_PRIORITY,
     WorkerContext,
     compile_lease,
     compile_queue,
     make_celery,
     redelivery_s,
 )
+from worker.sandbox import CompileHandle
 
 # a Redis database of its own, emptied before each test: queues and leases start empty
 REDIS_DB = 11
@@ -228,3 +230,44 @@ def test_deleting_a_model_stops_its_compile_on_the_worker(settings, keys, start_
             time.sleep(0.05)
     assert "succeeded in" in worker.text() and ": None" in worker.text()
     assert "ran longer than the limit" not in worker.text()
+
+
+def test_small_graphs_are_compiled_before_giants_that_queued_first(settings, keys, start_worker, redis_url) -> None:
+    # 25 KB is a giant here, 1 KB small
+    small_first = settings.model_copy(update={"compile_small_graph_bytes": 4096})
+    with TestClient(create_app(small_first)) as client:
+        upload(client, keys["alice"], "giant", mlp(hidden=512).SerializeToString())
+        upload(client, keys["bob"], "small", mlp().SerializeToString())
+        compiler = client.app.state.services.compiler
+        deadline = time.monotonic() + 10
+        while compiler.pending():
+            assert time.monotonic() < deadline, "the outbox did not send"
+            time.sleep(0.02)
+        queued = redis.Redis.from_url(redis_url)
+        # Redis keeps one list per priority; the worker reads the first (the small graphs') first
+        assert queued.llen(compile_queue("cpu")) == 1
+        assert queued.llen(f"{compile_queue('cpu')}\x06\x16{LARGE_PRIORITY}") == 1
+        queued.close()
+        worker = start_worker()
+        assert wait_for(client, keys["alice"], "giant", 1)["status"] == "ready"
+        assert wait_for(client, keys["bob"], "small", 1)["status"] == "ready"
+    log = worker.text()
+    assert log.index("version 2 ready in") < log.index("version 1 ready in"), log
+
+
+def test_the_lease_stops_its_own_compile_once_the_version_is_deleted(redis_url) -> None:
+    client = redis.Redis.from_url(redis_url)
+
+    class Deleted:
+        def get_version(self, version_id: int) -> None:
+            return None
+
+    context = WorkerContext(registry=Deleted(), sandbox=None, options={}, redis=client, holder="a")  # type: ignore[arg-type]
+    handle = CompileHandle(7)
+    with compile_lease(context, 7, handle) as held:
+        assert held
+        deadline = time.monotonic() + 10
+        while not handle.cancelled:
+            assert time.monotonic() < deadline, "the lease did not stop the compile"
+            time.sleep(0.05)
+    client.close()

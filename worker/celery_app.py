@@ -3,11 +3,14 @@
 The task is a thin wrapper over worker.compile.compile_version. A message is acknowledged only
 after its compile ends (acks_late), so a worker killed midway leaves it in Redis, and the broker
 hands it to a worker again once its visibility timeout passes. Two deliveries of one version
-never compile at once: a worker holds a lease on the version in Redis while it compiles.
+never compile at once: a worker holds a lease on the version in Redis while it compiles. Graphs
+under compile_small_graph_bytes are sent at the highest priority, so a worker takes them before
+any waiting giant.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -26,7 +29,7 @@ from kombu.exceptions import KombuError
 from cloud.settings import Settings, get_settings
 from registry import Registry
 from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
-from worker.sandbox import Sandbox
+from worker.sandbox import CompileHandle, Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,9 @@ COMPILE_TASK = "luminal.compile_version"
 # the broker's visibility timeout hands its message to another worker
 LEASE_S = 10.0
 HEARTBEAT_S = 2.0
+# message priorities on the Redis broker, where 0 is taken first: small graphs, then the rest
+SMALL_PRIORITY = 0
+LARGE_PRIORITY = 6
 
 
 def compile_queue(target: str) -> str:
@@ -61,6 +67,8 @@ def make_celery(settings: Settings) -> Celery:
         task_time_limit=settings.compile_timeout_s + LEASE_S,
         broker_transport_options={
             "visibility_timeout": redelivery_s(settings),
+            # one Redis list per priority, read in this order (kombu's default steps)
+            "priority_steps": [SMALL_PRIORITY, 3, LARGE_PRIORITY, 9],
             # look for messages of dead workers every few seconds, not every 100 s
             "unacked_restore_interval": 5,
             "unacked_restore_throttle": 1,
@@ -122,9 +130,9 @@ def _lease_key(version_id: int) -> str:
 
 
 @contextmanager
-def compile_lease(context: WorkerContext, version_id: int) -> Iterator[bool]:
+def compile_lease(context: WorkerContext, version_id: int, handle: CompileHandle | None = None) -> Iterator[bool]:
     """Yields whether this process holds the version's lease. While held, a thread renews it
-    and stops the compile if the version is deleted."""
+    and stops the compile of `handle` if the version is deleted."""
     key = _lease_key(version_id)
     if not context.redis.set(key, context.holder, nx=True, px=int(LEASE_S * 1000)):
         yield False
@@ -135,8 +143,8 @@ def compile_lease(context: WorkerContext, version_id: int) -> Iterator[bool]:
         while not done.wait(HEARTBEAT_S):
             try:
                 context.redis.set(key, context.holder, xx=True, px=int(LEASE_S * 1000))
-                if context.registry.get_version(version_id) is None:
-                    context.sandbox.cancel(version_id)
+                if handle is not None and context.registry.get_version(version_id) is None:
+                    handle.cancel()
             except Exception:  # an outage must not end the compile; the next beat retries
                 log.warning("renewing the compile lease of version %s failed", version_id, exc_info=True)
 
@@ -153,11 +161,17 @@ def compile_lease(context: WorkerContext, version_id: int) -> Iterator[bool]:
 
 def _compile_task(task, version_id: int) -> str | None:
     context = worker_context()
-    with compile_lease(context, version_id) as held:
+    # this delivery's compile, and nothing after it: what the lease's watch cancels
+    handle = CompileHandle(version_id)
+    with compile_lease(context, version_id, handle) as held:
         if not held:
             log.info("version %s is compiling in another worker; this delivery ends", version_id)
             return "leased"
-        return compile_version(version_id, context.registry, context.sandbox.compile, context.options)
+        compile_fn = functools.partial(context.sandbox.compile, handle=handle)
+        status = compile_version(version_id, context.registry, compile_fn, context.options)
+    if status == "queued":  # stopped while its version remains: compiled again, never left compiling
+        raise task.retry(countdown=1)
+    return status
 
 
 def run_worker(settings: Settings, targets: tuple[str, ...], concurrency: int, loglevel: str = "INFO") -> None:
@@ -189,7 +203,9 @@ class CeleryCompileQueue:
     def __init__(self, registry: Registry, settings: Settings) -> None:
         self.registry = registry
         self.app = make_celery(settings)
-        self._outbox: dict[int, str] = {}  # version id -> target, in submission order
+        self.small_graph_bytes = settings.compile_small_graph_bytes
+        # version id -> (target, priority), in submission order
+        self._outbox: dict[int, tuple[str, int]] = {}
         self._wake = threading.Condition()
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name="compile-outbox", daemon=True)
@@ -199,8 +215,9 @@ class CeleryCompileQueue:
         version = self.registry.get_version(version_id)
         if version is None:
             return
+        small = version.graph_bytes < self.small_graph_bytes
         with self._wake:
-            self._outbox[version_id] = version.target
+            self._outbox[version_id] = (version.target, SMALL_PRIORITY if small else LARGE_PRIORITY)
             self._wake.notify()
 
     def cancel(self, version_ids: list[int]) -> None:
@@ -224,12 +241,13 @@ class CeleryCompileQueue:
                     self._wake.wait()
                 if self._closed:
                     return
-                version_id, target = next(iter(self._outbox.items()))
+                version_id, (target, priority) = next(iter(self._outbox.items()))
             try:
                 self.app.send_task(
                     COMPILE_TASK,
                     args=[version_id],
                     queue=compile_queue(target),
+                    priority=priority,
                     retry=False,
                     # the version's row says how it went: no subscription to a result nobody reads
                     ignore_result=True,
@@ -242,7 +260,7 @@ class CeleryCompileQueue:
                 continue
             delay = 0.5
             with self._wake:
-                if self._outbox.get(version_id) == target:
+                if self._outbox.get(version_id) == (target, priority):
                     del self._outbox[version_id]
 
     def pending(self) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import redis
@@ -39,18 +41,18 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 
 
 class CompileFn(Protocol):
-    """(version id, graph bytes, target, precision) -> artifact, in this process or in a
+    """(version id, the graph's file, target, precision) -> artifact, in this process or in a
     sandbox's child, telling `progress` what the compile is doing as it goes."""
 
     def __call__(
-        self, version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+        self, version_id: int, graph: Path, target: str, progress: Progress | None = None, precision: str = EXPORTED
     ) -> Artifact: ...
 
 
 def compile_here(
-    version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+    version_id: int, graph: Path, target: str, progress: Progress | None = None, precision: str = EXPORTED
 ) -> Artifact:
-    return compile_onnx(data, target, progress=progress, precision=precision)
+    return compile_onnx(graph.read_bytes(), target, progress=progress, precision=precision)
 
 
 class ProgressWriter:
@@ -127,8 +129,10 @@ def compile_version(
 ) -> str | None:
     """Compile a queued version for its target in its precision with `compile_fn`, which
     compiles with `options` (the defaults' when None); idempotent, and an artifact compiled
-    before from the same bytes with the same options and precision is reused. Returns the final
-    status (None if deleted or stopped midway, which leaves it to be resumed)."""
+    before from the same bytes with the same options and precision is reused. The graph reaches
+    `compile_fn` as a temporary file streamed from the store. Returns the final status: None if
+    the version was deleted, "queued" if its compile was cancelled while the version remains
+    (the caller queues it again). Only a process that stops midway leaves it "compiling"."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -145,11 +149,15 @@ def compile_version(
         artifact = _cached_artifact(store, key)
         cached = artifact is not None
         if artifact is None:
-            data = store.get(version.graph_key)
-            artifact = compile_fn(version_id, data, version.target, progress=progress, precision=version.precision)
+            with tempfile.TemporaryDirectory(prefix="luminal-compile-") as folder:
+                graph = Path(folder) / "graph.onnx"
+                store.get_file(version.graph_key, graph)
+                artifact = compile_fn(
+                    version_id, graph, version.target, progress=progress, precision=version.precision
+                )
             save_artifact(store, key, artifact)
     except CompileCancelled:
-        return None
+        return _after_cancel(registry, version_id)
     except UnsupportedModel as exc:
         message = "the graph uses operations the compiler does not support: " + ", ".join(exc.missing)
         return _fail(registry, version_id, message, started)
@@ -179,6 +187,16 @@ def compile_version(
     metrics.COMPILES.labels("cached" if cached else "ready").inc()
     metrics.COMPILE_SECONDS.observe(seconds)
     return "ready"
+
+
+def _after_cancel(registry: Registry, version_id: int) -> str | None:
+    """None when the version is gone, as a cancel means; else (a cancel meant for a deleted
+    version, or the server stopping) it is queued again, never left compiling."""
+    if registry.get_version(version_id) is None:
+        return None
+    registry.set_status(version_id, "queued", report=None)
+    log.info("the compile of version %s was stopped while the version remains; queued again", version_id)
+    return "queued"
 
 
 def _cached_artifact(store: ObjectStore, key: str) -> Artifact | None:

@@ -1,15 +1,23 @@
-"""The embedded compile pool: a bounded number of compiles at a time, taken fairly across
-tenants, each in a child process (worker/sandbox.py) that DELETE can stop."""
+"""The embedded compile pool: a bounded number of compiles at a time, each in a child process
+(worker/sandbox.py) that DELETE can stop.
+
+Who runs next is SlotScheduler's decision alone (no threads, no I/O): tenants are served
+round-robin, one tenant holds at most a share of the slots, and one extra slot runs small graphs
+only, so a demo never waits behind another tenant's giant."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from registry import Registry
-from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
-from worker.sandbox import Sandbox
+from worker.compile import TRANSIENT_ERRORS, compile_version
+from worker.sandbox import CompileHandle, Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -17,96 +25,209 @@ log = logging.getLogger(__name__)
 OUTAGE_RETRY_S = 5.0
 
 
-class FairQueue:
-    """Version ids queued per tenant, taken round-robin: one tenant's hundred uploads wait
-    behind every other tenant's next one."""
+@dataclass(frozen=True)
+class CompileJob:
+    """A version waiting for a compile slot, or holding one."""
 
-    def __init__(self) -> None:
-        # tenant -> its queued version ids; the first tenant is the next to be served
-        self._queues: OrderedDict[int, deque[int]] = OrderedDict()
-        self._ready = threading.Condition()
-        self._closed = False
+    version_id: int
+    # whose turn it takes in the round-robin, and whose share of the slots it counts against
+    tenant_id: int
+    # the uploaded graph's size: under the small-graph threshold it may take the small slot
+    graph_bytes: int
 
-    def put(self, tenant_id: int, version_id: int) -> None:
-        with self._ready:
-            self._queues.setdefault(tenant_id, deque()).append(version_id)
-            self._ready.notify()
 
-    def get(self) -> int | None:
-        """The next version id, blocking; None once closed."""
-        with self._ready:
-            while not self._queues and not self._closed:
-                self._ready.wait()
-            if self._closed:
-                return None
-            tenant_id, queue = next(iter(self._queues.items()))
-            version_id = queue.popleft()
+class SlotScheduler:
+    """Which queued compile runs next, and in which slot.
+
+    General slots (as many as the pool has threads for) take any graph, a tenant holding at most
+    `per_tenant` of them at once (the others' compiles are never all stuck behind one tenant's).
+    One more slot, when `small_bytes` > 0, takes only graphs smaller than that; a general slot
+    leaves those to it while it is free, so as to stay free for a giant. Within a kind of slot,
+    tenants are served round-robin: one tenant's hundred uploads wait behind every other
+    tenant's next one.
+    The pool calls `put` and `remove` as versions are queued and deleted, `take` when a slot is
+    free (the job then holds the slot) and `done` when its compile ends."""
+
+    def __init__(self, per_tenant: int, small_bytes: int) -> None:
+        self.per_tenant = per_tenant
+        self.small_bytes = small_bytes
+        # tenant -> its queued jobs, oldest first; the first tenant is the next to be served
+        self._queues: OrderedDict[int, deque[CompileJob]] = OrderedDict()
+        # tenant -> the general slots it holds
+        self._holding: dict[int, int] = {}
+        self._small_busy = False
+
+    def put(self, job: CompileJob) -> None:
+        self._queues.setdefault(job.tenant_id, deque()).append(job)
+
+    def remove(self, version_id: int) -> bool:
+        """Whether the version was queued (it is no longer)."""
+        for tenant_id, queue in self._queues.items():
+            job = next((j for j in queue if j.version_id == version_id), None)
+            if job is not None:
+                queue.remove(job)
+                if not queue:
+                    del self._queues[tenant_id]
+                return True
+        return False
+
+    def take(self, small_slot: bool) -> CompileJob | None:
+        """The next job a free slot of this kind may run, now holding it; None when none may."""
+        small_slot_free = self.small_bytes > 0 and not self._small_busy
+        for tenant_id, queue in self._queues.items():
+            if small_slot:
+                job = next((j for j in queue if j.graph_bytes < self.small_bytes), None)
+            elif self._holding.get(tenant_id, 0) < self.per_tenant:
+                job = next((j for j in queue if not (small_slot_free and j.graph_bytes < self.small_bytes)), None)
+            else:
+                job = None
+            if job is None:
+                continue
+            queue.remove(job)
             del self._queues[tenant_id]
             if queue:
                 self._queues[tenant_id] = queue  # to the back of the line
-            return version_id
+            if small_slot:
+                self._small_busy = True
+            else:
+                self._holding[tenant_id] = self._holding.get(tenant_id, 0) + 1
+            return job
+        return None
 
-    def remove(self, version_id: int) -> bool:
-        with self._ready:
-            for tenant_id, queue in list(self._queues.items()):
-                if version_id in queue:
-                    queue.remove(version_id)
-                    if not queue:
-                        del self._queues[tenant_id]
-                    return True
-        return False
+    def done(self, job: CompileJob, small_slot: bool) -> None:
+        """The job's compile ended: its slot is free."""
+        if small_slot:
+            self._small_busy = False
+        else:
+            self._holding[job.tenant_id] -= 1
+            if not self._holding[job.tenant_id]:
+                del self._holding[job.tenant_id]
 
-    def close(self) -> None:
-        with self._ready:
-            self._closed = True
-            self._ready.notify_all()
+    def queued(self) -> list[int]:
+        """Queued version ids, in no particular order."""
+        return [job.version_id for queue in self._queues.values() for job in queue]
+
+
+def tenant_share(workers: int, configured: int) -> int:
+    """The general slots one tenant may hold: `configured`, or half of them rounded up when 0."""
+    return configured if configured > 0 else max(1, math.ceil(workers / 2))
+
+
+# compiles one version under a handle that stops it; returns compile_version's status
+type RunFn = Callable[[int, CompileHandle], str | None]
 
 
 class EmbeddedCompilePool:
+    """`workers` general compile threads and, when `small_graph_bytes` > 0, one for small graphs,
+    fed by a SlotScheduler. Each running compile has a CompileHandle: cancelling a version stops
+    its compile if it is queued or running, and does nothing otherwise."""
+
     def __init__(
         self,
         registry: Registry,
         workers: int,
-        timeout_s: float,
-        memory_bytes: int,
-        candidates: tuple[str, ...],
-        search: bool = True,
+        run: RunFn,
+        slots_per_tenant: int = 0,
+        small_graph_bytes: int = 0,
     ) -> None:
         self.registry = registry
-        self.sandbox = Sandbox(timeout_s, memory_bytes, candidates, search)
-        self.options = compile_options(candidates, search)
-        self._queue = FairQueue()
-        self._tenants: dict[int, int] = {}  # version id -> tenant, to queue a retry fairly
+        self._run = run
+        self._scheduler = SlotScheduler(tenant_share(workers, slots_per_tenant), small_graph_bytes)
+        self._changed = threading.Condition()
+        # version id -> the handle of its running compile
+        self._running: dict[int, CompileHandle] = {}
+        self._closed = False
+        # one thread per slot: (its name, whether it is the small graphs' slot)
+        slots = [(f"compile-{i}", False) for i in range(workers)]
+        if small_graph_bytes > 0:
+            slots.append(("compile-small", True))
         self._threads = [
-            threading.Thread(target=self._work, name=f"compile-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._work, args=(small,), name=name, daemon=True) for name, small in slots
         ]
         for thread in self._threads:
             thread.start()
 
-    def _work(self) -> None:
-        while (version_id := self._queue.get()) is not None:
+    @classmethod
+    def with_sandbox(
+        cls,
+        registry: Registry,
+        sandbox: Sandbox,
+        options: dict[str, object],
+        workers: int,
+        slots_per_tenant: int = 0,
+        small_graph_bytes: int = 0,
+    ) -> EmbeddedCompilePool:
+        """A pool whose compiles run in `sandbox`'s child processes with `options`."""
+
+        def run(version_id: int, handle: CompileHandle) -> str | None:
+            compile_fn = functools.partial(sandbox.compile, handle=handle)
+            return compile_version(version_id, registry, compile_fn, options)
+
+        return cls(registry, workers, run, slots_per_tenant, small_graph_bytes)
+
+    def _next(self, small_slot: bool) -> tuple[CompileJob, CompileHandle] | None:
+        with self._changed:
+            while not self._closed:
+                job = self._scheduler.take(small_slot)
+                if job is not None:
+                    # registered as it is taken: a cancel from now on reaches this compile
+                    handle = self._running[job.version_id] = CompileHandle(job.version_id)
+                    return job, handle
+                self._changed.wait()
+            return None
+
+    def _work(self, small_slot: bool) -> None:
+        while (taken := self._next(small_slot)) is not None:
+            job, handle = taken
             try:
-                compile_version(version_id, self.registry, self.sandbox.compile, self.options)
+                status = self._run(job.version_id, handle)
             except TRANSIENT_ERRORS as exc:
-                log.warning("compiling version %s met an outage (%s); queued again", version_id, exc)
-                retry = threading.Timer(OUTAGE_RETRY_S, self._resubmit, (version_id,))
+                log.warning("compiling version %s met an outage (%s); queued again", job.version_id, exc)
+                retry = threading.Timer(OUTAGE_RETRY_S, self._put, (job,))
                 retry.daemon = True
                 retry.start()
-            else:
-                self._tenants.pop(version_id, None)
+                status = None
+            except Exception:  # a bug here must not end the thread, and with it the slot
+                log.exception("the compile of version %s raised", job.version_id)
+                status = None
+            with self._changed:
+                if self._running.get(job.version_id) is handle:
+                    del self._running[job.version_id]
+                self._scheduler.done(job, small_slot)
+                self._changed.notify_all()
+            if status == "queued":  # stopped while its version remained: its turn comes again
+                self._put(job)
 
     def submit(self, version_id: int, tenant_id: int) -> None:
-        self._tenants[version_id] = tenant_id
-        self._queue.put(tenant_id, version_id)
+        version = self.registry.get_version(version_id)
+        if version is not None:
+            self._put(CompileJob(version_id, tenant_id, version.graph_bytes))
 
-    def _resubmit(self, version_id: int) -> None:
-        self.submit(version_id, self._tenants[version_id])
+    def _put(self, job: CompileJob) -> None:
+        with self._changed:
+            if self._closed:
+                return
+            self._scheduler.put(job)
+            self._changed.notify_all()
 
     def cancel(self, version_ids: list[int]) -> None:
-        """Stops the compiles of deleted versions, queued or running."""
-        for version_id in version_ids:
-            if not self._queue.remove(version_id):
-                self.sandbox.cancel(version_id)
+        """Stops the compiles of deleted versions, queued or running; nothing for the others."""
+        with self._changed:
+            handles = [
+                self._running[version_id]
+                for version_id in version_ids
+                if not self._scheduler.remove(version_id) and version_id in self._running
+            ]
+        for handle in handles:
+            handle.cancel()
+
+    def running(self) -> list[int]:
+        with self._changed:
+            return list(self._running)
+
+    def queued(self) -> list[int]:
+        with self._changed:
+            return self._scheduler.queued()
 
     def resume_unfinished(self) -> None:
         """Re-queues what a previous process left unfinished; a compile that was interrupted
@@ -115,8 +236,11 @@ class EmbeddedCompilePool:
             self.submit(version_id, tenant_id)
 
     def shutdown(self) -> None:
-        self._queue.close()
-        for version_id in list(self.sandbox.running()):
-            self.sandbox.cancel(version_id)
+        with self._changed:
+            self._closed = True
+            handles = list(self._running.values())
+            self._changed.notify_all()
+        for handle in handles:
+            handle.cancel()
         for thread in self._threads:
             thread.join(timeout=30)

@@ -21,13 +21,17 @@ def make_compile_queue(settings: Settings, registry: Registry) -> CompileQueue:
         from worker.celery_app import CeleryCompileQueue
 
         return CeleryCompileQueue(registry, settings)
+    from worker.compile import compile_options
     from worker.pool import EmbeddedCompilePool
+    from worker.sandbox import Sandbox
 
-    return EmbeddedCompilePool(
+    candidates, search = settings.compile_candidates, settings.compile_search
+    sandbox = Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search)
+    return EmbeddedCompilePool.with_sandbox(
         registry,
+        sandbox,
+        compile_options(candidates, search),
         settings.compile_workers,
-        settings.compile_timeout_s,
-        settings.compile_memory_bytes,
-        settings.compile_candidates,
-        settings.compile_search,
+        slots_per_tenant=settings.compile_slots_per_tenant,
+        small_graph_bytes=settings.compile_small_graph_bytes,
     )

@@ -3,8 +3,9 @@
 A graph may ask the compiler for unbounded time or memory (twenty nested If levels, a constant
 expanded to 10^12 elements): in a child, that costs the child only. Children fork from a
 forkserver that has the compiler imported, so each starts in milliseconds without inheriting
-the server's threads. A child sends its compile's progress over its pipe before the answer;
-the parent hands it to the caller's callback.
+the server's threads. A child reads the graph's file itself, so the server never holds a
+graph whole. It sends its compile's progress over its pipe before the answer; the parent hands
+it to the caller's callback. Each compile has a CompileHandle, which is what DELETE cancels.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
@@ -39,7 +41,7 @@ class CompileCrashed(CompilerError):
 
 
 class CompileCancelled(CompilerError):
-    """The version was deleted while it compiled."""
+    """The compile was stopped through its handle (its version was deleted)."""
 
 
 class _ProgressSender:
@@ -61,7 +63,7 @@ class _ProgressSender:
 
 def _compile_child(
     conn: Connection,
-    data: bytes,
+    graph: Path | bytes,
     target: str,
     memory_bytes: int,
     candidates: tuple[str, ...] | None,
@@ -72,7 +74,8 @@ def _compile_child(
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn), precision)
+        data = graph.read_bytes() if isinstance(graph, Path) else graph
+        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn), precision, memory_bytes)
         conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
@@ -94,8 +97,44 @@ def _kill_group(child: multiprocessing.Process) -> None:
         child.kill()  # not started, already gone, or the group was never made
 
 
+class CompileHandle:
+    """One compile, from when its job is taken until it ends: what a cancel names. A version id
+    can come back (SQLite gives a deleted row's id again), a handle cannot: cancelling a compile
+    that has ended, or one that never started, touches no other compile."""
+
+    def __init__(self, version_id: int) -> None:
+        self.version_id = version_id
+        self._lock = threading.Lock()
+        self._cancelled = False
+        # the compile's process while it runs
+        self._child: multiprocessing.Process | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stops the compile: at once when its process runs, before it starts otherwise."""
+        with self._lock:
+            self._cancelled = True
+            child = self._child
+        if child is not None:
+            _kill_group(child)
+
+    def _start(self, child: multiprocessing.Process) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise CompileCancelled(f"version {self.version_id} was deleted")
+            child.start()
+            self._child = child
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._child = None
+
+
 class Sandbox:
-    """Runs compile_onnx in child processes; `cancel` stops a running one."""
+    """Runs compile_onnx in child processes; a compile's CompileHandle stops it."""
 
     def __init__(
         self,
@@ -111,40 +150,45 @@ class Sandbox:
         self.search = search
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["compiler", "worker.sandbox"])
-        self._running: dict[int, multiprocessing.Process] = {}
-        self._cancelled: set[int] = set()
-        self._lock = threading.Lock()
 
     def compile(
-        self, version_id: int, data: bytes, target: str, progress: Progress | None = None, precision: str = EXPORTED
+        self,
+        version_id: int,
+        graph: Path | bytes,
+        target: str,
+        progress: Progress | None = None,
+        precision: str = EXPORTED,
+        handle: CompileHandle | None = None,
     ) -> Artifact:
-        """The artifact, compiled in a child for `target` in `precision`; `progress` is called
-        (in this thread) with each progress event the child sends while it compiles."""
+        """The artifact, compiled in a child for `target` in `precision` from the graph's file
+        (the child reads it: the caller never holds the graph) or bytes; `progress` is called (in
+        this thread) with each progress event the child sends while it compiles. `handle`, when
+        given, is how the caller stops this compile (CompileCancelled)."""
+        handle = handle or CompileHandle(version_id)
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
             target=_compile_child,
-            args=(sender, data, target, self.memory_bytes, self.candidates, self.search, precision),
+            args=(sender, graph, target, self.memory_bytes, self.candidates, self.search, precision),
             daemon=True,
             name=f"compile-{version_id}",
         )
-        with self._lock:
-            if version_id in self._cancelled:
-                raise CompileCancelled(f"version {version_id} was deleted")
-            child.start()
-            self._running[version_id] = child
-        sender.close()
         try:
-            return self._answer(version_id, child, receiver, progress)
+            handle._start(child)
+        except BaseException:
+            receiver.close()
+            raise
         finally:
-            with self._lock:
-                self._running.pop(version_id, None)
-                self._cancelled.discard(version_id)
+            sender.close()
+        try:
+            return self._answer(handle, child, receiver, progress)
+        finally:
             _kill_group(child)
             child.join()
+            handle._ended()
             receiver.close()
 
     def _answer(
-        self, version_id: int, child: multiprocessing.Process, receiver: Connection, progress: Progress | None
+        self, handle: CompileHandle, child: multiprocessing.Process, receiver: Connection, progress: Progress | None
     ) -> Artifact:
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -154,8 +198,8 @@ class Sandbox:
                 kind, payload = receiver.recv()
             except EOFError:
                 child.join()
-                if version_id in self._cancelled:
-                    raise CompileCancelled(f"version {version_id} was deleted") from None
+                if handle.cancelled:
+                    raise CompileCancelled(f"version {handle.version_id} was deleted") from None
                 raise CompileCrashed(f"the compiler's process died (exit code {child.exitcode})") from None
             if kind != "progress":
                 break
@@ -170,14 +214,3 @@ class Sandbox:
         if kind == "crash":
             raise CompileCrashed(f"internal compiler error ({payload})")
         raise CompilerError(payload)
-
-    def running(self) -> list[int]:
-        with self._lock:
-            return list(self._running)
-
-    def cancel(self, version_id: int) -> None:
-        with self._lock:
-            self._cancelled.add(version_id)
-            child = self._running.get(version_id)
-        if child is not None:
-            _kill_group(child)
