@@ -163,7 +163,8 @@ def test_a_model_compiles_and_serves_from_the_bucket_through_the_api(
     artifact = client.app.state.services.registry.get_version(1).artifact_key
 
     stored = bucket_keys(settings)
-    assert f"graphs/{hashlib.sha256(MLP).hexdigest()}.onnx" in stored
+    tenant_id = client.app.state.services.auth(f"Bearer {key}").id
+    assert f"graphs/t{tenant_id}/{hashlib.sha256(MLP).hexdigest()}.onnx" in stored
     assert f"{artifact}/manifest.json" in stored
     assert not settings.objects_dir.exists()  # nothing went to the local folder
 
