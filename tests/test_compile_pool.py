@@ -278,11 +278,18 @@ def test_the_cache_key_names_a_narrow_precision_and_keeps_the_exported_keys() ->
     assert len(keys) == 3
 
 
-def test_the_sandbox_hands_the_precision_to_the_compile_in_its_child() -> None:
+def mlp_file(folder: Path) -> Path:
+    """A graph file, as the sandbox takes one."""
+    path = folder / "mlp.onnx"
+    path.write_bytes(mlp().SerializeToString())
+    return path
+
+
+def test_the_sandbox_hands_the_precision_to_the_compile_in_its_child(tmp_path: Path) -> None:
     sandbox = Sandbox(timeout_s=60, memory_bytes=4 * 1024**3)
     # the compiler refuses a narrow float on the cpu before any work: the child got the precision
     with pytest.raises(CompileCrashed, match="ValueError"):
-        sandbox.compile(1, mlp().SerializeToString(), "cpu", precision="float16")
+        sandbox.compile(1, mlp_file(tmp_path), "cpu", precision="float16")
 
 
 def test_a_deleted_model_does_not_poison_the_next_upload_of_another_tenant(tmp_path: Path) -> None:
@@ -299,9 +306,9 @@ def test_a_deleted_model_does_not_poison_the_next_upload_of_another_tenant(tmp_p
 # -- cancelling names a compile, not a version id
 
 
-def test_cancelling_a_compile_that_ended_or_never_ran_stops_no_later_compile() -> None:
+def test_cancelling_a_compile_that_ended_or_never_ran_stops_no_later_compile(tmp_path: Path) -> None:
     sandbox = Sandbox(timeout_s=60, memory_bytes=4 * 1024**3, candidates=("numpy",), search=False)
-    data = mlp().SerializeToString()
+    data = mlp_file(tmp_path)
     ended = CompileHandle(1)
     sandbox.compile(1, data, "cpu", handle=ended)
     ended.cancel()  # too late: nothing runs under it any more

@@ -253,14 +253,16 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_candidates_are_isolated_inside_the_compile_sandbox() -> None:
+def test_candidates_are_isolated_inside_the_compile_sandbox(tmp_path) -> None:
     """The sandbox's child is a daemonic multiprocessing process: the helper is started with
     subprocess, which it may do."""
     from worker.sandbox import Sandbox
 
     sandbox = Sandbox(timeout_s=120, memory_bytes=4 * 1024**3, candidates=("native-blas", "numpy"), search=False)
     events: list[dict] = []
-    artifact = sandbox.compile(1, mlp().SerializeToString(), "cpu", progress=events.append)
+    graph = tmp_path / "mlp.onnx"
+    graph.write_bytes(mlp().SerializeToString())
+    artifact = sandbox.compile(1, graph, "cpu", progress=events.append)
     report = artifact.report
     assert report["search"] == {"skipped": "turned off"}
     assert {c["name"] for c in report["candidates"]} == {"native-blas", "numpy"}, report["rejected"]

@@ -63,7 +63,7 @@ class _ProgressSender:
 
 def _compile_child(
     conn: Connection,
-    graph: Path | bytes,
+    graph: Path,
     target: str,
     memory_bytes: int,
     candidates: tuple[str, ...] | None,
@@ -74,8 +74,7 @@ def _compile_child(
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        data = graph.read_bytes() if isinstance(graph, Path) else graph
-        artifact = compile_onnx(data, target, candidates, search, _ProgressSender(conn), precision, memory_bytes)
+        artifact = compile_onnx(graph.read_bytes(), target, candidates, search, _ProgressSender(conn), precision, memory_bytes)
         conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
@@ -154,14 +153,14 @@ class Sandbox:
     def compile(
         self,
         version_id: int,
-        graph: Path | bytes,
+        graph: Path,
         target: str,
         progress: Progress | None = None,
         precision: str = EXPORTED,
         handle: CompileHandle | None = None,
     ) -> Artifact:
         """The artifact, compiled in a child for `target` in `precision` from the graph's file
-        (the child reads it: the caller never holds the graph) or bytes; `progress` is called (in
+        (the child reads it: the caller never holds the graph); `progress` is called (in
         this thread) with each progress event the child sends while it compiles. `handle`, when
         given, is how the caller stops this compile (CompileCancelled)."""
         handle = handle or CompileHandle(version_id)
