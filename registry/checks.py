@@ -8,6 +8,7 @@ costs the gateway stays a few buffers whatever its size. Tools and tests check i
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import resource
@@ -19,6 +20,8 @@ from typing import Protocol
 from cloud.errors import InvalidModelFile
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
+
+log = logging.getLogger(__name__)
 
 # what a model check may take before it is stopped: parsing and the ONNX checker run in
 # seconds even for the largest upload allowed
@@ -52,6 +55,8 @@ def _check_child(conn: Connection, path: str, memory_bytes: int) -> None:
         conn.send(("invalid", exc.message))
     except MemoryError:
         conn.send(("memory", None))
+    except Exception as exc:  # noqa: BLE001  a bug the file set off: the parent says so, with its type
+        conn.send(("crash", type(exc).__name__))
 
 
 class CheckInChild:
@@ -78,7 +83,11 @@ class CheckInChild:
             try:
                 kind, message = receiver.recv()
             except EOFError:
-                raise InvalidModelFile("the uploaded model could not be checked: its parser crashed") from None
+                child.join()
+                log.warning("the check of an uploaded model died without an answer (exit code %s)", child.exitcode)
+                raise InvalidModelFile(
+                    f"the uploaded model could not be checked: the process reading it died (exit code {child.exitcode})"
+                ) from None
         finally:
             if child.exitcode is None:
                 os.kill(child.pid, signal.SIGKILL)
@@ -86,6 +95,9 @@ class CheckInChild:
             receiver.close()
         if kind == "invalid":
             raise InvalidModelFile(message)
+        if kind == "crash":
+            log.warning("the check of an uploaded model raised %s", message)
+            raise InvalidModelFile(f"the uploaded model could not be checked: the checker failed on it ({message})")
         if kind == "memory":
             raise InvalidModelFile(
                 f"the uploaded model needs more than {self.memory_bytes / 2**30:g} GiB to read, the limit of a model here"

@@ -156,3 +156,17 @@ def test_quotas_on_models_and_versions_are_403_naming_the_quota(quota_client) ->
     upload(client, key, "a", data)  # room again
     assert client.delete("/v1/models/b", headers=auth(key)).status_code == 200
     upload(client, key, "c", data)
+
+
+
+def test_a_check_that_fails_unexpectedly_is_a_400_naming_it(tmp_path) -> None:
+    """An exception the checker did not expect (here: a file gone before its child reads it)
+    is named in the refusal, not reported as a crash of the parser."""
+    from cloud.errors import InvalidModelFile
+    from registry.checks import CheckInChild
+
+    with pytest.raises(InvalidModelFile, match=r"could not be checked: the checker failed on it \(FileNotFoundError\)"):
+        CheckInChild(memory_bytes=4 * 1024**3)(tmp_path / "gone.onnx")
+    graph = tmp_path / "m.onnx"
+    graph.write_bytes(mlp().SerializeToString())
+    CheckInChild(memory_bytes=4 * 1024**3)(graph)  # a usable model passes
