@@ -17,7 +17,8 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.epilogue import fuse_epilogues
 from compiler.kernels.fusion import fuse, fuse_elementwise
 from compiler.kernels.ir import GemmCall, LoopKernel
-from compiler.kernels.lower import kernel_reads, lower
+from compiler.kernels.ir_walk import kernel_reads
+from compiler.kernels.lower import lower
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.c import prepack_weights, render

@@ -12,7 +12,8 @@ import pytest
 from compiler import Artifact, compile_onnx, executable
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import Atom, Ix, Load
-from compiler.kernels.lower import kernel_reads, kernel_writes, linear, lower
+from compiler.kernels.ir_walk import kernel_reads, kernel_writes, linear
+from compiler.kernels.lower import lower
 from compiler.pipeline import sample_inputs
 from compiler.reference import run_graph
 from compiler.render.c import render
