@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from compiler.kernels.attention import fuse_attention
 from compiler.kernels.ir import AttentionCall, GemmCall, Kernel, Load, LoopKernel, Program
 from compiler.kernels.lower import kernel_reads, kernel_stores, lets_reads
+from compiler.kernels.schedule import KernelSchedule
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel
 
@@ -254,28 +255,46 @@ class Launch:
 
 @dataclass(frozen=True)
 class CudaSchedule:
-    """How a program's kernels are laid out on the GPU, a compile candidate: `product_tile` is the
-    square of C a block of a product computes (GEMM_TILE, MMA_TILE on tensor cores; or LARGE_TILE:
-    more work per thread or warp, and the next k step's loads under this one's arithmetic),
-    where `product_tiles` does not name another for the product (by its kernel's number, in the
-    program as scheduled: a per-kernel choice measured on the GPU)."""
+    """How a program's kernels run on the GPU: each kernel's `KernelSchedule` as the search
+    extracted it (compiler.search.schedule; by the kernel's number in the program as scheduled),
+    and whether attention runs as one kernel. A kernel the choices do not name runs as
+    `product_tile` says (products) or in the first alternative the search would try (other
+    kernels): what a program rendered without a search (a test, a uniform round) gets."""
 
     name: str
     product_tile: int = GEMM_TILE
     # attention as one kernel (compiler.kernels.attention), or as the kernels lowering spells
     fused_attention: bool = True
-    # (kernel number, tile) for products whose tile is not `product_tile`
-    product_tiles: tuple[tuple[int, int], ...] = ()
+    # (kernel number, its schedule), as the search chose
+    choices: tuple[tuple[int, KernelSchedule], ...] = ()
+
+    def of(self, kernel: int) -> KernelSchedule | None:
+        return dict(self.choices).get(kernel)
 
     def tile_of(self, kernel: int) -> int:
-        return dict(self.product_tiles).get(kernel, self.product_tile)
+        chosen = self.of(kernel)
+        if chosen is None or chosen.kind not in ("tiled", "tensor-core-tiled", "library"):
+            return self.product_tile
+        return LIBRARY_TILE if chosen.kind == "library" else chosen.size
+
+    def threads_of(self, kernel: int) -> int:
+        """Threads per block of an elementwise loop."""
+        chosen = self.of(kernel)
+        return chosen.size if chosen is not None and chosen.kind == "threads" else ELEMENTWISE_THREADS
+
+    def warp_rows(self, kernel: int, reduced: Dim) -> bool:
+        """Whether a reduction runs a warp per output (else a block per output)."""
+        chosen = self.of(kernel)
+        if chosen is not None and chosen.kind in ("warp-rows", "block-rows"):
+            return chosen.kind == "warp-rows"
+        return isinstance(reduced, int) and reduced <= WARP_ROWS_MAX
 
 
+# uniform schedules: every product in one tile (a test's or a benchmark's fixed rendering)
 SCHEDULES = {
     "cuda-tile64": CudaSchedule("cuda-tile64", GEMM_TILE),
     "cuda-tile128": CudaSchedule("cuda-tile128", LARGE_TILE),
     "cuda-tile64-unfused-attention": CudaSchedule("cuda-tile64-unfused-attention", GEMM_TILE, fused_attention=False),
-    # products on cuBLAS where they can be (raced only where the driver has cuBLAS)
     "cuda-cublas": CudaSchedule("cuda-cublas", LIBRARY_TILE),
 }
 DEFAULT_SCHEDULE = SCHEDULES["cuda-tile64"]
@@ -491,7 +510,7 @@ class CudaRenderer(CRenderer):
         elif isinstance(kernel, AttentionCall):
             body, grid, threads = self.attention(kernel)
         else:
-            body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel)
+            body, grid, threads = (self.elementwise if kernel.reduce is None else self.reduction)(kernel, number)
         buffers = (*sorted(reads - set(stored)), *stored)
         parameters = ", ".join(self.parameter(b, b in stored) for b in buffers)
         text = (
@@ -522,7 +541,8 @@ class CudaRenderer(CRenderer):
         """A loop of `var` over [0, total) starting at this thread's (or block's) place."""
         return f"{indent}for (int64_t {var} = {over}; {var} < {total}; {var} += {per}) {{\n"
 
-    def elementwise(self, kernel: LoopKernel) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+    def elementwise(self, kernel: LoopKernel, number: int = -1) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+        threads = self.schedule.threads_of(number)
         rank = len(kernel.shape)
         total = numel(kernel.shape)
         names = [f"o{j}" for j in range(rank)]
@@ -535,9 +555,9 @@ class CudaRenderer(CRenderer):
             f"        {self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, self.elementwise_store(kernel))}\n",
             "    }\n",
         ]
-        return "".join(lines), (dim_ceildiv(total, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS
+        return "".join(lines), (dim_ceildiv(total, threads), 1, 1), threads
 
-    def reduction(self, kernel: LoopKernel) -> tuple[str, tuple[Dim, Dim, Dim], int]:
+    def reduction(self, kernel: LoopKernel, number: int = -1) -> tuple[str, tuple[Dim, Dim, Dim], int]:
         kind, extents = kernel.reduce
         dtype = self.computed_dtype(kernel.out)
         out_type = C_TYPES[dtype]
@@ -547,9 +567,9 @@ class CudaRenderer(CRenderer):
         acc_type = out_type if floating else ("uint64_t" if dtype == "uint64" else "int64_t")
         init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
         reduced = numel(extents)
-        # a warp per output, WARP_ROWS of them a block, where the reduced extent is known and at
-        # most WARP_ROWS_MAX; else a block per output, its warps combined through shared memory
-        warp_rows = isinstance(reduced, int) and reduced <= WARP_ROWS_MAX
+        # a warp per output, WARP_ROWS of them a block; or a block per output, its warps combined
+        # through shared memory: as the schedule says
+        warp_rows = self.schedule.warp_rows(number, reduced)
         threads = 32 * WARP_ROWS if warp_rows else REDUCE_THREADS
         combine = "lc_a + lc_b" if kind == "sum" else ("lc_max(lc_a, lc_b)" if floating else "(lc_a > lc_b ? lc_a : lc_b)")
         rank = len(kernel.shape)

@@ -1,0 +1,68 @@
+"""The schedule vocabulary: how one kernel of a program runs, as the search extracted it.
+
+A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-graph
+(compiler.search.schedule), read back from its term:
+
+    (Tiled 64 k)            a product computed a 64x64 square of C per block (128: the larger tile)
+    (TensorCoreTiled 64 k)  the same on tensor cores (mma.sync / WMMA), where the program multiplies
+                            in a tensor-core format
+    (LibraryCall "cublas" k) a product a library computes
+    (Threads 256 k)         an elementwise loop, 256 threads per block
+    (WarpRows 8 k)          a reduction, a warp per output, 8 outputs per block
+    (BlockRows 256 k)       a reduction, a block of 256 threads per output
+
+Renderers print what a schedule says; they choose nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# term constructor -> kind
+KINDS = {
+    "Tiled": "tiled",
+    "TensorCoreTiled": "tensor-core-tiled",
+    "LibraryCall": "library",
+    "Threads": "threads",
+    "WarpRows": "warp-rows",
+    "BlockRows": "block-rows",
+}
+_CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
+
+
+@dataclass(frozen=True, order=True)
+class KernelSchedule:
+    kind: str
+    # the tile's edge, threads per block, or outputs per block (warp-rows)
+    size: int = 0
+    # the library of a library call
+    library: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _CONSTRUCTORS:
+            raise ValueError(f"unknown kernel schedule kind {self.kind!r}; known: {sorted(_CONSTRUCTORS)}")
+
+    @property
+    def term(self) -> str:
+        """The schedule as the e-graph spells it, around the kernel `k`."""
+        argument = f'"{self.library}"' if self.kind == "library" else str(self.size)
+        return f"({_CONSTRUCTORS[self.kind]} {argument} k)"
+
+    @property
+    def label(self) -> str:
+        """A short name for reports: tile64, tc-tile64, cublas, threads256, warp-rows8, block-rows256."""
+        if self.kind == "library":
+            return self.library
+        prefix = {"tiled": "tile", "tensor-core-tiled": "tc-tile"}.get(self.kind, self.kind)
+        return f"{prefix}{self.size}"
+
+    @staticmethod
+    def from_label(label: str) -> KernelSchedule:
+        """The schedule a report's label names (the inverse of `label`; a kernel cache keeps labels)."""
+        for prefix, kind in (("tc-tile", "tensor-core-tiled"), ("tile", "tiled"), ("threads", "threads"),
+                             ("warp-rows", "warp-rows"), ("block-rows", "block-rows")):
+            if label.startswith(prefix) and label[len(prefix):].isdigit():
+                return KernelSchedule(kind, int(label[len(prefix):]))
+        if label.isidentifier():
+            return KernelSchedule("library", library=label)
+        raise ValueError(f"not a kernel schedule label: {label!r}")
