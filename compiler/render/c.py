@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -346,19 +347,24 @@ static inline int lc_next(lc_tasks *t) {
 """
 
 
-def prepack_weights(program: Program) -> Program:
+def prepack_weights(program: Program, only: Collection[int] | None = None) -> Program:
     """The program with every float32 product whose B is a whole weight matrix (shared by the
     batch) reading it packed in the generated product's panels (`GemmCall.packed_b`): packed once
     here, where lc_sgemm would pack it again on every run (12-35% of a 64..128-row product's time
     here, single-threaded). A weight that nothing else reads is replaced by its packing, so a
-    loaded program holds no more memory than before (a padded last panel aside)."""
+    loaded program holds no more memory than before (a padded last panel aside). `only`: the
+    kernel numbers of the products to pack (those the schedule runs generated), else all."""
     reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
+
+    def packs(number: int, kernel: LoopKernel | GemmCall) -> bool:
+        return _packable(program, kernel) and (only is None or number in only)
+
     buffers = list(program.buffers)
     weights = dict(program.weights)
     packed: dict[tuple[int, bool], int] = {}
     kernels = []
-    for kernel in program.kernels:
-        if not _packable(program, kernel):
+    for number, kernel in enumerate(program.kernels):
+        if not packs(number, kernel):
             kernels.append(kernel)
             continue
         buffer = program.buffers[kernel.b]
@@ -372,7 +378,7 @@ def prepack_weights(program: Program) -> Program:
             weights[name] = panels
             # every kernel that reads the weight reads it packed this way: the rows can go
             alone = reads[kernel.b] == sum(
-                1 for k in program.kernels if _packable(program, k) and k.b == kernel.b and k.trans_b == kernel.trans_b
+                1 for n, k in enumerate(program.kernels) if packs(n, k) and k.b == kernel.b and k.trans_b == kernel.trans_b
             )
             number = kernel.b if alone else len(buffers)
             if alone:
@@ -401,27 +407,27 @@ def _shared(strides: tuple[Dim, ...], batch: tuple[Dim, ...]) -> bool:
     return all(s == 0 or d == 1 for s, d in zip(strides, batch, strict=True))
 
 
-def render(program: Program, profile: bool = False, gemm: str = "blas") -> str:
+def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str] = "blas") -> str:
     """The program's C source; with `profile`, lc_run also adds each kernel's wall time to
     `lc_kernel_seconds[n]` (for benchmarks/profile_native.py, never in an artifact). `gemm` says
     how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm),
     "mixed" (a wide 2-D convolution's product reads its windows in place, lc_conv_rows; other
     convolutions' panel products are generated where A fits in cache; the rest OpenBLAS) or
     "panels" (as mixed, with every convolution's panel product generated). A product marked
-    `packed_b` (prepack_weights) is the generated one whatever `gemm` says."""
-    if gemm not in GEMM_KINDS:
-        raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {gemm!r}")
+    `packed_b` (prepack_weights) is the generated one whatever `gemm` says. `gemm` may also map
+    kernel numbers to kinds: each product as the schedule search chose ("blas" where unnamed)."""
     renderer = CRenderer(program, gemm)
     symbols, buffers = len(program.symbols), len(program.buffers)
     sizes = f"#define LC_SYMBOLS {max(1, symbols)}\n#define LC_SYMBOLS_READ {symbols}\n#define LC_BUFFERS {max(1, buffers)}\n"
     parts = [_PRELUDE, sizes + _THREADS]
+    kinds = {n: renderer.kind_of(n) for n in range(len(program.kernels))}
     if any(
         isinstance(k, GemmCall) and k.dtype == "float32"
-        and (gemm == "tiled" or k.packed_b or gemm in ("mixed", "panels") and k.b_panels is not None)
-        for k in program.kernels
+        and (kinds[n] == "tiled" or k.packed_b or kinds[n] in ("mixed", "panels") and k.b_panels is not None)
+        for n, k in enumerate(program.kernels)
     ):
         parts.append(TILED_SGEMM)
-        if any(isinstance(k, GemmCall) and renderer.windows(k) is not None for k in program.kernels):
+        if any(isinstance(k, GemmCall) and renderer.windows(k, n) is not None for n, k in enumerate(program.kernels)):
             parts.append(CONV_SGEMM)
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
@@ -447,9 +453,15 @@ class CRenderer:
     """A program's kernels as C: loops, products, and the expressions inside them (which the
     CUDA renderer, compiler.render.cuda, shares)."""
 
-    def __init__(self, program: Program, gemm: str = "blas") -> None:
+    def __init__(self, program: Program, gemm: str | Mapping[int, str] = "blas") -> None:
         self.program = program
-        self.gemm_kind = gemm
+        # how each product runs (GEMM_KINDS): one kind for all, or by kernel number ("blas" where
+        # a map does not say: the schedule search's per-product choice)
+        self.gemm_kinds: Mapping[int, str] = {} if isinstance(gemm, str) else dict(gemm)
+        self.default_gemm = gemm if isinstance(gemm, str) else "blas"
+        for kind in [self.default_gemm, *self.gemm_kinds.values()]:
+            if kind not in GEMM_KINDS:
+                raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {kind!r}")
         # the kernel being rendered
         self.number = 0
         # the conditions of the padding guards around the expression being rendered ("" outside
@@ -467,6 +479,14 @@ class CRenderer:
         ctype = C_TYPES[self.program.buffers[buffer].dtype]
         const = "" if writable else "const "
         return f"    {const}{ctype} *restrict b{buffer} = ({const}{ctype} *)B[{buffer}];\n"
+
+    def kind_of(self, number: int) -> str:
+        """How the program's kernel `number` runs if it is a product (GEMM_KINDS)."""
+        return self.gemm_kinds.get(number, self.default_gemm)
+
+    @property
+    def gemm_kind(self) -> str:
+        return self.kind_of(self.number)
 
     def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
         self.number = number  # its parallel loop names its function, which the workers call
@@ -757,9 +777,10 @@ class CRenderer:
         lines.append("        }\n")
         return "".join(lines)
 
-    def windows(self, call: GemmCall) -> WindowGeometry | None:
-        """A convolution's windows that the generated kinds multiply in place, else None."""
-        if self.gemm_kind == "blas" or call.dtype != "float32" or call.b_panels is None:
+    def windows(self, call: GemmCall, number: int | None = None) -> WindowGeometry | None:
+        """A convolution's windows that the generated kinds multiply in place, else None (of the
+        kernel being rendered, or of kernel `number`)."""
+        if self.kind_of(self.number if number is None else number) == "blas" or call.dtype != "float32" or call.b_panels is None:
             return None
         geometry = window_geometry(call.b_panels)
         if geometry is None or geometry.axes[1].out < CONV_MIN_WIDTH or max(a.step for a in geometry.axes) > 32:
