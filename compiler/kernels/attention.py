@@ -12,23 +12,19 @@ CUDA schedule does, and measurement picks (compiler.pipeline).
 Every kernel replaced must have no reader outside the pattern, and nothing between the scores'
 product and the fused kernel may write what the fused kernel reads: then computing it all at the
 place of the product with V is the same program.
+
+The recognition is done by egglog rules (compiler.search.kernel_rules): the program's kernels go
+into an e-graph as terms, the rules compose a softmax and then attention from the row max, the
+exponentials, the row sums and the two products, and this module only computes the facts that
+need the candidate's span (what lies between its first and last kernel) and builds the
+`AttentionCall` of each attention the rules found.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import replace
 
-from compiler.kernels.ir import (
-    Apply,
-    AttentionCall,
-    Const,
-    GemmCall,
-    Ix,
-    Load,
-    LoopKernel,
-    Program,
-)
+from compiler.kernels.ir import AttentionCall, GemmCall, Ix, LoopKernel, Program
 from compiler.kernels.lower import (
     kernel_reads,
     kernel_stores,
@@ -36,174 +32,96 @@ from compiler.kernels.lower import (
     map_loads,
     plan_slots,
     renamed,
-    strides_of,
     substituted,
-    walk,
 )
+from compiler.search import kernel_rules
 from compiler.shape import Dim
+
+# a row of AttentionCandidate / AttentionFound: the steps of the scores' product, the masking
+# loop (-1: none), the max, the exponentials, the sums, the product with V and the division,
+# then the exponent's scale
+Match = tuple[int, int, int, int, int, int, int, float]
 
 
 def fuse_attention(program: Program, head_limit: int) -> Program:
     """The program with each attention it spells as one AttentionCall (see the module's docstring)
     whose heads (the scores' k, the values' n) are known and at most `head_limit` (what the
     renderer's kernel holds); the program itself when there is none."""
-    kernels: list = list(program.kernels)
-    found = False
-    readers = _readers(kernels)
-    for step, call in enumerate(program.kernels):
-        match = _match(program, kernels, readers, step) if isinstance(call, GemmCall) else None
-        if match is None:
-            continue
-        fused, replaced, at = match
-        if all(isinstance(h, int) and h <= head_limit for h in (fused.scores.k, fused.values.n)):
-            kernels[at] = fused
-            for other in replaced:
-                kernels[other] = None
-            readers = _readers(kernels)
-            found = True
+    found = find_attention(program, head_limit)
     if not found:
         return program
+    kernels: list = list(program.kernels)
+    for match, fused in found:
+        kernels[match[6]] = fused
+        for step in _steps(match)[:-1]:
+            kernels[step] = None
     result = replace(program, kernels=[k for k in kernels if k is not None])
     result.slots = plan_slots(result)
     return result
+
+
+def find_attention(program: Program, head_limit: int) -> list[tuple[Match, AttentionCall]]:
+    """Each attention the rules find in the program, with the kernel that replaces it, spans
+    disjoint, in program order."""
+    if sum(isinstance(k, GemmCall) for k in program.kernels) < 2:
+        return []  # no scores and values to find: no e-graph
+    graph = kernel_rules.kernel_graph(program, head_limit)
+    graph.run(kernel_rules.ATTENTION_RULES)
+    built = {match: _build(program, match) for match in graph.rows("AttentionCandidate")}
+    graph.add_facts(
+        f"(Undisturbed {match[0]} {match[6]})" for match, fused in built.items() if _undisturbed(program, match, fused)
+    )
+    graph.run(kernel_rules.ATTENTION_FOUND_RULES)
+    found, taken = [], set()
+    for match in graph.rows("AttentionFound"):
+        steps = set(_steps(match))
+        if steps & taken:
+            continue
+        taken |= steps
+        found.append((match, built[match]))
+    return found
 
 
 def attention_count(program: Program) -> int:
     return sum(isinstance(k, AttentionCall) for k in program.kernels)
 
 
-def _match(
-    program: Program, kernels: list, readers: dict[int, list[int]], step: int
-) -> tuple[AttentionCall, list[int], int] | None:
-    """(the fused kernel, the steps it replaces, the step it takes) when the product at `step`
-    computes the scores of an attention; None otherwise. `readers`: the steps reading each buffer."""
-    scores = kernels[step]
-    if not _plain_product(program, scores):
-        return None
-    batch, m, n = scores.batch, scores.m, scores.n
-    rows = (*batch, m)
-    nb = len(batch)
-    row_vars = [Ix.var(f"o{j}") for j in range(nb + 1)]
-    key = Ix.var("r0")
-    # the scores' readers: the max and the exponentials, or one loop applying the mask that they read
-    score_buffer, score_producer = scores.c, None
-    first = _only(readers[scores.c])
-    if first is not None and _elementwise(kernels[first]):
-        score_buffer, score_producer = kernels[first].out, first
-    users = readers[score_buffer]
-    if len(users) != 2:
-        return None
-    top_step, exp_step = sorted(users, key=lambda s: not _is_reduce(kernels[s], "max"))
-    top, exponentials = kernels[top_step], kernels[exp_step]
-    if not _is_reduce(top, "max") or tuple(top.shape) != rows or tuple(top.reduce[1]) != (n,) or not _elementwise(exponentials):
-        return None
-    if tuple(exponentials.shape) != (*rows, n) or program.buffers[top.out].role != "temp":
-        return None
-    at_key = linear(row_vars + [key], (*rows, n))
-    if not _reads_at(top.value, score_buffer, at_key):
-        return None
+def _steps(match: Match) -> list[int]:
+    """The steps a match replaces, the division (where the fused kernel goes) last."""
+    scores, mask, top, exponentials, sums, values, division, _ = match
+    return [s for s in (scores, mask, top, exponentials, sums, values) if s >= 0] + [division]
+
+
+def _build(program: Program, match: Match) -> AttentionCall:
+    """The fused kernel of a match: the max loop's value (the masking loop's inlined) is the score."""
+    scores_step, mask_step, top_step, _, _, values_step, _, log2_scale = match
+    scores, values = program.kernels[scores_step], program.kernels[values_step]
+    top = program.kernels[top_step]
+    rows = (*scores.batch, scores.m)
+    at_key = linear([Ix.var(f"o{j}") for j in range(len(rows))] + [Ix.var("r0")], (*rows, scores.n))
     score = top.value
-    if score_producer is not None:
-        producer = kernels[score_producer]
-        if producer.lets or program.buffers[score_buffer].role != "temp":
-            return None
-        score = _inline(score, score_buffer, producer, (*rows, n), at_key)
-        if score is None or not _reads_at(score, scores.c, at_key):
-            return None
-    # the exponentials: exp2(c * (score - max)), the score read at the loop's own element
-    log2_scale = _exponent_scale(exponentials.value, top.value, top.out, rows)
-    if log2_scale is None or readers[top.out] != [exp_step]:
-        return None
-    e_users = readers[exponentials.out]
-    if len(e_users) != 2 or program.buffers[exponentials.out].role != "temp":
-        return None
-    sum_step, values_step = sorted(e_users, key=lambda s: isinstance(kernels[s], GemmCall))
-    sums, values = kernels[sum_step], kernels[values_step]
-    if not _is_reduce(sums, "sum") or tuple(sums.shape) != rows or tuple(sums.reduce[1]) != (n,):
-        return None
-    if sums.value != Load(exponentials.out, at_key) or program.buffers[sums.out].role != "temp":
-        return None
-    if not _plain_product(program, values) or values.a != exponentials.out or values.trans_a or values.lda is not None:
-        return None
-    if values.batch != batch or values.m != m or values.k != n:
-        return None
-    if values.a_batch_strides != tuple(strides_of((*batch, m, n))[:nb]):
-        return None
-    # the division of P V by the sums, in place, the only reader of the unscaled product
-    division_step = _only(readers[sums.out])
-    if division_step is None or readers[values.c] and readers[values.c][0] != division_step:
-        return None
-    division = kernels[division_step]
-    if not _divides(division, values, sums.out, rows):
-        return None
-    steps = [step, top_step, exp_step, sum_step, values_step, division_step]
-    if score_producer is not None:
-        steps.append(score_producer)
-    if not step < top_step < exp_step < sum_step < values_step < division_step:
-        return None
-    if score_producer is not None and not step < score_producer < top_step:
-        return None
-    if program.buffers[scores.c].role != "temp":
-        return None
-    fused = AttentionCall(scores, values, score, log2_scale, values.node)
-    # what the fused kernel reads holds at the division what it held where the pattern first read
-    # it (a mask may be computed after the scores' product, V after the max), and nothing else
-    # touches the output on the way
+    if mask_step >= 0:
+        producer = program.kernels[mask_step]
+        score = _inline(score, producer.out, producer, (*rows, scores.n), at_key)
+    return AttentionCall(scores, values, score, log2_scale, values.node)
+
+
+def _undisturbed(program: Program, match: Match, fused: AttentionCall) -> bool:
+    """Whether what the fused kernel reads holds at the division what it held where the pattern
+    first read it (a mask may be computed after the scores' product, V after the max), and nothing
+    else touches the output on the way: the fact the rules cannot compute, a candidate's span."""
+    kernels = program.kernels
+    steps = _steps(match)
     first_read = {b: min(s for s in steps if b in kernel_reads(kernels[s])) for b in kernel_reads(fused)}
-    for other in range(step, division_step + 1):
-        if other in steps or kernels[other] is None:
+    for other in range(steps[0], steps[-1] + 1):
+        if other in steps:
             continue
         stores = kernel_stores(kernels[other])
         if any(other > first_read[b] for b in stores & first_read.keys()):
-            return None
-        if values.c in stores | kernel_reads(kernels[other]):
-            return None
-    # what the replaced kernels wrote on the way is written and read by them only
-    for buffer in {scores.c, score_buffer, top.out, exponentials.out, sums.out}:
-        writers = [s for s, k in enumerate(kernels) if k is not None and buffer in kernel_stores(k)]
-        if any(s not in steps for s in readers[buffer] + writers):
-            return None
-    return fused, [s for s in steps if s != division_step], division_step
-
-
-def _plain_product(program: Program, call) -> bool:
-    """A float32 product of two stored operands with nothing fused into it."""
-    return (
-        isinstance(call, GemmCall)
-        and call.epilogue is None
-        and call.b_panels is None
-        and not call.packed_b
-        and call.dtype == "float32"
-        and program.buffers[call.c].role in ("temp", "output")
-    )
-
-
-def _readers(kernels: list) -> dict[int, list[int]]:
-    """The steps reading each buffer (none for a buffer no kernel reads)."""
-    readers: dict[int, list[int]] = defaultdict(list)
-    for step, kernel in enumerate(kernels):
-        for b in kernel_reads(kernel) if kernel is not None else ():
-            readers[b].append(step)
-    return readers
-
-
-def _only(steps: list[int]) -> int | None:
-    return steps[0] if len(steps) == 1 else None
-
-
-def _elementwise(kernel) -> bool:
-    return isinstance(kernel, LoopKernel) and kernel.reduce is None and not kernel.lets
-
-
-def _is_reduce(kernel, kind: str) -> bool:
-    return isinstance(kernel, LoopKernel) and kernel.reduce is not None and kernel.reduce[0] == kind and not kernel.lets and len(kernel.reduce[1]) == 1
-
-
-def _reads_at(value, buffer: int, at_key: Ix) -> bool:
-    """Whether `value` reads `buffer`, and only at the row's key (the max loop's scores; a flat
-    producer's index rewritten into the row's variables must come out so)."""
-    loads = [e for e in walk(value) if isinstance(e, Load) and e.buffer == buffer]
-    return bool(loads) and all(load.index == at_key for load in loads)
+            return False
+        if fused.out in stores | kernel_reads(kernels[other]):
+            return False
+    return True
 
 
 def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at_key: Ix):
@@ -217,47 +135,3 @@ def _inline(score, buffer: int, producer: LoopKernel, shape: tuple[Dim, ...], at
     else:
         return None
     return map_loads(score, lambda load: value if load.buffer == buffer else load)
-
-
-def _exponent_scale(value, top_value, top: int, rows: tuple[Dim, ...]) -> float | None:
-    """c where value is exp2(c * (score + -1 * max)), c > 0, the score being the max loop's value
-    at the loop's own key (its last variable) and max its result at the row; None otherwise."""
-    nb = len(rows) - 1
-    row = linear([Ix.var(f"o{j}") for j in range(nb + 1)], rows)
-    if not (isinstance(value, Apply) and value.op == "exp2" and value.dtype == "float32"):
-        return None
-    product = value.args[0]
-    if not (isinstance(product, Apply) and product.op == "mul"):
-        return None
-    constants = [a for a in product.args if isinstance(a, Const)]
-    others = [a for a in product.args if not isinstance(a, Const)]
-    if len(constants) != 1 or len(others) != 1 or not float(constants[0].value) > 0:
-        return None
-    difference = others[0]
-    if not (isinstance(difference, Apply) and difference.op == "add"):
-        return None
-    at_element = renamed(top_value, {"r0": f"o{nb + 1}"})
-    for x, negated in (difference.args, difference.args[::-1]):
-        if x != at_element or not (isinstance(negated, Apply) and negated.op == "mul"):
-            continue
-        minus = [a for a in negated.args if isinstance(a, Const)]
-        maxima = [a for a in negated.args if isinstance(a, Load)]
-        if len(minus) == 1 and len(maxima) == 1 and float(minus[0].value) == -1.0 and maxima[0] == Load(top, row):
-            return float(constants[0].value)
-    return None
-
-
-def _divides(division, values: GemmCall, sums: int, rows: tuple[Dim, ...]) -> bool:
-    """division is values.c[t, i, c] = values.c[t, i, c] * recip(sums[t, i]), in place."""
-    if not _elementwise(division) or division.out != values.c or tuple(division.shape) != (*rows, values.n):
-        return False
-    nb = len(rows) - 1
-    own = linear([Ix.var(f"o{j}") for j in range(nb + 2)], (*rows, values.n))
-    row = linear([Ix.var(f"o{j}") for j in range(nb + 1)], rows)
-    value = division.value
-    if not (isinstance(value, Apply) and value.op == "mul"):
-        return False
-    for x, scale in (value.args, value.args[::-1]):
-        if x == Load(values.c, own) and scale == Apply("recip", (Load(sums, row),), "float32"):
-            return True
-    return False

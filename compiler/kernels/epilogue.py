@@ -7,11 +7,13 @@ a linear function of C's flat batch index `t`, row `i` and column `j` (a bias re
 column's value, a residual the same element of another buffer). The loop's output then takes C's
 place: the product writes its sums there and the epilogue rewrites them in place; C's buffer is
 left unused. Device-neutral: renderers decide where in their tiling the epilogue runs.
+
+Which loop fuses into which product is found by egglog rules (compiler.search.kernel_rules);
+this module re-indexes a candidate's loop over (t, i, j) and builds the `Epilogue`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 from compiler.kernels.ir import (
@@ -31,12 +33,11 @@ from compiler.kernels.ir import (
 from compiler.kernels.lower import (
     drop_unit_axes,
     identity_index,
-    kernel_reads,
-    kernel_stores,
     map_loads,
     plan_slots,
     strides_of,
 )
+from compiler.search import kernel_rules
 from compiler.shape import Dim, dim_mul, numel
 
 # the epilogue's index variables: flat batch index, row of C, column of C
@@ -46,38 +47,40 @@ T, I, J = "t", "i", "j"
 def fuse_epilogues(program: Program) -> Program:
     """The program with each product's elementwise consumer fused into it where that is exact
     (see the module's docstring); the program itself when none is."""
-    readers = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
-    writer = {b: step for step, k in enumerate(program.kernels) for b in kernel_stores(k)}
-    writes = Counter(b for k in program.kernels for b in kernel_stores(k))
-    kernels: list = list(program.kernels)
-    fused_any = False
-    for step, call in enumerate(program.kernels):
-        if not isinstance(call, GemmCall) or call.epilogue is not None:
-            continue
-        # C and the loop's output are each written once: no loop updating a buffer in place
-        if program.buffers[call.c].role != "temp" or readers[call.c] != 1 or writes[call.c] != 1:
-            continue
-        consumer = next(
-            (s for s in range(step + 1, len(kernels)) if kernels[s] is not None and call.c in kernel_reads(kernels[s])),
-            None,
-        )
-        if consumer is None:
-            continue
-        loop = kernels[consumer]
-        if not isinstance(loop, LoopKernel) or writes[loop.out] != 1:
-            continue
-        epilogue = _epilogue(program, call, loop)
-        # the loop's other operands must exist when the product runs: it moves up to the product
-        if epilogue is None or any(writer.get(b, -1) > step for b in kernel_reads(loop) - {call.c}):
-            continue
-        kernels[step] = replace(call, c=loop.out, epilogue=epilogue)
-        kernels[consumer] = None
-        fused_any = True
-    if not fused_any:
+    found = find_epilogues(program)
+    if not found:
         return program
+    kernels: list = list(program.kernels)
+    for (step, consumer), epilogue in found.items():
+        kernels[step] = replace(program.kernels[step], c=program.kernels[consumer].out, epilogue=epilogue)
+        kernels[consumer] = None
     result = Program(program.buffers, [k for k in kernels if k is not None], program.symbols, {}, program.weights)
     result.slots = plan_slots(result)
     return result
+
+
+def find_epilogues(program: Program) -> dict[tuple[int, int], Epilogue]:
+    """(product step, loop step) -> the loop as the product's epilogue, for each pair the rules
+    (compiler.search.kernel_rules) find: a product whose only reader is an elementwise loop of its
+    dtype, both written once, the loop's other operands ready when the product runs. Re-indexing
+    the loop over (t, i, j) is the fact computed here, for the rules' candidates only."""
+    if not any(isinstance(k, GemmCall) and k.epilogue is None for k in program.kernels):
+        return {}  # no product to fuse into: no e-graph
+    graph = kernel_rules.kernel_graph(program, bodies=False)
+    graph.run(kernel_rules.EPILOGUE_RULES)
+    built = {}
+    for step, consumer in graph.rows("EpilogueCandidate"):
+        epilogue = _epilogue(program, program.kernels[step], program.kernels[consumer])
+        if epilogue is not None:
+            built[step, consumer] = epilogue
+    graph.add_facts(f"(Regroupable {step} {consumer})" for step, consumer in built)
+    graph.run(kernel_rules.EPILOGUE_FOUND_RULES)
+    found, taken = {}, set()
+    for step, consumer in graph.rows("EpilogueFound"):
+        if consumer not in taken:
+            taken.add(consumer)
+            found[step, consumer] = built[step, consumer]
+    return found
 
 
 def _epilogue(program: Program, call: GemmCall, loop: LoopKernel) -> Epilogue | None:
@@ -175,4 +178,4 @@ def _swap_accumulator(e: Expr, c: int, out: int, index: Ix) -> Expr:
     return map_loads(e, lambda load: Load(out, index) if load.buffer == c else load)
 
 
-__all__ = ["fuse_epilogues"]
+__all__ = ["find_epilogues", "fuse_epilogues"]
