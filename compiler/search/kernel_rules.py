@@ -396,7 +396,9 @@ class _Writer:
         rows_id, n_id = self.intern(("shape", rows)), self.intern(("dim", n))
         loop = _Loop(rows, n, key, rows_id, n_id, _element_index(rows, n, key), _row_index(rows))
         body = self.expr(kernel.value, loop, value_of)
-        dtype = self.program.buffers[kernel.out].dtype
+        # the dtype the loop computes in (a narrow program stores it narrower)
+        value = kernel.value
+        dtype = self.program.buffers[value.buffer].dtype if isinstance(value, Load) else value.dtype
         if kernel.reduce is None:
             return f'(RowMap "{dtype}" {rows_id} {n_id} {body})'
         return f'(RowReduce "{kernel.reduce[0]}" "{dtype}" {rows_id} {n_id} {body})'
