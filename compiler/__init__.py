@@ -1,9 +1,18 @@
 """The Luminal compiler: ONNX (or any frontend) -> primitive IR -> program for a device.
 
-    frontends/   ONNX to IR            ir.py, shape.py   the IR and symbolic shapes
-    composite.py ops spelled in IR     reference.py      the NumPy oracle
-    codegen/     one module a target   artifact.py       what a compile produces
-    pipeline.py  the passes, in order
+    pipeline.py    the stages, in order: compile_graph, compile_onnx, executable
+    frontends/     parse: ONNX to the primitive-op IR   ir.py, shape.py    the IR, symbolic shapes
+    composite.py   ops spelled in the IR                 reference.py      the NumPy oracle
+    verify.py      reference case, checking a program    memory.py         memory need and budget
+    search/        the e-graph and its rules, extraction by measurement (extract.py), the helper
+                   process that runs candidates (measure.py), the CUDA schedule race
+    kernels/       the kernel IR (ir.py, ir_walk.py), lowering to it, fusion, precision
+    render/        C and CUDA C printed from the kernel IR   codegen/   the NumPy lowering
+    candidates.py  lowered, rendered, built and verified candidate programs
+    devices.py     build, load, run, time, memory: CPU, CUDA GPU, CUDA emulation
+    backends/      what the devices drive (C compiler, NVRTC, driver API, cuBLAS, emulator)
+    artifact.py    what a compile produces              tuning.py   the pipeline's tuning constants
+    progress.py    what a compile tells the caller following it
 
 It imports nothing from the server packages.
 """

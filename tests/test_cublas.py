@@ -162,9 +162,9 @@ class _LibraryEmulation(_EmulatedH100):
 
 @pytest.mark.parametrize(("later_ms", "chosen", "tiles"), [(0.5, "cuda-cublas", {"cublas": 3}), (3.0, "cuda-per-kernel", {"64": 2, "cublas": 1})])
 def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, later_ms: float, chosen: str, tiles: dict) -> None:
-    from compiler import compile_onnx, pipeline
+    from compiler import compile_onnx, devices
 
-    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _LibraryEmulation(0.5, later_ms))
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _LibraryEmulation(0.5, later_ms))
     data = (FIXTURES / "torch_mlp.onnx").read_bytes()
     artifact = compile_onnx(data, "h100")
     report = artifact.report

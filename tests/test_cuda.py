@@ -598,9 +598,9 @@ class _TimedEmulation(_EmulatedH100):
 
 @pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-tile128"), (2.0, "cuda-tile64")])
 def test_on_a_gpu_every_schedule_is_built_verified_timed_and_the_fastest_kept(monkeypatch, seconds: float, chosen: str) -> None:
-    from compiler import compile_onnx, pipeline
+    from compiler import compile_onnx, devices
 
-    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", seconds))
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", seconds))
     artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
     report = artifact.report
     assert report["chosen"] == chosen and report["verified_on"] == "emulated H100 (sm_90)"
@@ -610,10 +610,10 @@ def test_on_a_gpu_every_schedule_is_built_verified_timed_and_the_fastest_kept(mo
 
 
 def test_on_a_gpu_a_schedule_that_disagrees_with_the_reference_is_dropped(monkeypatch) -> None:
-    from compiler import compile_onnx, pipeline
+    from compiler import compile_onnx, devices
 
     # the large schedule's program is the faster, but its outputs are wrong
-    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", 0.5, broken="lc_ra["))
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", 0.5, broken="lc_ra["))
     report = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100").report
     assert report["chosen"] == "cuda-tile64"
     assert "max error" in report["measuring"]["device_ms_by_size"]["cuda-tile128"]
@@ -640,9 +640,9 @@ class _PerKernelEmulation(_EmulatedH100):
 
 
 def test_on_a_gpu_each_product_gets_the_tile_that_measured_fastest_for_it(monkeypatch) -> None:
-    from compiler import compile_onnx, pipeline
+    from compiler import compile_onnx, devices
 
-    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _PerKernelEmulation())
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _PerKernelEmulation())
     artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
     report = artifact.report
     # built from the two tiles' kernel times, verified against the reference, then timed whole

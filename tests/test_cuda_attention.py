@@ -16,7 +16,8 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.attention import attention_count, fuse_attention
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import AttentionCall
-from compiler.kernels.lower import kernel_stores, lower
+from compiler.kernels.ir_walk import kernel_stores
+from compiler.kernels.lower import lower
 from compiler.reference import run_graph
 from compiler.render.cuda import (
     ATTENTION_HEAD_MAX,
@@ -201,10 +202,10 @@ def _function(source: str, name: str) -> str:
 
 @pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-tile64"), (2.0, "cuda-tile64-unfused-attention")])
 def test_on_a_gpu_fused_attention_is_kept_only_where_it_measures_faster(monkeypatch, seconds: float, chosen: str) -> None:
-    from compiler import compile_onnx, pipeline
+    from compiler import compile_onnx, devices
 
     # a program whose source has the fused kernel takes `seconds` a call, the others 1 s
-    monkeypatch.setattr(pipeline, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_qs[", seconds))
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_qs[", seconds))
     report = compile_onnx(_attention(16, heads=1, mask="none"), "h100").report
     assert set(report["measuring"]["device_ms_by_size"]) == set(SCHEDULES) - {"cuda-cublas"}  # (no cuBLAS on this one)
     assert report["chosen"] == chosen

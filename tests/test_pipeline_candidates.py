@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compiler import Artifact, compile_graph, compile_onnx, executable, pipeline
+from compiler import Artifact, candidates, compile_graph, compile_onnx, executable, pipeline, tuning
 from compiler.artifact import Signature
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
@@ -27,7 +27,7 @@ from compiler.kernels.ir import GemmCall
 from compiler.memory import memory_terms
 from compiler.reference import run_graph
 from compiler.render.c import render as real_render
-from compiler.search import measure
+from compiler.search import extract, measure
 from compiler.search.measure import CandidateFailed
 from compiler.search.rules import FOLD_SLACK_BYTES
 from tests.onnx_models import mlp
@@ -123,7 +123,7 @@ def test_numpy_only_compiles_skip_the_search() -> None:
 
 
 def test_a_wrong_rewrite_is_caught_and_the_parsed_graph_compiled_instead(monkeypatch) -> None:
-    real_optimize = pipeline.optimize
+    real_optimize = extract.optimize
 
     def wrong_optimize(graph, *args, **kwargs):
         optimized, report = real_optimize(graph, *args, **kwargs)
@@ -132,7 +132,7 @@ def test_a_wrong_rewrite_is_caught_and_the_parsed_graph_compiled_instead(monkeyp
         nodes[i] = dataclasses.replace(nodes[i], op=Op.EXP2)  # a "rewrite" that changes the values
         return dataclasses.replace(optimized, nodes=nodes), report
 
-    monkeypatch.setattr(pipeline, "optimize", wrong_optimize)
+    monkeypatch.setattr(extract, "optimize", wrong_optimize)
     graph = removable_work_graph()
     artifact = compile_graph(graph, "cpu", ("native-blas",))
     assert artifact.report["chosen"] == "native-blas"
@@ -147,7 +147,7 @@ def test_a_wrong_rewrite_is_caught_and_the_parsed_graph_compiled_instead(monkeyp
 
 
 def test_a_segfaulting_candidate_is_rejected_and_another_kept(monkeypatch) -> None:
-    monkeypatch.setattr(pipeline, "render", broken_render(SEGFAULT))
+    monkeypatch.setattr(candidates, "render", broken_render(SEGFAULT))
     graph = removable_work_graph()
     artifact = compile_graph(graph, "cpu", ("native-blas", "native-loops"))
     assert artifact.report["rejected"]["native-blas"] == "crashed with signal 11 (SIGSEGV)"
@@ -156,7 +156,7 @@ def test_a_segfaulting_candidate_is_rejected_and_another_kept(monkeypatch) -> No
 
 
 def test_a_hanging_candidate_is_rejected_after_the_timeout(monkeypatch) -> None:
-    monkeypatch.setattr(pipeline, "render", broken_render(HANG))
+    monkeypatch.setattr(candidates, "render", broken_render(HANG))
     monkeypatch.setattr(measure, "REQUEST_TIMEOUT_S", 2.0)
     graph = removable_work_graph()
     started = time.perf_counter()
@@ -168,7 +168,7 @@ def test_a_hanging_candidate_is_rejected_after_the_timeout(monkeypatch) -> None:
 
 
 def test_when_every_native_candidate_crashes_the_numpy_lowering_is_kept(monkeypatch) -> None:
-    monkeypatch.setattr(pipeline, "render", broken_render(SEGFAULT, only_blas=False))
+    monkeypatch.setattr(candidates, "render", broken_render(SEGFAULT, only_blas=False))
     graph = removable_work_graph()
     artifact = compile_graph(graph, "cpu", ("native-blas",))
     assert artifact.report["chosen"] == "numpy"
@@ -305,13 +305,8 @@ def test_the_sandbox_child_sends_a_new_phase_at_once_and_the_rest_at_most_every_
 # ---- timing and choice -----------------------------------------------------------------------
 
 
-class _NoRunner:
-    def put_inputs(self, key, inputs) -> None:
-        pass
-
-
-def _fake(name: str, ms: dict[str, float], calls: list[str] | None = None) -> pipeline._Candidate:
-    candidate = pipeline._Candidate(name, [], {}, {}, 0.0)
+def _fake(name: str, ms: dict[str, float], calls: list[str] | None = None) -> extract.Candidate:
+    candidate = extract.Candidate(name, [], {}, {}, 0.0)
 
     def timer(label, inputs):
         if calls is not None:
@@ -327,10 +322,10 @@ def _fake(name: str, ms: dict[str, float], calls: list[str] | None = None) -> pi
 CASES = [("8", {"x": np.zeros((8, 4), np.float32)}), ("32", {"x": np.zeros((32, 4), np.float32)})]
 
 
-def _choose(*candidates: pipeline._Candidate) -> tuple[str, dict, list]:
+def _choose(*candidates: extract.Candidate) -> tuple[str, dict, list]:
     found, rejected = list(candidates), {}
-    report = pipeline._measure(_NoRunner(), found, CASES, rejected)
-    return pipeline._choose(found).name, rejected, report["symbol_sizes"]
+    report = extract.measure_candidates(found, CASES, rejected)
+    return extract.choose(found).name, rejected, report["symbol_sizes"]
 
 
 def test_numpy_wins_only_by_a_clear_margin() -> None:
@@ -359,10 +354,10 @@ def test_the_large_size_is_skipped_when_a_run_there_would_be_slow() -> None:
 def test_candidates_are_timed_in_turns_and_a_crash_is_rejected() -> None:
     calls: list[str] = []
     found = [_fake("a", {"8": 1.0, "32": 1.0}, calls), _fake("b", {"8": 1.0, "32": 1.0}, calls)]
-    pipeline._measure(_NoRunner(), found, CASES[:1], {})
+    extract.measure_candidates(found, CASES[:1], {})
     # a warm-up each, then rounds in which the first moves along
     assert calls[:6] == ["a", "b", "a", "b", "b", "a"]
-    assert calls.count("a") == calls.count("b") == 1 + pipeline.MEASURE_REPEATS
+    assert calls.count("a") == calls.count("b") == 1 + tuning.MEASURE_REPEATS
     found = [_fake("numpy", {"8": 1.0, "32": 1.0}), _fake("native-blas", {"8": None})]
     chosen, rejected, _ = _choose(*found)
     assert chosen == "numpy" and rejected == {"native-blas": "crashed with signal 11 (SIGSEGV)"}
@@ -371,9 +366,9 @@ def test_candidates_are_timed_in_turns_and_a_crash_is_rejected() -> None:
 def test_a_candidate_far_behind_is_timed_no_more_after_two_runs() -> None:
     calls: list[str] = []
     found = [_fake("native-blas", {"8": 1.0}, calls), _fake("numpy", {"8": 10.0}, calls)]
-    pipeline._measure(_NoRunner(), found, CASES[:1], {})
-    assert calls.count("numpy") == 1 + 2 and calls.count("native-blas") == 1 + pipeline.MEASURE_REPEATS
-    assert pipeline._choose(found).name == "native-blas"
+    extract.measure_candidates(found, CASES[:1], {})
+    assert calls.count("numpy") == 1 + 2 and calls.count("native-blas") == 1 + tuning.MEASURE_REPEATS
+    assert extract.choose(found).name == "native-blas"
     assert [c.behind for c in found] == [False, True]
 
 
@@ -406,17 +401,17 @@ def test_candidates_are_timed_at_a_requests_size_too() -> None:
     from benchmarks.models import bert_minilm, resnet_cnn
 
     graph = load_graph(bert_minilm(vocab=50, layers=1, hidden=32, heads=2, intermediate=64))
-    cases = pipeline._measure_cases(graph, {})
+    cases = extract.measure_cases(graph, {})
     assert [label for label, _ in cases] == ["8", "batch=1,seq=128", "32"]
     assert cases[1][1]["input_ids"].shape == (1, 128)
     # a model with a batch alone: the request is a batch of one
     cnn = load_graph(resnet_cnn(classes=10))
-    assert [label for label, _ in pipeline._measure_cases(cnn, {})] == ["8", "batch=1", "32"]
+    assert [label for label, _ in extract.measure_cases(cnn, {})] == ["8", "batch=1", "32"]
 
 
 def test_a_size_too_slow_to_time_skips_only_itself() -> None:
     cases = [CASES[0], ("64", {"x": np.zeros((64, 4), np.float32)}), ("batch=1", {"x": np.zeros((1, 4), np.float32)})]
     found = [_fake("native-blas", {"8": 40.0, "64": 1.0, "batch=1": 5.0}), _fake("native-mixed", {"8": 50.0, "batch=1": 6.0})]
-    report = pipeline._measure(_NoRunner(), found, cases, {})
+    report = extract.measure_candidates(found, cases, {})
     assert report["symbol_sizes"] == [8, "batch=1"]
     assert any("size 64 skipped" in note for note in report["notes"])

@@ -1,0 +1,67 @@
+"""The compile pipeline's tuning constants, in one place: which candidates a compile builds, the
+search's budget, the sizes and repeats candidates are verified and timed at, and when one is
+dropped or chosen. Each says why it has its value. (The helper process's timeouts and a timing's
+burst stay beside the helper, in compiler/search/measure.py.)
+"""
+
+from __future__ import annotations
+
+from compiler.search.egraph import SearchBudget
+
+# the programs a cpu compile builds, verifies and times: generated C with BLAS calls, the same with
+# convolutions' panel products generated where A is small, or all of them (both built only where
+# there are some), with loop nests only, and the NumPy lowering. Which panel product wins depends
+# on the CPU: on an AVX2 EPYC the small CNN's 14x14 layers ran 50 GFLOP/s generated against 28 in
+# OpenBLAS (A packed again per narrow panel), while ResNet-50's 7x7 layers ran faster in OpenBLAS
+CANDIDATES = ("native-blas", "native-mixed", "native-panels", "native-loops", "numpy")
+# every candidate the pipeline can build; "native-tiled" (every product generated, products of two
+# activations too) is opt-in through the compile_candidates setting: it ties native-mixed on the
+# transformer benchmarks (BERT 50.3 against 50.7 ms) and loses on ResNet-50's 7x7 layers
+KNOWN_CANDIDATES = ("native-blas", "native-mixed", "native-panels", "native-tiled", "native-loops", "numpy")
+# whether compiles run the search before lowering (compile_graph's `search` overrides), and its
+# budget: the benchmark models (MiniLM-shaped BERT, GPT-2-style decoder, ResNet-style CNN,
+# ResNet-50) take 0.1-0.6 s of it on a shared 2-core machine
+SEARCH = True
+SEARCH_BUDGET = SearchBudget(max_seconds=10.0)
+# every symbol's size in the verification case (each symbol its own: this one, the next, ...)
+VERIFY_SYMBOL_SIZE = 3
+# candidates are timed with every symbol at the small size, then at the large one (a full batch)
+# when the model allows it, several candidates are close and a run there is quick
+MEASURE_SYMBOL_SIZE = 8
+MEASURE_LARGE_SYMBOL_SIZE = 32
+# and at a request's size: the batch symbol 1, every other (a sequence) this long, within the
+# model's limits; every symbol at 8 is a batch of 8 sequences of 8 tokens, which no request is
+MEASURE_REQUEST_SEQUENCE = 128
+# per size: a warm-up run, then rounds (each candidate once) until each has the minimum and the
+# budget (per candidate) has passed, or the maximum
+MEASURE_MIN_REPEATS = 3
+MEASURE_REPEATS = 7
+MEASURE_BUDGET_S = 0.75
+# a candidate this many times slower than the best is timed no more (after two runs) and is out
+# of the race once the small size is timed
+FAR_BEHIND = 4.0
+# the large size is skipped when a run there would take longer than this (scaled from the small)
+MAX_LARGE_RUN_S = 0.25
+# the NumPy lowering is chosen over generated C only when it is this many times faster
+NUMPY_MARGIN = 1.25
+# a loop-nest candidate doing more multiply-adds than this at the measuring size is not timed:
+# it would lose to the library call by orders of magnitude and take seconds to find out
+MAX_LOOP_FLOPS = 5e7
+
+__all__ = [
+    "CANDIDATES",
+    "FAR_BEHIND",
+    "KNOWN_CANDIDATES",
+    "MAX_LARGE_RUN_S",
+    "MAX_LOOP_FLOPS",
+    "MEASURE_BUDGET_S",
+    "MEASURE_LARGE_SYMBOL_SIZE",
+    "MEASURE_MIN_REPEATS",
+    "MEASURE_REPEATS",
+    "MEASURE_REQUEST_SEQUENCE",
+    "MEASURE_SYMBOL_SIZE",
+    "NUMPY_MARGIN",
+    "SEARCH",
+    "SEARCH_BUDGET",
+    "VERIFY_SYMBOL_SIZE",
+]
