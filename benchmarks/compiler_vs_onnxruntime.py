@@ -1,14 +1,26 @@
-"""Our compiler against onnxruntime and PyTorch eager on models of known shapes, all in one run.
+"""Our compiler against onnxruntime, OpenVINO and PyTorch eager on models of known shapes, and on a
+corpus of architectures it was not tuned on, all in one run.
 
     .venv/bin/python benchmarks/compiler_vs_onnxruntime.py                  # every row, 20 repeats
     .venv/bin/python benchmarks/compiler_vs_onnxruntime.py --rows bert,gpt2 --repeats 5
+    .venv/bin/python benchmarks/compiler_vs_onnxruntime.py --corpus        # and the corpus section
+    .venv/bin/python benchmarks/compiler_vs_onnxruntime.py --corpus --rows hf --repeats 5   # the corpus alone
+    .venv/bin/python benchmarks/compiler_vs_onnxruntime.py --minilm /tmp/minilm  # and the real MiniLM
     .venv/bin/python benchmarks/compiler_vs_onnxruntime.py --write docs/performance.md
 
 For each row (a model of benchmarks/models.py at a batch and sequence size) it compiles the model
 once with our compiler for "cpu", checks our outputs against onnxruntime's (WRONG when the largest
 error exceeds 1e-3 of the output's largest magnitude), and times the program alone: ours,
-onnxruntime (CPUExecutionProvider, default session options) and PyTorch eager through onnx2torch
-where torch is importable. Times are medians of at least --repeats runs (quick rows repeat for
+onnxruntime (CPUExecutionProvider), OpenVINO (its CPU plugin reading the same ONNX, latency hint)
+and PyTorch eager through onnx2torch where torch is importable. All of them get the same inputs and
+--threads threads (default: every core): onnxruntime's intra-op threads, OpenVINO's inference
+threads, and ours through OMP_NUM_THREADS, set before our first program loads.
+
+The corpus section (--corpus) runs one export of each architecture family of the Hugging Face
+corpus (tests/fixtures/hf: small random models of each architecture, which the compiler's
+schedules were never tuned on) at batch 1 and at CORPUS_BATCH, at the longest sequence the fixture
+script checked. --minilm FOLDER adds the real all-MiniLM-L6-v2 (its export by
+benchmarks/real_minilm.py, which needs torch) at batch 1 and 8, sequence 128. Times are medians of at least --repeats runs (quick rows repeat for
 about MIN_TIMED_S) after 3 warm-ups, the runtimes taking turns in ROUNDS blocks (cpu_latency's
 interleaved_medians_ms): the machine is shared, and a slow spell of a few seconds then falls on
 every runtime, not on whichever ran in it.
@@ -43,6 +55,11 @@ import onnx
 import onnxruntime
 from onnx import shape_inference
 
+try:
+    import openvino
+except ImportError:  # the benchmark extra is not installed: the column reads n/a
+    openvino = None
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -50,6 +67,7 @@ from benchmarks import models
 from benchmarks.cpu_latency import interleaved_medians_ms, median_ms
 from benchmarks.report import revision, write_section
 from compiler import compile_onnx, executable
+from tests.hf_corpus import CORPUS, make_inputs, manifest
 
 RELATIVE_TOLERANCE = 1e-3
 # below this many FLOPs per weight byte a row streams its weights and is memory-bound (batch 1 MLP)
@@ -64,14 +82,33 @@ SETTLE_S = 0.25
 # in 0.1 ms: 20 runs of it are a few milliseconds of a noisy machine)
 MIN_TIMED_S = 0.5
 SECTION_BEGIN, SECTION_END = "<!-- compiler-benchmark:begin -->", "<!-- compiler-benchmark:end -->"
+# the corpus rows' batch besides 1
+CORPUS_BATCH = 8
+# one export of each architecture family (dynamo's where it exported): the corpus has two or more
+CORPUS_FILES = (
+    "distilbert_dynamo", "roberta_dynamo", "albert_dynamo", "electra_dynamo", "t5_encoder_torchscript", "clip_text_dynamo",
+    "gpt_neox_dynamo", "llama_dynamo", "qwen2_dynamo", "vit_dynamo", "convnext_dynamo", "mobilenet_v2_dynamo",
+    "whisper_encoder_dynamo",
+)
 
 
 @dataclass(frozen=True)
 class Row:
     key: str  # what --rows matches, by prefix
     label: str  # the table's first column
-    model: str  # a key of models.BUILDERS
+    model: str  # a key of models.BUILDERS, or the path of an ONNX file
     sizes: dict[str, int]  # symbolic dimension -> size at this row
+    # a corpus entry (tests/hf_corpus.py's manifest) whose inputs it takes, else models.sample_inputs's
+    entry: dict | None = field(default=None, compare=False, hash=False)
+    section: str = "known"  # "known" shapes, or "corpus"
+
+    def load(self) -> bytes:
+        return models.BUILDERS[self.model]() if self.model in models.BUILDERS else Path(self.model).read_bytes()
+
+    def inputs(self, data: bytes) -> dict[str, np.ndarray]:
+        if self.entry is not None:
+            return make_inputs(self.entry, self.sizes["batch"], self.sizes["seq"], np.random.default_rng(1))
+        return models.sample_inputs(data, self.sizes)
 
 
 ROWS = (
@@ -86,12 +123,38 @@ ROWS = (
 )
 
 
+def corpus_rows() -> list[Row]:
+    """CORPUS_FILES at batch 1 and CORPUS_BATCH, at the longest sequence the fixture script checked."""
+    entries = {Path(e["file"]).stem: e for e in manifest() if e["file"]}
+    rows = []
+    for stem in CORPUS_FILES:
+        entry = entries.get(stem)
+        if entry is None:
+            continue
+        seq = max(seq for _, seq in entry["checks"])
+        takes_seq = any("seq" in spec["shape"] for spec in entry["inputs"].values())
+        for batch in (1, CORPUS_BATCH):
+            label = f"{entry['class']} ({entry['exporter']}), batch {batch}" + (f", seq {seq}" if takes_seq else "")
+            rows.append(Row(f"hf-{stem}-b{batch}", label, str(CORPUS / entry["file"]), {"batch": batch, "seq": seq}, entry, "corpus"))
+    return rows
+
+
+def minilm_rows(folder: Path) -> list[Row]:
+    """The real all-MiniLM-L6-v2, as benchmarks/real_minilm.py exported it (dynamo), batch 1 and 8."""
+    path = str(folder / "minilm_dynamo.onnx")
+    return [
+        Row(f"minilm-b{batch}", f"all-MiniLM-L6-v2 (real weights), batch {batch}, seq 128", path, {"batch": batch, "seq": 128}, None, "corpus")
+        for batch in (1, 8)
+    ]
+
+
 @dataclass
 class Result:
     row: Row
     flops: float  # MatMul, Gemm and Conv FLOPs of one run at the row's sizes
     matmul_bound: bool
     ort_ms: float = math.nan
+    openvino_ms: float | None = None
     compile_s: float | None = None
     ours_ms: float | None = None
     max_error: float | None = None
@@ -103,6 +166,10 @@ class Result:
     @property
     def ratio(self) -> float | None:
         return self.ours_ms / self.ort_ms if self.ours_ms is not None else None
+
+    @property
+    def openvino_ratio(self) -> float | None:
+        return self.ours_ms / self.openvino_ms if self.ours_ms is not None and self.openvino_ms else None
 
 
 class RowTimeout(Exception):
@@ -165,6 +232,28 @@ def torch_runner(data: bytes) -> Callable[[dict[str, np.ndarray]], object] | Non
     return run
 
 
+def openvino_runner(data: bytes, feeds: dict[str, np.ndarray], threads: int) -> Callable[[dict[str, np.ndarray]], object] | None:
+    """OpenVINO's CPU plugin on the ONNX model reshaped to the feeds' sizes (its CPU plugin pays for
+    dynamic shapes on every call, and a row's sizes are fixed: its best case), latency hint,
+    `threads` inference threads; None where openvino is not installed."""
+    if openvino is None:
+        return None
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".onnx") as file:  # (read_model takes a path)
+        file.write(data)
+        file.flush()
+        model = openvino.Core().read_model(file.name)
+    model.reshape({name: list(value.shape) for name, value in feeds.items()})
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads}
+    request = openvino.Core().compile_model(model, "CPU", config).create_infer_request()
+
+    def run(feeds: dict[str, np.ndarray]) -> object:
+        return request.infer(feeds)
+
+    return run
+
+
 def output_error(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[float, bool]:
     """The largest absolute error over all outputs, and whether any output is wrong."""
     worst, wrong = 0.0, False
@@ -195,10 +284,15 @@ class Timer:
         signal.alarm(0)
 
 
-def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -> Result:
-    feeds = models.sample_inputs(data, row.sizes)
-    flops, weight_bytes = contraction_cost(data, row.sizes)
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int, threads: int) -> Result:
+    feeds = row.inputs(data)
+    try:
+        flops, weight_bytes = contraction_cost(data, row.sizes)
+    except Exception:  # noqa: BLE001 -- a graph whose shapes ONNX cannot infer: no FLOP count, no % of peak
+        flops, weight_bytes = math.nan, math.inf
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     runners: dict[str, Callable[[], object]] = {"ort": lambda: session.run(None, feeds)}
     result = Result(row, flops, flops >= MATMUL_BOUND_FLOPS_PER_WEIGHT_BYTE * weight_bytes)
@@ -218,6 +312,13 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
     if result.wrong:
         result.notes.append("WRONG")
     try:
+        run_openvino = openvino_runner(data, feeds, threads)
+        if run_openvino is not None:
+            run_openvino(feeds)
+            runners["openvino"] = lambda: run_openvino(feeds)
+    except Exception as error:  # noqa: BLE001 -- a model OpenVINO cannot read must not end the run
+        result.notes.append(f"OpenVINO: {type(error).__name__}: {str(error)[:120]}")
+    try:
         run_torch = torch_runner(data)
         if run_torch is not None:
             run_torch(feeds)
@@ -226,6 +327,7 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int) -
         result.notes.append(f"torch: {type(error).__name__}: {str(error)[:120]}")
     medians = interleaved_medians_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S, min_seconds=MIN_TIMED_S)
     result.ort_ms, result.ours_ms, result.torch_ms = medians["ort"], medians.get("ours"), medians.get("torch")
+    result.openvino_ms = medians.get("openvino")
     return result
 
 
@@ -237,42 +339,64 @@ def _ms(value: float | None) -> str:
 
 
 def _peak_share(result: Result, ms: float | None, peak: float) -> str:
-    if not result.matmul_bound or ms is None:
+    if not result.matmul_bound or ms is None or math.isnan(result.flops):
         return "-"
     return f"{result.flops / (ms / 1000) / 1e9 / peak:.1%}"
 
 
-def table(results: list[Result], peak: float) -> list[str]:
+def _times(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def table(results: list[Result], peak: float, threads: int) -> list[str]:
     columns = [
-        "row", "compile s", "max abs error", "ours ms", "onnxruntime ms", "torch ms", "ours/ort", "GFLOP",
-        "ours % of peak", "ort % of peak",
+        "row", "compile s", "max abs error", "ours ms", "onnxruntime ms", "OpenVINO ms", "torch ms", "ours/ort",
+        "ours/OpenVINO", "GFLOP", "ours % of peak", "ort % of peak",
     ]
-    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    lines = [
+        f"All runtimes on {threads} threads ({os.cpu_count()} cores here).",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+    ]
     for r in results:
         error = "n/a" if r.max_error is None else f"{r.max_error:.1e}"
         ours = _ms(r.ours_ms) if r.ours_ms is not None else "timeout" if r.timed_out else "error"
-        ratio = f"{r.ratio:.1f}" if r.ratio is not None else "-"
         compile_s = f"{r.compile_s:.2f}" if r.compile_s is not None else "-"
         flagged = " **WRONG**" if r.wrong else ""
         lines.append(
-            f"| {r.row.label}{flagged} | {compile_s} | {error} | {ours} | {r.ort_ms:.2f} | {_ms(r.torch_ms)} "
-            f"| {ratio} | {r.flops / 1e9:.3g} | {_peak_share(r, r.ours_ms, peak)} "
-            f"| {_peak_share(r, r.ort_ms, peak)} |"
+            f"| {r.row.label}{flagged} | {compile_s} | {error} | {ours} | {r.ort_ms:.2f} | {_ms(r.openvino_ms)} "
+            f"| {_ms(r.torch_ms)} | {_times(r.ratio)} | {_times(r.openvino_ratio)} | {"n/a" if math.isnan(r.flops) else f"{r.flops / 1e9:.3g}"} "
+            f"| {_peak_share(r, r.ours_ms, peak)} | {_peak_share(r, r.ort_ms, peak)} |"
         )
     return lines
 
 
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def summary(results: list[Result]) -> list[str]:
-    timed = [r for r in results if r.ratio is not None]
     lines = []
-    if timed:
-        geomean = math.exp(sum(math.log(r.ratio) for r in timed) / len(timed))
-        worst = max(timed, key=lambda r: r.ratio)
-        lines.append(f"Geometric mean of ours/ort over {len(timed)} rows: {geomean:.1f}x; "
-                     f"worst row: {worst.row.label} ({worst.ratio:.1f}x).")
+    for name, ratio in (("ort", lambda r: r.ratio), ("OpenVINO", lambda r: r.openvino_ratio)):
+        timed = [r for r in results if ratio(r) is not None]
+        if timed:
+            worst = max(timed, key=ratio)
+            lines.append(f"Geometric mean of ours/{name} over {len(timed)} rows: {_geomean([ratio(r) for r in timed]):.1f}x; "
+                         f"worst row: {worst.row.label} ({ratio(worst):.1f}x).")
     for r in results:
         if r.notes:
             lines.append(f"{r.row.label}: {'; '.join(r.notes)}.")
+    return lines
+
+
+def report_lines(results: list[Result], peak: float, threads: int) -> list[str]:
+    """The known-shape table and its summary, then the corpus's, where it ran."""
+    lines = []
+    for section, heading in (("known", []), ("corpus", ["", "### Models the compiler was not tuned on", ""])):
+        chosen = [r for r in results if r.row.section == section]
+        if chosen:
+            lines += [*heading, *table(chosen, peak, threads), "", *summary(chosen)]
     return lines
 
 
@@ -292,14 +416,15 @@ def section_body(
 ) -> list[str]:
     today = datetime.date.today().isoformat()
     return [
-        "## Compiler against onnxruntime on models of known shapes",
+        "## Compiler against onnxruntime and OpenVINO on models of known shapes",
         "",
         "The models of `benchmarks/models.py` (random weights from a fixed seed; BERT with",
         "all-MiniLM-L6-v2's shape and a 1000-word vocabulary), each compiled once and run at every size of",
         f"its rows. Times are medians of at least {repeats} runs (more for quick rows: about {MIN_TIMED_S:g} s of runs",
         f"each) after 3 warm-ups, the runtimes taking turns in {ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a",
         "slow spell of the shared machine falls on all of them alike), the program alone; onnxruntime",
-        "runs with its default session options (a thread a core). The PyTorch column (eager, through",
+        "(CPUExecutionProvider) and OpenVINO (CPU plugin, latency hint, reading the same ONNX) get the same",
+        "inputs and as many threads as ours. The PyTorch column (eager, through",
         "onnx2torch) reads n/a where torch is not importable, as in the project's environment. The % of",
         "peak columns divide the MatMul, Gemm and Conv FLOPs counted from the graph, per second, by the",
         "float32 peak measured in the same run as a NumPy (OpenBLAS) matmul: onnxruntime's own kernels can",
@@ -310,6 +435,7 @@ def section_body(
         f"    {command}",
         "",
         f"Measured {today} on {os.cpu_count()} cores ({cpu_model()}), onnxruntime {onnxruntime.__version__},",
+        f"OpenVINO {openvino.__version__ if openvino is not None else 'not installed'},",
         f"numpy {np.__version__}, at commit {commit}; sgemm peak {max(peaks):.0f} GFLOP/s ({PEAK_SIZE}^3",
         f"NumPy matmul: {peaks[0]:.0f} at the run's start, {peaks[1]:.0f} at its end); the whole run took",
         f"{seconds:.0f} s; the 1-minute load average was {load:.2f} just before it.",
@@ -326,11 +452,17 @@ def main() -> None:
     parser.add_argument("--rows", default="", help=f"comma-separated prefixes of {keys}")
     parser.add_argument("--row-timeout", type=int, default=120, help="seconds for compiling and timing ours")
     parser.add_argument("--write", type=Path, help="replace the marked section of this markdown file")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every runtime (default: every core)")
+    parser.add_argument("--corpus", action="store_true", help="also the corpus section (rows hf-*: architectures not tuned on)")
+    parser.add_argument("--minilm", type=Path, help="a folder with benchmarks/real_minilm.py's export: rows minilm-b1, minilm-b8")
     args = parser.parse_args()
+    # ours reads it when its first program loads (libgomp's thread count)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     prefixes = [p for p in args.rows.split(",") if p]
-    rows = [row for row in ROWS if not prefixes or any(row.key.startswith(p) for p in prefixes)]
+    candidates = [*ROWS, *(corpus_rows() if args.corpus else []), *(minilm_rows(args.minilm) if args.minilm else [])]
+    rows = [row for row in candidates if not prefixes or any(row.key.startswith(p) for p in prefixes)]
     if not rows:
-        parser.error(f"--rows {args.rows!r} matches none of {keys}")
+        parser.error(f"--rows {args.rows!r} matches none of {', '.join(row.key for row in candidates)}")
 
     started, commit = time.perf_counter(), revision()  # before other work can change the tree
     load = os.getloadavg()[0]
@@ -342,18 +474,18 @@ def main() -> None:
     results = []
     for index, row in enumerate(rows):
         if row.model not in built:
-            built[row.model] = models.BUILDERS[row.model]()
+            built[row.model] = row.load()
         data = built[row.model]
-        result = run_row(row, data, programs, args.repeats, args.row_timeout)
+        result = run_row(row, data, programs, args.repeats, args.row_timeout, args.threads)
         results.append(result)
         print(f"{row.key}: ours {_ms(result.ours_ms)} ms, onnxruntime {result.ort_ms:.2f} ms, "
-              f"torch {_ms(result.torch_ms)} ms {' '.join(result.notes)}", flush=True)
+              f"OpenVINO {_ms(result.openvino_ms)} ms, torch {_ms(result.torch_ms)} ms {' '.join(result.notes)}", flush=True)
         if all(later.model != row.model for later in rows[index + 1:]):  # free the model's weights
             built.pop(row.model)
             programs.pop(row.model, None)
     # the machine is shared: the better of two measurements is closer to what it can do
     peaks = peak_at_start, sgemm_peak_gflops(repeats=max(args.repeats, 10))
-    lines = [*table(results, max(peaks)), "", *summary(results)]
+    lines = report_lines(results, max(peaks), args.threads)
     seconds = time.perf_counter() - started
     print("\n" + "\n".join(lines) + f"\n\ntotal {seconds:.0f} s")
     if args.write:

@@ -154,6 +154,8 @@ CUresult cuMemFree(CUdeviceptr address) {
 CUresult cuMemGetInfo(size_t *free_bytes, size_t *total) { *free_bytes = device_memory() - used_bytes; *total = device_memory(); return OK; }
 CUresult cuMemcpyHtoDAsync(CUdeviceptr to, const void *from, size_t bytes, void *stream) { memcpy((void *)(uintptr_t)to, from, bytes); return OK; }
 CUresult cuMemcpyDtoHAsync(void *to, CUdeviceptr from, size_t bytes, void *stream) { memcpy(to, (void *)(uintptr_t)from, bytes); return OK; }
+CUresult cuMemHostRegister(void *p, size_t bytes, unsigned flags) { return OK; }  /* host memory is all alike here */
+CUresult cuMemHostUnregister(void *p) { return OK; }
 CUresult cuMemsetD32Async(CUdeviceptr to, unsigned value, size_t count, void *stream) {
     for (size_t i = 0; i < count; ++i) ((unsigned *)(uintptr_t)to)[i] = value;
     return OK;

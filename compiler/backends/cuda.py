@@ -4,14 +4,18 @@ one arena per call's layout, the launch plan run by a `Driver`).
 
     ptx, cubin = compile_cuda(source, "sm_90")
     program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, driver)
-    outputs = program.run(inputs)
+    outputs = program.run(inputs)                      # NumPy in, NumPy out (a served request)
+    device_outputs = program.run_on_device(device_inputs)  # DeviceTensors in and out, no host copies
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import re
 import threading
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -97,6 +101,23 @@ def _compile(nvrtc, source: str, name: str, target: str, ptx: bool) -> bytes:
 ARENA_ALIGNMENT = 256
 # call layouts a loaded program keeps worked out (one per distinct set of sizes)
 MAX_PLANS = 64
+# page-locked staging blocks come in powers of two from this size up: a runtime's batches of
+# varying sizes reuse one block rather than pinning memory per size
+MIN_STAGING_BYTES = 64 * 1024
+# output blocks one program lends out at once; past it a call's outputs go to fresh pageable arrays
+# (a caller that keeps every output must not page-lock all of the host's memory)
+MAX_LENT_OUTPUT_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A tensor in device memory: what `CudaProgram.run_on_device` takes and returns."""
+
+    # its device address (a torch tensor's data_ptr(), say)
+    address: int
+    shape: tuple[int, ...]
+    # the compiler's dtype name: "float32", "float16", "int64", ...
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,15 @@ class Driver(Protocol):
     def upload(self, address: int, array: np.ndarray) -> None: ...
 
     def download(self, address: int, array: np.ndarray) -> None: ...
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """At least nbytes of page-locked host memory as a uint8 array (a copy between it and the
+        device runs at the bus's speed, with no staging by the driver); ordinary host memory
+        where the system refuses to lock more. Python owns the memory: it stays valid after
+        `host_free` and after the driver closes, for as long as an array views it."""
+
+    def host_free(self, block: np.ndarray) -> None:
+        """A block of `host_alloc` is page-locked no more (its memory goes once nothing views it)."""
 
     def execute(self, module: Any, calls: list[LaunchCall], key: Hashable) -> float:
         """Runs the calls in order and returns the device seconds they took; the same key means
@@ -165,10 +195,118 @@ def kernel_record(program: Program, rendered: CudaSource, arch: str, size_limits
     }
 
 
+def staging_size(nbytes: int) -> int:
+    """The size class of a staging block holding nbytes: a power of two, MIN_STAGING_BYTES or more."""
+    return max(MIN_STAGING_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class StagingPool:
+    """One program's page-locked host blocks, by size class, allocated once and reused by its calls.
+
+    The inputs block is filled and copied to the device during a call, so the next call simply
+    overwrites it. Outputs are copied from the device straight into a block that is then lent
+    with the arrays `run` returns (views of it): the block comes back once the last array viewing
+    it is collected, so a later call never overwrites outputs a caller still holds, and no host
+    copy is made. That is the fastest safe choice: a copy out into a fresh NumPy array costs the
+    page faults of its first touch (a 206 MB logits array: about 50 ms of the 80 ms a fresh copy
+    took on the development machine) on top of the copy itself. Past MAX_LENT_OUTPUT_BLOCKS
+    blocks still held, outputs go to fresh pageable arrays (the old, slow copy) instead."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        # blocks page-locked so far, and unlocked again (the tests check that calls reuse them)
+        self.allocated = 0
+        self.freed = 0
+        self._inputs: np.ndarray | None = None
+        self._idle: dict[int, list[np.ndarray]] = {}
+        # blocks whose last array was collected: appended by a finalizer, from any thread at any
+        # moment (a deque's append and popleft need no lock)
+        self._returned: deque[np.ndarray] = deque()
+        self._lent = 0
+        self._closed = False
+
+    @property
+    def lent(self) -> int:
+        """Output blocks that arrays a caller holds still view."""
+        return self._lent - len(self._returned)
+
+    def inputs_block(self, nbytes: int) -> np.ndarray:
+        """The inputs' block, grown to nbytes' size class when smaller."""
+        size = staging_size(nbytes)
+        if self._inputs is None or self._inputs.nbytes < size:
+            if self._inputs is not None:
+                block, self._inputs = self._inputs, None
+                self._unlock(block)
+            self._inputs = self._lock_block(size)
+        return self._inputs
+
+    def lend(self, nbytes: int) -> ctypes.Array | None:
+        """A block of nbytes' size class as a buffer to make the outputs' arrays from (with
+        np.frombuffer: they keep it alive, and it returns here once they are all collected), or
+        None when MAX_LENT_OUTPUT_BLOCKS are out."""
+        self._take_back()
+        size = staging_size(nbytes)
+        idle = self._idle.get(size)
+        if idle:
+            block = idle.pop()
+        elif self._lent >= MAX_LENT_OUTPUT_BLOCKS:
+            return None
+        else:
+            block = self._lock_block(size)
+        self._lent += 1
+        # the lease addresses the block without owning it: the finalizer keeps the block alive
+        lease = (ctypes.c_uint8 * size).from_address(block.ctypes.data)
+        finalizer = weakref.finalize(lease, self._give_back, block)
+        finalizer.atexit = False  # (the process's memory goes with it)
+        return lease
+
+    def close(self) -> None:
+        """Unlocks every block not lent; a lent one is unlocked when its arrays are collected
+        (its memory stays valid for them: Python owns it)."""
+        self._closed = True
+        blocks = [*([self._inputs] if self._inputs is not None else []), *(b for idle in self._idle.values() for b in idle)]
+        self._inputs, self._idle = None, {}
+        for block in blocks:
+            self._unlock(block)
+        self._free_returned()
+
+    def _lock_block(self, size: int) -> np.ndarray:
+        block = self.driver.host_alloc(size)[:size]
+        self.allocated += 1
+        return block
+
+    def _unlock(self, block: np.ndarray) -> None:
+        self.driver.host_free(block)
+        self.freed += 1
+
+    def _give_back(self, block: np.ndarray) -> None:
+        self._returned.append(block)
+        if self._closed:
+            self._free_returned()
+
+    def _take_back(self) -> None:
+        while self._returned:
+            block = self._returned.popleft()
+            self._lent -= 1
+            self._idle.setdefault(block.nbytes, []).append(block)
+
+    def _free_returned(self) -> None:
+        while True:
+            try:
+                block = self._returned.popleft()
+            except IndexError:
+                return
+            self._lent -= 1
+            # (from a finalizer, after the driver closed, there is nothing left to unlock)
+            with contextlib.suppress(Exception):
+                self._unlock(block)
+
+
 class CudaProgram:
     """A CUDA artifact loaded on a device: its weights uploaded once; a call lays out its inputs,
     outputs and temps in one arena (grown to the largest call, then kept), copies the inputs in,
-    runs the launch plan, and copies the outputs out. One call at a time (`run` is thread-safe)."""
+    runs the launch plan, and copies the outputs out, both copies through page-locked staging
+    blocks (`StagingPool`). One call at a time (`run` and `run_on_device` are thread-safe)."""
 
     def __init__(self, kernel: Mapping[str, Any], weights: Mapping[str, np.ndarray], binaries: Mapping[str, bytes], driver: Driver) -> None:
         layout = kernel["layout"]
@@ -207,6 +345,8 @@ class CudaProgram:
         self._plans: OrderedDict[tuple[tuple[str, int], ...], _CallPlan] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        # the host side of a call's copies: page-locked blocks reused across calls
+        self.staging = StagingPool(driver)
         # the device seconds of the last call's launches (CUDA events on a GPU): what is billed
         self.last_device_seconds = 0.0
 
@@ -215,7 +355,8 @@ class CudaProgram:
         return self._weight_bytes
 
     def close(self) -> None:
-        """Frees the weights, the arena and the module on the device (after a call under way)."""
+        """Frees the weights, the arena and the module on the device, and unlocks the staging
+        blocks (after a call under way)."""
         with self._lock:
             if self._closed:
                 return
@@ -225,10 +366,38 @@ class CudaProgram:
             self._addresses.clear()
             self._arena, self._arena_bytes = 0, 0
             self.driver.unload(self.module)
+            self.staging.close()
 
     def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
-        """The outputs (`busy` is for CPU programs' threads: a GPU runs one call at a time)."""
+        """The outputs (`busy` is for CPU programs' threads: a GPU runs one call at a time). They
+        view a page-locked block that is the caller's until they are collected: no later call
+        writes to it."""
         return self._call(inputs, None)
+
+    def run_on_device(self, inputs: Mapping[str, DeviceTensor]) -> dict[str, DeviceTensor]:
+        """The outputs of inputs already in device memory, with no copy either way: the launches
+        read the inputs where they are, and the outputs stay in this program's arena, valid until
+        its next call (copy them on the device to keep them; torch.compile's CUDA graphs give
+        theirs the same lifetime). The inputs must be written before this is called (a torch
+        stream synchronized, say): the launches go on the driver's own stream."""
+        for b in self._inputs:
+            given = inputs[b.name]
+            if given.dtype != b.dtype or len(given.shape) != len(b.shape):
+                raise ValueError(f"input {b.name!r} is {b.dtype} of rank {len(b.shape)}; got {given.dtype} of shape {tuple(given.shape)}")
+        bindings = bind_inputs(self._inputs, inputs, self.size_limits)
+        plan = self._plan(bindings, tuple(tuple(int(n) for n in inputs[b.name].shape) for b in self._inputs))
+        placed = tuple((b.id, int(inputs[b.name].address)) for b in self._inputs)
+        with self._lock:
+            self._open_arena(plan.total)
+            calls = plan.calls(self._arena, self._addresses, placed)
+            # the inputs' addresses are part of the call: a captured graph holds them
+            self.last_device_seconds = self.driver.execute(self.module, calls, (plan.key, self._arena, placed))
+            if self.driver.bad_index(self.module):
+                raise IndexError("an index is out of bounds for the axis it selects from")
+            return {
+                b.name: DeviceTensor(self._arena + plan.offsets[b.id], shape, b.dtype)
+                for b, shape in zip(self._outputs, plan.output_shapes)
+            }
 
     def profile(self, inputs: Mapping[str, np.ndarray]) -> list[float | None]:
         """The device seconds of each launch of the plan on these inputs, its kernels launched one
@@ -243,25 +412,10 @@ class CudaProgram:
         arrays = {b.id: np.ascontiguousarray(inputs[b.name], dtype=numpy_dtype(b.dtype)) for b in self._inputs}
         bindings = bind_inputs(self._inputs, inputs, self.size_limits)
         plan = self._plan(bindings, tuple(array.shape for array in arrays.values()))
-        outputs = {b.id: np.empty(shape, numpy_dtype(b.dtype)) for b, shape in zip(self._outputs, plan.output_shapes)}
         with self._lock:
-            if self._closed:
-                raise RuntimeError("this program was unloaded from its device")
-            if plan.total > self._arena_bytes:
-                # at least doubled: a runtime's batches grow a few times, not once per size (each
-                # new arena address invalidates the graphs captured for the old one)
-                grown = max(plan.total, 2 * self._arena_bytes)
-                if self._arena:
-                    self.driver.free(self._arena)
-                    self._arena, self._arena_bytes = 0, 0  # (consistent if the allocation fails)
-                try:
-                    self._arena, self._arena_bytes = self.driver.alloc(grown), grown
-                except MemoryError:
-                    self._arena, self._arena_bytes = self.driver.alloc(plan.total), plan.total  # exactly what it needs
+            self._open_arena(plan.total)
             calls = plan.calls(self._arena, self._addresses)
-            for buffer_id, array in arrays.items():
-                if array.nbytes:
-                    self.driver.upload(self._arena + plan.offsets[buffer_id], array)
+            self._copy_in(plan, arrays)
             if per_launch is None:
                 self.last_device_seconds = self.driver.execute(self.module, calls, (plan.key, self._arena))
             else:
@@ -269,10 +423,49 @@ class CudaProgram:
                     per_launch[number] = seconds
             if self.driver.bad_index(self.module):
                 raise IndexError("an index is out of bounds for the axis it selects from")
-            for buffer_id, array in outputs.items():
-                if array.nbytes:
-                    self.driver.download(self._arena + plan.offsets[buffer_id], array)
-        return {b.name: outputs[b.id] for b in self._outputs}
+            return self._copy_out(plan)
+
+    def _open_arena(self, nbytes: int) -> None:
+        """Checks the program is loaded and its arena holds nbytes (under the lock)."""
+        if self._closed:
+            raise RuntimeError("this program was unloaded from its device")
+        if nbytes > self._arena_bytes:
+            # at least doubled: a runtime's batches grow a few times, not once per size (each
+            # new arena address invalidates the graphs captured for the old one)
+            grown = max(nbytes, 2 * self._arena_bytes)
+            if self._arena:
+                self.driver.free(self._arena)
+                self._arena, self._arena_bytes = 0, 0  # (consistent if the allocation fails)
+            try:
+                self._arena, self._arena_bytes = self.driver.alloc(grown), grown
+            except MemoryError:
+                self._arena, self._arena_bytes = self.driver.alloc(nbytes), nbytes  # exactly what it needs
+
+    def _copy_in(self, plan: _CallPlan, arrays: Mapping[int, np.ndarray]) -> None:
+        """The inputs into the staging block at their arena offsets, then one copy of the span."""
+        span = plan.outputs_start - plan.inputs_start
+        if not any(array.nbytes for array in arrays.values()):
+            return
+        block = self.staging.inputs_block(span)
+        for buffer_id, array in arrays.items():
+            start = plan.offsets[buffer_id] - plan.inputs_start
+            np.copyto(block[start : start + array.nbytes].view(array.dtype).reshape(array.shape), array)
+        self.driver.upload(self._arena + plan.inputs_start, block[:span])
+
+    def _copy_out(self, plan: _CallPlan) -> dict[str, np.ndarray]:
+        """Each output copied from the arena into a lent staging block, returned as views of it."""
+        lease = self.staging.lend(plan.total - plan.outputs_start)
+        outputs = {}
+        for b, shape in zip(self._outputs, plan.output_shapes):
+            dtype, count = numpy_dtype(b.dtype), int(np.prod(shape, dtype=np.int64))
+            if lease is None or count == 0:
+                array = np.empty(shape, dtype)
+            else:
+                array = np.frombuffer(lease, dtype, count, plan.offsets[b.id] - plan.outputs_start).reshape(shape)
+            if array.nbytes:
+                self.driver.download(self._arena + plan.offsets[b.id], array)
+            outputs[b.name] = array
+        return outputs
 
     def _plan(self, bindings: dict[str, int], input_shapes: tuple[tuple[int, ...], ...]) -> _CallPlan:
         """What a call at these sizes lays out and launches, worked out once per size (the Python
@@ -292,9 +485,14 @@ class CudaProgram:
             *((b.id, int(np.prod(shape, dtype=np.int64)) * size) for b, shape, size in zip(self._inputs, input_shapes, itemsizes)),
             *((b.id, int(np.prod(shape, dtype=np.int64)) * numpy_dtype(b.dtype).itemsize) for b, shape in zip(self._outputs, output_shapes)),
         ]
-        for buffer_id, nbytes in sized:  # inputs and outputs after the temps
+        outputs_start = total
+        for number, (buffer_id, nbytes) in enumerate(sized):  # inputs, then outputs, after the temps
+            if number == len(self._inputs):
+                outputs_start = total
             offsets[buffer_id] = total
             total += -(-max(1, nbytes) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        if len(sized) == len(self._inputs):
+            outputs_start = total
         symbols = np.array([bindings[s] for s in self.symbols] or [0], np.int64)
         launches = []
         for number, (function, buffers, grid, threads) in enumerate(self.launches):
@@ -306,7 +504,7 @@ class CudaProgram:
                 # kernels stride over x: a capped grid still covers every element
                 blocks = (min(blocks[0], MAX_GRID_X), blocks[1], blocks[2])
             launches.append((number, function, blocks, threads, buffers, None if library is None else gemm_arguments(library, bindings)))
-        plan = _CallPlan(key, input_shapes, output_shapes, offsets, total, symbols, launches)
+        plan = _CallPlan(key, input_shapes, output_shapes, offsets, total, temps_bytes, outputs_start, symbols, launches)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > MAX_PLANS:
@@ -314,38 +512,51 @@ class CudaProgram:
         return plan
 
 
+# LaunchCall lists a plan keeps made (one per arena address and placement of device inputs)
+MAX_CALL_LISTS = 4
+
+
 @dataclass
 class _CallPlan:
     """A call's layout at one set of sizes: its outputs' shapes, each input's, output's and temp's
-    offset in the arena, the arena's bytes, the symbols, and the launches with something to
-    compute (number, function, blocks, threads, buffers, cuBLAS call), made into LaunchCalls for
-    an arena address once (the weights' addresses are fixed while the program is loaded)."""
+    offset in the arena, the arena's bytes (the inputs from `inputs_start`, the outputs from
+    `outputs_start`, both after the temps), the symbols, and the launches with something to
+    compute (number, function, blocks, threads, buffers, cuBLAS call), made into LaunchCalls once
+    per arena address and placement of the inputs (the weights' addresses are fixed while the
+    program is loaded)."""
 
     key: tuple[tuple[str, int], ...]
     input_shapes: tuple[tuple[int, ...], ...]
     output_shapes: list[tuple[int, ...]]
     offsets: dict[int, int]
     total: int
+    inputs_start: int
+    outputs_start: int
     symbols: np.ndarray
     launches: list[tuple[int, str, tuple[int, int, int], int, tuple[int, ...], GemmArguments | None]]
-    _arena: int = -1
-    _calls: list[LaunchCall] = field(default_factory=list)
+    _calls: OrderedDict[Hashable, list[LaunchCall]] = field(default_factory=OrderedDict)
 
     @property
     def launched(self) -> list[int]:
         return [launch[0] for launch in self.launches]
 
-    def calls(self, arena: int, weights: Mapping[int, int]) -> list[LaunchCall]:
-        if arena != self._arena:
-            address = {**weights, **{b: arena + o for b, o in self.offsets.items()}}
-            self._calls = [
+    def calls(self, arena: int, weights: Mapping[int, int], placed: tuple[tuple[int, int], ...] = ()) -> list[LaunchCall]:
+        """The launches with the arena at `arena`, and the inputs of `placed` (buffer id, device
+        address) read where they are rather than from the arena."""
+        made = self._calls.get((arena, placed))
+        if made is None:
+            address = {**weights, **{b: arena + o for b, o in self.offsets.items()}, **dict(placed)}
+            made = [
                 LaunchCall(function, blocks, threads, self.symbols, tuple(address.get(b, 0) for b in buffers), library)
                 for _, function, blocks, threads, buffers, library in self.launches
             ]
-            self._arena = arena
-        return self._calls
+            self._calls[(arena, placed)] = made
+            while len(self._calls) > MAX_CALL_LISTS:
+                self._calls.popitem(last=False)
+        return made
 
 
 __all__ = [
-    "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "Driver", "LaunchCall", "compile_cuda", "gemm_arguments", "kernel_record",
+    "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "DeviceTensor", "Driver", "LaunchCall", "StagingPool", "compile_cuda",
+    "gemm_arguments", "kernel_record", "staging_size",
 ]

@@ -24,6 +24,8 @@ from compiler.errors import CompilerError
 
 # captured graphs a loaded program keeps (one per distinct call layout: batch and sequence sizes)
 MAX_GRAPHS_PER_PROGRAM = 64
+# host memory is locked in whole pages
+HOST_PAGE = 4096
 
 
 class CudaUnavailable(CompilerError):
@@ -87,6 +89,8 @@ class CudaDriver:
         self._marks: list[Any] = []
         # cuBLAS on this stream, made on a program's first library launch
         self._blas: Cublas | None = None
+        # the host addresses of the page-locked blocks of host_alloc
+        self._registered: set[int] = set()
 
     def _current(self) -> None:
         # the runtime calls from its worker threads: each needs the context made current
@@ -145,6 +149,10 @@ class CudaDriver:
         if self._blas is not None:
             self._blas.close()
             self._blas = None
+        # blocks that arrays still view: their memory is Python's and stays; only the lock goes
+        for address in self._registered:
+            _ok(self.cu.cuMemHostUnregister(address), "cuMemHostUnregister")
+        self._registered.clear()
         _ok(self.cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
         _ok(self.cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
 
@@ -176,6 +184,31 @@ class CudaDriver:
         self._current()
         _ok(self.cu.cuMemcpyDtoHAsync(array.ctypes.data, self.cu.CUdeviceptr(address), array.nbytes, self.stream), "copying from the device")
         _ok(self.cu.cuStreamSynchronize(self.stream), "copying from the device")
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory that Python owns: a NumPy block registered with the driver
+        (cuMemHostRegister) rather than allocated by it (cuMemHostAlloc), so that an output array
+        viewing it stays valid after the program or this driver closes (the context's own
+        allocations go with the context). The same DMA speed either way; ordinary pageable memory
+        where the system refuses to lock more (its memlock limit)."""
+        self._current()
+        pages = -(-max(1, nbytes) // HOST_PAGE) * HOST_PAGE
+        raw = np.empty(pages + HOST_PAGE, np.uint8)
+        # whole pages of its own: two registrations must never share a page
+        start = -raw.ctypes.data % HOST_PAGE
+        block = raw[start : start + pages]
+        try:
+            _ok(self.cu.cuMemHostRegister(block.ctypes.data, pages, 0), "cuMemHostRegister")
+        except (CudaUnavailable, RuntimeError):  # (RuntimeError: a driver without the call)
+            return block
+        self._registered.add(block.ctypes.data)
+        return block
+
+    def host_free(self, block: np.ndarray) -> None:
+        if block.ctypes.data in self._registered:
+            self._current()
+            self._registered.discard(block.ctypes.data)
+            _ok(self.cu.cuMemHostUnregister(block.ctypes.data), "cuMemHostUnregister")
 
     def execute(self, module: CudaModule, calls: list[LaunchCall], key: Hashable) -> float:
         """The calls as one CUDA graph (captured on the first call with this key), timed by events."""

@@ -300,6 +300,9 @@ class EmulatedDriver:
 
     def __init__(self) -> None:
         self._blocks: dict[int, np.ndarray] = {}
+        # "page-locked" host blocks by address: host memory is all alike here, but a program's
+        # staging goes through the same calls as on a GPU, and tests count what is locked
+        self.host_blocks: dict[int, np.ndarray] = {}
 
     # products as cuBLAS calls are emulated (compiler.backends.cublas.emulated_gemm)
     has_cublas = True
@@ -321,6 +324,14 @@ class EmulatedDriver:
 
     def download(self, address: int, array: np.ndarray) -> None:
         ctypes.memmove(array.ctypes.data, address, array.nbytes)
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        block = np.empty(max(1, nbytes), np.uint8)
+        self.host_blocks[block.ctypes.data] = block
+        return block
+
+    def host_free(self, block: np.ndarray) -> None:
+        del self.host_blocks[block.ctypes.data]
 
     def unload(self, module: ctypes.CDLL) -> None:
         pass  # the library stays mapped: others built from the same source share it
