@@ -9,6 +9,8 @@ from pathlib import Path
 
 from cloud.settings import Settings
 
+log = logging.getLogger(__name__)
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the server (embedded defaults)")
@@ -21,7 +23,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "worker", help="run a Celery compile worker (compile_backend=celery; broker at LUMINAL_REDIS_URL)"
     )
     worker.add_argument(
-        "--targets", default=None, help="comma-separated targets this worker compiles for (default: LUMINAL_TARGETS)"
+        "--targets", default=None, help="comma-separated targets this worker compiles for; a GPU type it cannot "
+        "compile on its device is refused (default: those of LUMINAL_TARGETS it can compile)"
+    )
+    worker.add_argument(
+        "--device", default=None, help="the GPU its GPU targets compile and are timed on: cuda:N, or cpu for none "
+        "(default: GPU 0); a GPU target needs a GPU of its compute capability unless "
+        "LUMINAL_ALLOW_UNMEASURED_COMPILE=true",
     )
     worker.add_argument(
         "--concurrency", type=int, default=None, help="compiles at a time (default: LUMINAL_COMPILE_WORKERS)"
@@ -146,6 +154,7 @@ def _worker(args: argparse.Namespace) -> None:
     from api.services import open_database
     from cloud.errors import LuminalError
     from worker.celery_app import run_worker, wait_for_broker
+    from worker.devices import check_targets, probe_cuda
 
     logging.basicConfig(level=args.loglevel.upper())
     settings = Settings()
@@ -153,12 +162,23 @@ def _worker(args: argparse.Namespace) -> None:
     unknown = sorted(set(targets) - set(settings.targets))
     if unknown:
         sys.exit(f"luminal-cloud worker: unknown target {', '.join(unknown)}; known: {', '.join(settings.targets)}")
+    try:
+        check = check_targets(targets, args.device, probe_cuda, settings.allow_unmeasured_compile)
+    except ValueError as exc:
+        sys.exit(f"luminal-cloud worker: {exc}")
+    # targets asked for by name are refused loudly; of the deployment's, it takes those it can
+    if check.refused and (args.targets or not check.accepted):
+        sys.exit("\n".join(f"luminal-cloud worker: {reason}" for reason in check.refused.values()))
+    for reason in check.refused.values():
+        log.warning("not taking this target: %s", reason)
+    for target in check.unmeasured:
+        log.warning("compiling %s without its GPU, as LUMINAL_ALLOW_UNMEASURED_COMPILE allows: untimed", target)
     try:  # fail at start, with a message, when a service the compiles need is missing
         wait_for_broker(settings)
         open_database(settings).dispose()
     except LuminalError as exc:
         sys.exit(f"luminal-cloud worker: {exc.message}")
-    run_worker(settings, targets, args.concurrency or settings.compile_workers, args.loglevel.upper())
+    run_worker(settings, check, args.concurrency or settings.compile_workers, args.loglevel.upper())
 
 
 def _runtime(args: argparse.Namespace) -> None:

@@ -27,7 +27,7 @@ from registry.checks import CheckInChild
 from runtime import CpuDevice, CudaDevice, Runtime
 from runtime.cuda import parse_device
 from scheduler.engine import Engine, InProcessEngine
-from worker.queue import CompileQueue, make_compile_queue
+from worker.queue import CompileQueue, compile_check, make_compile_queue
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def build_services(settings: Settings) -> Services:
         check_model=CheckInChild(settings.compile_memory_bytes),
         max_models_per_tenant=settings.max_models_per_tenant or None,
         max_versions_per_model=settings.max_versions_per_model or None,
+        refused_targets=compile_check(settings).refused,
     )
     return Services(
         settings=settings,

@@ -59,9 +59,14 @@ class Settings(BaseSettings):
     # whether cpu compiles run the search (an e-graph that removes work) before generating code
     compile_search: bool = True
     # device types a model may be provisioned for: "cpu" and GPU types of compiler/targets.py
-    # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"); a GPU type compiles anywhere
-    # (NVRTC needs no GPU) and is served by GPU runtimes
+    # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"); a GPU type is compiled where its
+    # GPU is (below) and served by GPU runtimes
     targets: tuple[str, ...] = ("cpu",)
+    # a GPU type is compiled where a GPU of its compute capability is (a worker's --device, GPU 0
+    # for the embedded server); true lets a process without one compile it anyway: the default
+    # schedule, verified in a CPU emulation, not timed, its report labelled "unmeasured" until a
+    # worker holding that GPU starts and compiles it again
+    allow_unmeasured_compile: bool = False
     # largest accepted upload, in bytes
     max_upload_bytes: int = 200 * 1024 * 1024
     # uploads one tenant may have in flight at once on a gateway (one more gets 429 with

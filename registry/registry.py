@@ -9,6 +9,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from sqlalchemy import func, select, update
@@ -32,6 +33,9 @@ INTERRUPTED = "the compile was interrupted by a server stop and resumed"
 # compile's start (epoch seconds) as "started_at"}; the final report (which never has this key)
 # or a failure replaces it
 PROGRESS = "progress"
+# the key of a ready version's report saying it was compiled without its target's GPU (what the
+# report says of it: worker/devices.py); such a version is compiled again where that GPU is
+UNMEASURED = "unmeasured"
 
 
 _INSERT_ATTEMPTS = 6
@@ -91,6 +95,7 @@ class Registry:
         check_model: ModelCheck = check_here,
         max_models_per_tenant: int | None = None,
         max_versions_per_model: int | None = None,
+        refused_targets: Mapping[str, str] | None = None,
     ) -> None:
         self.db = db
         self.store = store
@@ -99,6 +104,8 @@ class Registry:
         # quotas (None: unlimited): a tenant's models, and the versions one model keeps
         self.max_models_per_tenant = max_models_per_tenant
         self.max_versions_per_model = max_versions_per_model
+        # target -> why uploads for it are refused: offered, but nothing here may compile it
+        self.refused_targets = dict(refused_targets or {})
         self._insert_lock = threading.Lock()
         # (tenant id, model name, version number, alias or None) -> (expires at, the version to serve)
         self._served: dict[tuple[int, str, int | str | None], tuple[float, ServedVersion]] = {}
@@ -125,6 +132,8 @@ class Registry:
             )
         if target not in self.targets:
             raise InvalidRequest(f"unknown target {target!r}; available: {', '.join(self.targets)}")
+        if target in self.refused_targets:
+            raise InvalidRequest(f"cannot compile for {target} here: {self.refused_targets[target]}", target=target)
         try:
             check_precision(target, precision)
         except ValueError as exc:
@@ -460,6 +469,21 @@ class Registry:
             )
             return [(version_id, tenant_id) for version_id, tenant_id in session.execute(query)]
 
+    def unmeasured_versions(self, targets: Sequence[str]) -> list[int]:
+        """Ids of the ready versions of `targets` whose report says UNMEASURED, oldest first."""
+        with self.db.session() as session:
+            query = (
+                select(ModelVersion.id)
+                .where(
+                    ModelVersion.status == "ready",
+                    ModelVersion.target.in_(targets),
+                    # (as text: NULL where the key is absent, on SQLite as on PostgreSQL)
+                    ModelVersion.report[UNMEASURED].as_string().is_not(None),
+                )
+                .order_by(ModelVersion.id)
+            )
+            return list(session.scalars(query))
+
     # -- status transitions (the compile worker) --
     def set_progress(self, version_id: int, progress: dict[str, Any]) -> None:
         """Stores a compile's progress on its version; one step, and only while the version is
@@ -477,6 +501,26 @@ class Registry:
             version.status = status
             for name, value in fields.items():
                 setattr(version, name, value)
+
+    def replace_artifact(
+        self, version_id: int, replaced_key: str, artifact_key: str, signature: dict[str, Any], report: dict[str, Any]
+    ) -> bool:
+        """Swaps a ready version's artifact for one compiled again and already stored, with its
+        signature and report, in one step: the version serves the old one until then. False,
+        changing nothing, when the version is gone, is no longer ready, or no longer has the
+        artifact `replaced_key` (another compile replaced it first)."""
+        with self.db.serialized() as session:
+            version = session.scalar(
+                select(ModelVersion)
+                .where(ModelVersion.id == version_id)
+                .options(selectinload(ModelVersion.model))
+                .with_for_update()
+            )
+            if version is None or version.status != "ready" or version.artifact_key != replaced_key:
+                return False
+            version.artifact_key, version.signature, version.report = artifact_key, signature, report
+            self._forget_served(version.model.tenant_id, version.model.name)
+        return True
 
 
 type _Json = dict[str, Any]

@@ -150,7 +150,7 @@ def test_a_precision_the_target_cannot_run_gets_400_naming_it(client, keys, prec
 
 
 def test_a_gpu_upload_keeps_the_precision_it_asked_for(tmp_path) -> None:
-    settings = make_settings(tmp_path / "gpu", targets=("cpu", "h100"))
+    settings = make_settings(tmp_path / "gpu", targets=("cpu", "h100"), allow_unmeasured_compile=True)
     db = open_database(settings)
     try:
         key = create_key(db, "alice")

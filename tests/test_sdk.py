@@ -159,7 +159,7 @@ def test_deploy_raises_deploy_failed_with_the_compile_error(server, keys, tmp_pa
 
 
 def test_deploy_sends_the_precision_and_the_server_names_one_it_refuses(tmp_path) -> None:
-    settings = make_settings(tmp_path / "data", targets=("cpu", "h100"))
+    settings = make_settings(tmp_path / "data", targets=("cpu", "h100"), allow_unmeasured_compile=True)
     db = open_database(settings)
     key = create_key(db, "carol")
     db.dispose()

@@ -6,6 +6,11 @@ hands it to a worker again once its visibility timeout passes. Two deliveries of
 never compile at once: a worker holds a lease on the version in Redis while it compiles. Graphs
 under compile_small_graph_bytes are sent at the highest priority, so a worker takes them before
 any waiting giant.
+
+A worker takes a GPU target's queue only when it holds that GPU, or when settings let it compile
+the target unmeasured (worker/devices.py). A version compiled unmeasured is compiled again by a
+worker holding the GPU: a recompile message waits for one in the target's measured queue, and
+each such worker, as it starts, queues every unmeasured version of its targets there too.
 """
 
 from __future__ import annotations
@@ -24,16 +29,22 @@ from functools import cache
 
 import redis
 from celery import Celery
+from celery.signals import worker_ready
 from kombu.exceptions import KombuError
 
 from cloud.settings import Settings, get_settings
+from compiler.targets import GPU_TYPES
 from registry import Registry
-from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version
+from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version, recompile_measured
+from worker.devices import TargetCheck, is_unmeasured, show_only_gpu
 from worker.sandbox import CompileHandle, Sandbox
 
 log = logging.getLogger(__name__)
 
 COMPILE_TASK = "luminal.compile_version"
+RECOMPILE_TASK = "luminal.recompile_measured"
+# the app's setting naming the targets this worker compiles without their GPU
+UNMEASURED_TARGETS_CONF = "luminal_unmeasured_targets"
 # a lease outlives its holder by this long: a dead worker's version is free again well before
 # the broker's visibility timeout hands its message to another worker
 LEASE_S = 10.0
@@ -46,6 +57,12 @@ LARGE_PRIORITY = 6
 def compile_queue(target: str) -> str:
     """The queue of a target's compiles: a worker takes only the targets it can compile for."""
     return f"compile.{target}"
+
+
+def measured_queue(target: str) -> str:
+    """The queue of a GPU target's compiles that need its GPU (an unmeasured version compiled
+    again): only workers holding that GPU take it."""
+    return f"compile.{target}.measured"
 
 
 def redelivery_s(settings: Settings) -> float:
@@ -90,6 +107,15 @@ def make_celery(settings: Settings) -> Celery:
         retry_jitter=True,
         max_retries=settings.compile_max_retries,
     )(_compile_task)
+    app.task(
+        name=RECOMPILE_TASK,
+        bind=True,
+        autoretry_for=TRANSIENT_ERRORS,
+        retry_backoff=2,
+        retry_backoff_max=60,
+        retry_jitter=True,
+        max_retries=settings.compile_max_retries,
+    )(_recompile_task)
     return app
 
 
@@ -168,23 +194,73 @@ def _compile_task(task, version_id: int) -> str | None:
             log.info("version %s is compiling in another worker; this delivery ends", version_id)
             return "leased"
         compile_fn = functools.partial(context.sandbox.compile, handle=handle)
-        status = compile_version(version_id, context.registry, compile_fn, context.options)
+        unmeasured = task.app.conf.get(UNMEASURED_TARGETS_CONF) or ()
+        status = compile_version(version_id, context.registry, compile_fn, context.options, unmeasured)
     if status == "queued":  # stopped while its version remains: compiled again, never left compiling
         raise task.retry(countdown=1)
+    version = context.registry.get_version(version_id) if status == "ready" and unmeasured else None
+    if version is not None and is_unmeasured(version.report):  # for the first worker holding its GPU
+        send_recompile(task.app, version_id, version.target)
     return status
 
 
-def run_worker(settings: Settings, targets: tuple[str, ...], concurrency: int, loglevel: str = "INFO") -> None:
-    """Runs a Celery worker that takes the compiles of `targets` (blocks until stopped); its
-    /metrics on worker_metrics_port when one is set (the compile panels read them)."""
+def _recompile_task(task, version_id: int) -> str | None:
+    context = worker_context()
+    handle = CompileHandle(version_id)
+    with compile_lease(context, version_id, handle) as held:
+        if not held:
+            log.info("version %s is compiling in another worker; this delivery ends", version_id)
+            return "leased"
+        compile_fn = functools.partial(context.sandbox.compile, handle=handle)
+        return recompile_measured(version_id, context.registry, compile_fn, context.options)
+
+
+def send_recompile(app: Celery, version_id: int, target: str) -> None:
+    """Queues the version for a worker holding `target`'s GPU, behind any first compile."""
+    app.send_task(
+        RECOMPILE_TASK, args=[version_id], queue=measured_queue(target), priority=LARGE_PRIORITY, ignore_result=True
+    )
+
+
+def requeue_unmeasured(app: Celery, registry: Registry, gpu_targets: tuple[str, ...]) -> int:
+    """Queues every unmeasured version of `gpu_targets` for a compile on their GPU (a worker
+    holding it has started); returns how many. A version queued twice compiles once."""
+    version_ids = [(v, t) for t in gpu_targets for v in registry.unmeasured_versions([t])]
+    for version_id, target in version_ids:
+        send_recompile(app, version_id, target)
+    return len(version_ids)
+
+
+def run_worker(settings: Settings, check: TargetCheck, concurrency: int, loglevel: str = "INFO") -> None:
+    """Runs a Celery worker that takes the compiles of the targets `check` accepts (blocks until
+    stopped): their queues, and the measured queues of the GPU targets whose GPU it holds, whose
+    unmeasured versions it queues there once ready. Its /metrics on worker_metrics_port when one
+    is set (the compile panels read them)."""
     if settings.worker_metrics_port:
         from prometheus_client import start_http_server
 
         from cloud.metrics import REGISTRY
 
         start_http_server(settings.worker_metrics_port, registry=REGISTRY)
+    if check.gpu_ordinal is not None:
+        show_only_gpu(check.gpu_ordinal)
     app = make_celery(settings)
-    queues = ",".join(compile_queue(t) for t in targets)
+    app.conf.update({UNMEASURED_TARGETS_CONF: list(check.unmeasured)})
+    held_gpus = tuple(t for t in check.measured if t in GPU_TYPES)
+    queues = ",".join([*(compile_queue(t) for t in check.accepted), *(measured_queue(t) for t in held_gpus)])
+
+    def on_ready(**_: object) -> None:
+        try:
+            queued = requeue_unmeasured(app, worker_context().registry, held_gpus)
+        except Exception:  # the next start tries again; this worker compiles meanwhile
+            log.exception("queueing the unmeasured versions of %s again failed", ", ".join(held_gpus))
+            return
+        if queued:
+            log.info("queued %d unmeasured version(s) of %s to compile on this GPU", queued, ", ".join(held_gpus))
+
+    if held_gpus:
+        worker_ready.connect(on_ready, weak=False)
+    targets = check.accepted
     app.worker_main(
         # threads: each compile already runs in a sandbox process of its own, which a pool
         # process (a daemon) could not start

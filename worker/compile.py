@@ -6,7 +6,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from cloud import metrics
+from cloud.db import ModelVersion
 from cloud.errors import Unavailable
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
 from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
@@ -21,7 +22,8 @@ from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
 from compiler.pipeline import CANDIDATES, SEARCH, Progress
 from compiler.targets import EXPORTED
-from registry import Registry
+from registry import UNMEASURED, Registry
+from worker.devices import is_unmeasured, unmeasured_label
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
@@ -125,14 +127,20 @@ def cache_key(graph_key: str, target: str, options: Mapping[str, object], precis
 
 
 def compile_version(
-    version_id: int, registry: Registry, compile_fn: CompileFn = compile_here, options: Mapping[str, object] | None = None
+    version_id: int,
+    registry: Registry,
+    compile_fn: CompileFn = compile_here,
+    options: Mapping[str, object] | None = None,
+    unmeasured_targets: Collection[str] = (),
 ) -> str | None:
     """Compile a queued version for its target in its precision with `compile_fn`, which
     compiles with `options` (the defaults' when None); idempotent, and an artifact compiled
     before from the same bytes with the same options and precision is reused. The graph reaches
-    `compile_fn` as a temporary file streamed from the store. Returns the final status: None if
-    the version was deleted, "queued" if its compile was cancelled while the version remains
-    (the caller queues it again). Only a process that stops midway leaves it "compiling"."""
+    `compile_fn` as a temporary file streamed from the store. A target in `unmeasured_targets`
+    is compiled without its GPU (unless a measured artifact of it is stored): its artifact is
+    stored apart from measured ones and its report labelled UNMEASURED. Returns the final status: None if the version was deleted, "queued" if
+    its compile was cancelled while the version remains (the caller queues it again). Only a
+    process that stops midway leaves it "compiling"."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -140,22 +148,15 @@ def compile_version(
         return version.status
     registry.set_status(version_id, "compiling", report=None)
     started = time.perf_counter()
-    store = registry.store
-    key = cache_key(
-        version.graph_key, version.target, compile_options() if options is None else options, version.precision
-    )
+    options = compile_options() if options is None else options
+    key = _artifact_key_of(version, options, unmeasured=False)
+    # without the GPU, a measured artifact of the same compile is still the one to ship
+    unmeasured = version.target in unmeasured_targets and not registry.store.exists(f"{key}/manifest.json")
+    if unmeasured:
+        key = _artifact_key_of(version, options, unmeasured=True)
     progress = ProgressWriter(registry, version_id)
     try:
-        artifact = _cached_artifact(store, key)
-        cached = artifact is not None
-        if artifact is None:
-            with tempfile.TemporaryDirectory(prefix="luminal-compile-") as folder:
-                graph = Path(folder) / "graph.onnx"
-                store.get_file(version.graph_key, graph)
-                artifact = compile_fn(
-                    version_id, graph, version.target, progress=progress, precision=version.precision
-                )
-            save_artifact(store, key, artifact)
+        artifact, cached = _compiled_or_cached(version, registry.store, key, compile_fn, progress)
     except CompileCancelled:
         return _after_cancel(registry, version_id)
     except UnsupportedModel as exc:
@@ -175,18 +176,74 @@ def compile_version(
     seconds = time.perf_counter() - started
     # the report is the artifact's own, the same for every uploader of these bytes: whether this
     # compile hit the shared cache would tell a tenant what another tenant uploaded
+    report = {**artifact.report, UNMEASURED: unmeasured_label(version.target)} if unmeasured else artifact.report
     registry.set_status(
         version_id,
         "ready",
         artifact_key=key,
         signature=artifact.signature.to_json(),
-        report=artifact.report,
+        report=report,
         error=None,
     )
     log.info("version %s ready in %.3f s (cached artifact: %s)", version_id, seconds, cached)
     metrics.COMPILES.labels("cached" if cached else "ready").inc()
     metrics.COMPILE_SECONDS.observe(seconds)
     return "ready"
+
+
+def recompile_measured(
+    version_id: int, registry: Registry, compile_fn: CompileFn = compile_here, options: Mapping[str, object] | None = None
+) -> str | None:
+    """Compiles again, on the GPU this process holds, a ready version whose report says
+    UNMEASURED, then swaps in the new artifact and report once stored: the version serves the
+    one it has until then, and keeps it if this compile fails. Idempotent: a version no longer
+    labelled (or not ready) is left alone. Returns None if the version is gone, "replaced",
+    "unchanged" (nothing to do, or another compile replaced it first) or "failed"."""
+    version = registry.get_version(version_id)
+    if version is None:
+        return None
+    if version.status != "ready" or not is_unmeasured(version.report) or version.artifact_key is None:
+        return "unchanged"
+    key = _artifact_key_of(version, compile_options() if options is None else options, unmeasured=False)
+    try:
+        artifact, _ = _compiled_or_cached(version, registry.store, key, compile_fn, progress=None)
+    except CompileCancelled:
+        return None if registry.get_version(version_id) is None else "unchanged"
+    except TRANSIENT_ERRORS:
+        raise
+    except Exception:  # the version keeps serving what it has; the next worker start tries again
+        log.warning(
+            "compiling version %s again on its GPU failed; it keeps its unmeasured artifact", version_id, exc_info=True
+        )
+        return "failed"
+    signature = artifact.signature.to_json()
+    if not registry.replace_artifact(version_id, version.artifact_key, key, signature, artifact.report):
+        return None if registry.get_version(version_id) is None else "unchanged"
+    log.info("version %s compiled again on its GPU; its measured artifact replaced the unmeasured one", version_id)
+    return "replaced"
+
+
+def _artifact_key_of(version: ModelVersion, options: Mapping[str, object], unmeasured: bool) -> str:
+    # an unmeasured artifact is kept apart, so a compile where the GPU is never reuses it
+    if unmeasured:
+        options = {**options, UNMEASURED: True}
+    return cache_key(version.graph_key, version.target, options, version.precision)
+
+
+def _compiled_or_cached(
+    version: ModelVersion, store: ObjectStore, key: str, compile_fn: CompileFn, progress: Progress | None
+) -> tuple[Artifact, bool]:
+    """The artifact stored at `key`, else the version compiled by `compile_fn` and stored there;
+    and whether it was stored already."""
+    artifact = _cached_artifact(store, key)
+    if artifact is not None:
+        return artifact, True
+    with tempfile.TemporaryDirectory(prefix="luminal-compile-") as folder:
+        graph = Path(folder) / "graph.onnx"
+        store.get_file(version.graph_key, graph)
+        artifact = compile_fn(version.id, graph, version.target, progress=progress, precision=version.precision)
+    save_artifact(store, key, artifact)
+    return artifact, False
 
 
 def _after_cancel(registry: Registry, version_id: int) -> str | None:

@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from registry import Registry
@@ -156,12 +156,14 @@ class EmbeddedCompilePool:
         workers: int,
         slots_per_tenant: int = 0,
         small_graph_bytes: int = 0,
+        unmeasured_targets: Collection[str] = (),
     ) -> EmbeddedCompilePool:
-        """A pool whose compiles run in `sandbox`'s child processes with `options`."""
+        """A pool whose compiles run in `sandbox`'s child processes with `options`; those of
+        `unmeasured_targets` without their GPU (compile_version labels them)."""
 
         def run(version_id: int, handle: CompileHandle) -> str | None:
             compile_fn = functools.partial(sandbox.compile, handle=handle)
-            return compile_version(version_id, registry, compile_fn, options)
+            return compile_version(version_id, registry, compile_fn, options, unmeasured_targets)
 
         return cls(registry, workers, run, slots_per_tenant, small_graph_bytes)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Protocol
 
 from cloud.settings import Settings
 from registry import Registry
+from worker.devices import TargetCheck, check_targets, probe_cuda
 
 
 class CompileQueue(Protocol):
@@ -13,6 +15,20 @@ class CompileQueue(Protocol):
     def cancel(self, version_ids: list[int]) -> None: ...
     def resume_unfinished(self) -> None: ...
     def shutdown(self) -> None: ...
+
+
+def compile_check(settings: Settings) -> TargetCheck:
+    """What this server may compile for: on Celery every target (each worker checks its own
+    device); embedded, each GPU type only when GPU 0 is of its compute capability, or unmeasured
+    where settings allow. Its `refused` targets are refused at upload."""
+    if settings.compile_backend == "celery":
+        return TargetCheck(measured=settings.targets)
+    return _embedded_check(settings.targets, settings.allow_unmeasured_compile)
+
+
+@cache  # the machine's GPU stays what it is: asked once per process
+def _embedded_check(targets: tuple[str, ...], allow_unmeasured: bool) -> TargetCheck:
+    return check_targets(targets, None, probe_cuda, allow_unmeasured)
 
 
 def make_compile_queue(settings: Settings, registry: Registry) -> CompileQueue:
@@ -32,6 +48,7 @@ def make_compile_queue(settings: Settings, registry: Registry) -> CompileQueue:
         sandbox,
         compile_options(candidates, search),
         settings.compile_workers,
+        unmeasured_targets=compile_check(settings).unmeasured,
         slots_per_tenant=settings.compile_slots_per_tenant,
         small_graph_bytes=settings.compile_small_graph_bytes,
     )

@@ -171,6 +171,9 @@ def _status(args: argparse.Namespace) -> None:
     if report:
         compiled = f"{report.get('seconds', '?')} s, chosen {report.get('chosen', '?')}"
         fields.append(("compiled", f"{compiled}, {report.get('kernels', '?')} kernels"))
+    if report.get("unmeasured"):  # compiled without its GPU: say so, and what happens next
+        unmeasured = report["unmeasured"]
+        fields.append(("unmeasured", f"{unmeasured.get('why')}; compiled again when {unmeasured.get('recompile_when')}"))
     if chosen.get("error"):
         fields.append(("error", " ".join(str(chosen["error"]).split())))
     width = max(len(k) for k, _ in fields)
