@@ -206,18 +206,21 @@ class CudaCandidate:
     max_error: float = 0.0
     # median device ms by measuring size (on a GPU only)
     device_ms: dict[str, float] = field(default_factory=dict)
-    # median device ms of each launch, the kernels launched one by one at the largest size
-    launch_ms: list[float | None] = field(default_factory=list)
+    # by measuring size: the median device ms of each kernel, its launches run one by one (the
+    # schedule search's per-kernel measurement)
+    kernel_ms_by_size: dict[str, list[float | None]] = field(default_factory=dict)
     error: str | None = None
 
 
 def cuda_candidate(
     program: Program, schedule: CudaSchedule, graph: Graph,
     case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], tolerance: float, device: CudaDevice, cases: list, tracker: Tracker,
+    profile: bool = False,
 ) -> CudaCandidate:
     """The program rendered in `schedule`, built by NVRTC, run on the verification inputs as a GPU
     runtime loads it (arena, launch plan) on `device` (this machine's GPU of the target's compute
-    capability, or the emulation), then timed at each of `cases` (given where the device measures)."""
+    capability, or the emulation), then timed at each of `cases` (given where the device measures);
+    with `profile`, each kernel also at each size, its launches run one by one."""
     verify_inputs, expected = case
     program = scheduled(program, schedule)
     rendered = render_cuda(program, schedule)
@@ -236,7 +239,7 @@ def cuda_candidate(
         except Exception as exc:  # noqa: BLE001 - a failing run is the generated program's failure
             raise VerificationFailed(f"the CUDA program ({schedule.name}) failed on {device.name}: {exc}") from None
         error = max((max_error(expected[k], v, tolerance) for k, v in outputs.items()), default=0.0)
-        device_ms, launch_ms = {}, []
+        device_ms, kernel_ms_by_size = {}, {}
         if cases:
             tracker.timed(schedule.name)
             for label, inputs in cases:
@@ -247,14 +250,15 @@ def cuda_candidate(
                 except (IndexError, ShapeError):
                     continue  # a size the model does not take (positions past its table): not timed
                 device_ms[label] = round(measure.median_ms(seconds[1:]), 4)
-            if device_ms:  # each kernel's time at the largest size that ran, for a per-kernel choice
-                largest = dict(cases)[list(device_ms)[-1]]
-                runs = [device.profile(loaded, largest) for _ in range(MEASURE_MIN_REPEATS)]
-                launch_ms = _kernel_ms(rendered, program, [None if run[0] is None else measure.median_ms(list(run)) for run in zip(*runs)])
+                if profile:  # each kernel's time at this size, for the per-kernel choice
+                    runs = [device.profile(loaded, inputs) for _ in range(MEASURE_MIN_REPEATS)]
+                    kernel_ms_by_size[label] = _kernel_ms(
+                        rendered, program, [None if run[0] is None else measure.median_ms(list(run)) for run in zip(*runs)]
+                    )
     except BaseException:
         loaded.close()  # (its device memory, on a GPU compile worker)
         raise
-    return CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, error, device_ms, launch_ms)
+    return CudaCandidate(schedule, rendered, kernel, binaries, loaded, build_seconds, error, device_ms, kernel_ms_by_size)
 
 
 def _kernel_ms(rendered: CudaSource, program: Program, launch_ms: list[float | None]) -> list[float | None]:

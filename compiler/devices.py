@@ -136,6 +136,11 @@ class CudaDevice:
         self.name = name or f"{driver.name} ({driver.arch})"
 
     @property
+    def fingerprint(self) -> str:
+        """What measured times depend on: the GPU's name and compute capability (a kernel cache's key)."""
+        return f"{self.name}|{self.arch}"
+
+    @property
     def has_cublas(self) -> bool:
         """Whether products may run as cuBLAS calls here."""
         return self.driver.has_cublas

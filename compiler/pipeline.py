@@ -11,12 +11,13 @@
     build       compiler/devices.py               the C compiler, or NVRTC
     verify      compiler/candidates.py            each candidate run on its Device, checked
     measure     compiler/search/extract.py        candidates timed in turns, the fastest kept
-                compiler/search/cuda_schedules.py (on a GPU: the CUDA schedules raced)
+                compiler/search/schedule.py       each kernel's schedule: the schedule e-graph's
+                compiler/search/cuda_schedules.py alternatives, measured kernel by kernel on the GPU
     artifact    compiler/artifact.py              the parsed graph, the chosen program, a report
 
 A cpu compile builds several whole-program candidates (generated C with BLAS calls or loop nests,
 and the NumPy lowering) and keeps the fastest correct one; a GPU compile builds one CUDA program
-and, on a GPU of the target's type, races its schedules. Every candidate is checked against the
+whose kernels' schedules, on a GPU of the target's type, are chosen one by one by measurement. Every candidate is checked against the
 reference run on the graph as parsed, so a wrong rewrite is caught; when no candidate of the
 optimized graph is correct, the parsed graph's are built instead. The artifact keeps the parsed
 graph (its signature, its hash, the NumPy program's nodes) and the chosen program's own constants
@@ -27,7 +28,6 @@ compiler/progress.py). The tuning constants are in compiler/tuning.py.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,19 +40,28 @@ from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph
 from compiler.kernels.attention import attention_count
-from compiler.kernels.ir import GemmCall, Program
+from compiler.kernels.ir import Program
 from compiler.kernels.precision import NARROWED_ROLES, computed_in_float32, narrow_values
 from compiler.memory import MemoryBudget, memory_terms
 from compiler.progress import PHASES, Progress, Tracker
-from compiler.render.cuda import GEMM_TILE, LIBRARY_TILE, CudaSchedule, library_gemm, scheduled
-from compiler.search.cuda_schedules import race_cuda_schedules
+from compiler.render.cuda import scheduled
+from compiler.search.cuda_schedules import product_schedules, search_cuda_schedule
 from compiler.search.extract import candidate_report, choose, measure_candidates, measure_cases, search_graph
-from compiler.targets import EXPORTED, GPU_TYPES, KNOWN_TARGETS, PRECISION_TOLERANCE, TF32, check_precision, is_gpu
+from compiler.search.schedule import KernelCache
+from compiler.targets import (
+    EXPORTED,
+    GPU_TYPES,
+    KNOWN_TARGETS,
+    PRECISION_TOLERANCE,
+    TF32,
+    check_precision,
+    is_gpu,
+)
 from compiler.tuning import CANDIDATES, KNOWN_CANDIDATES, SEARCH
 from compiler.verify import VerificationFailed, sample_inputs, verification_case, verify
 
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.7.0"
+COMPILER_VERSION = "0.8.0"
 
 
 def compile_onnx(
@@ -63,10 +72,11 @@ def compile_onnx(
     progress: Progress | None = None,
     precision: str = EXPORTED,
     memory_bytes: int | None = None,
+    kernel_cache: KernelCache | None = None,
 ) -> Artifact:
     check_precision(target, precision)
     Tracker(progress, _wanted(candidates)).phase("parse")
-    return compile_graph(load_graph(data), target, candidates, search, progress, precision, memory_bytes)
+    return compile_graph(load_graph(data), target, candidates, search, progress, precision, memory_bytes, kernel_cache)
 
 
 def compile_graph(
@@ -77,6 +87,7 @@ def compile_graph(
     progress: Progress | None = None,
     precision: str = EXPORTED,
     memory_bytes: int | None = None,
+    kernel_cache: KernelCache | None = None,
 ) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
@@ -85,11 +96,14 @@ def compile_graph(
     phase as it begins (see Progress); `precision` is one of compiler.targets.PRECISIONS that the
     target offers (ValueError otherwise). `memory_bytes` is the compile's memory limit (None:
     none): a size whose run would pass it is not measured, and a model that passes it at its
-    smallest size fails at once (MemoryBudget)."""
+    smallest size fails at once (MemoryBudget). `kernel_cache` keeps the schedule search's
+    measured winners by kernel and device (None: every kernel measured)."""
     check_precision(target, precision)
     searching = SEARCH if search is None else search
     if is_gpu(target):
-        return _compile_for_cuda(graph, target, searching, Tracker(progress, ("cuda",)), progress, precision, memory_bytes)
+        return _compile_for_cuda(
+            graph, target, searching, Tracker(progress, ("cuda",)), progress, precision, memory_bytes, kernel_cache
+        )
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
     wanted = _wanted(candidates)
@@ -177,14 +191,15 @@ def _compile_for_cpu(
 
 def _compile_for_cuda(
     graph: Graph, target: str, searching: bool, tracker: Tracker, progress: Progress | None, precision: str,
-    memory_bytes: int | None,
+    memory_bytes: int | None, kernel_cache: KernelCache | None = None,
 ) -> Artifact:
     """The stages for the GPU type `target`: searched and lowered as for the CPU, rendered as
     CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute capability, and verified
     against the reference on its CudaDevice: this machine's GPU when it is of that compute
-    capability (then its schedules are raced, compiler/search/cuda_schedules.py), else the CPU
-    emulation, in the default schedule, untimed (a compile worker needs no GPU); the report says
-    which."""
+    capability (then each kernel's schedule is extracted by measurement from the schedule
+    e-graph, compiler/search/cuda_schedules.py), else the CPU emulation, every kernel in its
+    first alternative, untimed (the report says so: a compile worker without that GPU may be
+    allowed to ship it)."""
     started = time.perf_counter()
     gpu = GPU_TYPES[target]
     terms = memory_terms(graph, numpy_cpu.generate(graph))
@@ -201,41 +216,44 @@ def _compile_for_cuda(
     # kernel IR
     tracker.phase("lower", "cuda")
     program, precision = cuda_program(program_graph, graph, exported_narrow, precision, target)
-    # render -> build -> verify -> search (extraction by measurement), on the device
+    # render -> build -> verify -> search (each kernel's schedule, by measurement), on the device
     device = cuda_device(gpu.arch)
     tolerance = PRECISION_TOLERANCE[precision]
     try:
-        chosen, built = race_cuda_schedules(program, graph, case, tolerance, device, progress, budget)
+        found = search_cuda_schedule(
+            program, graph, case, tolerance, device, progress, budget, kernel_cache, version=COMPILER_VERSION
+        )
     finally:
         device.close()
+    chosen, built = found.chosen, found.built
     # artifact
-    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: the default schedule, not timed"}
+    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: every kernel's first schedule, not timed"}
     if device.measures:
         measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
         if budget.notes:
             measuring["notes"] = budget.notes
     program_weights = {k: v for k, v in program.weights.items() if k not in graph.weights}
     chosen_program = scheduled(program, chosen.schedule)
-    tiles = _product_tiles(chosen_program, chosen.schedule)
+    products = product_schedules(chosen_program, chosen.schedule)
     precision_report = _precision_report(program, precision, tolerance)
-    if "cublas" in tiles:  # (where the chosen schedule put them: what it multiplies with there)
+    if "cublas" in products:  # (where the chosen schedule put them: what it multiplies with there)
         operands = "float32" if precision == EXPORTED else precision
-        precision_report["library_products"] = f"{tiles['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): {operands} operands, float32 sums"
+        precision_report["library_products"] = f"{products['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): {operands} operands, float32 sums"
     report = {
         "compiler_version": COMPILER_VERSION,
-        "strategy": "one generated program, " + ("its schedule chosen by device time" if device.measures else "in the default schedule"),
+        "strategy": "one generated program, "
+        + ("each kernel's schedule chosen by device time" if device.measures else "every kernel in its first schedule, unmeasured"),
         "chosen": chosen.schedule.name,
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
         "verified_on": device.name,
         "precision": precision_report,
         "measuring": measuring,
-        "search": search_report,
+        "search": {**search_report, "schedule": found.report},
         "ir_nodes": len(graph.nodes),
         "kernels": len(chosen.rendered.launches),
-        # attentions run as one kernel each (online softmax), and the products by tile, in the
-        # chosen schedule
+        # attentions run as one kernel each (online softmax), and the products by schedule
         "fused_attention": attention_count(chosen_program),
-        "product_tiles": tiles,
+        "product_tiles": products,
         "functions": len({launch.kernel for launch in chosen.rendered.launches if launch.library is None}),
         "build_seconds": round(sum(c.build_seconds for c in built), 4),
         "weights_bytes": int(sum(w.nbytes for w in [*graph.weights.values(), *program_weights.values()])),
@@ -246,16 +264,6 @@ def _compile_for_cuda(
     return Artifact(
         target, graph.content_hash(), signature, graph, [chosen.kernel], report, chosen.binaries, program_weights,
     )
-
-
-def _product_tiles(program: Program, schedule: CudaSchedule) -> dict[str, int]:
-    """How many products each tile size computes ("64", "128"), or cuBLAS ("cublas")."""
-    tiles = Counter(
-        "cublas" if schedule.tile_of(n) == LIBRARY_TILE and library_gemm(program, k) is not None
-        else str(schedule.tile_of(n) or GEMM_TILE)
-        for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)
-    )
-    return dict(sorted(tiles.items(), key=lambda item: (item[0] == "cublas", item[0].isdigit() and int(item[0]))))
 
 
 def _precision_report(program: Program, precision: str, tolerance: float) -> dict[str, Any]:

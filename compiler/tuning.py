@@ -23,6 +23,10 @@ KNOWN_CANDIDATES = ("native-blas", "native-mixed", "native-panels", "native-tile
 # ResNet-50) take 0.1-0.6 s of it on a shared 2-core machine
 SEARCH = True
 SEARCH_BUDGET = SearchBudget(max_seconds=10.0)
+# the schedule search's budget per model (seconds of rounds after the default one, shared by the
+# program's forms) and the seed that orders each kernel's alternatives after its default
+SCHEDULE_SEARCH_SECONDS = 30.0
+SCHEDULE_SEARCH_SEED = 0
 # every symbol's size in the verification case (each symbol its own: this one, the next, ...)
 VERIFY_SYMBOL_SIZE = 3
 # candidates are timed with every symbol at the small size, then at the large one (a full batch)
@@ -61,6 +65,8 @@ __all__ = [
     "MEASURE_REQUEST_SEQUENCE",
     "MEASURE_SYMBOL_SIZE",
     "NUMPY_MARGIN",
+    "SCHEDULE_SEARCH_SECONDS",
+    "SCHEDULE_SEARCH_SEED",
     "SEARCH",
     "SEARCH_BUDGET",
     "VERIFY_SYMBOL_SIZE",

@@ -140,8 +140,9 @@ def test_products_on_cublas_compute_what_the_reference_does_in_the_emulation(mod
 
 
 class _LibraryEmulation(_EmulatedH100):
-    """An emulated H100 with cuBLAS: a library launch takes `library_ms` for the program's first
-    product and `later_ms` for the others, a generated product 1 ms and any other kernel 0.1 ms."""
+    """An emulated H100 with cuBLAS: a library launch takes `library_ms` for the MLP's first
+    product (its k is 20) and `later_ms` for the others, a generated product 1 ms and any other
+    kernel 0.1 ms."""
 
     def __init__(self, library_ms: float, later_ms: float) -> None:
         super().__init__()
@@ -149,27 +150,29 @@ class _LibraryEmulation(_EmulatedH100):
 
     def profile(self, module, calls) -> list[float]:
         super().profile(module, calls)
-        seconds, libraries = [], 0
+        seconds = []
         for call in calls:
             if call.library is not None:
-                seconds.append((self.library_ms if libraries == 0 else self.later_ms) / 1000)
-                libraries += 1
+                seconds.append((self.library_ms if call.library.k == 20 else self.later_ms) / 1000)
             else:
                 product = "lc_as[" in _function(self.sources[id(module)], call.function)
                 seconds.append((1.0 if product else 0.1) / 1000)
         return seconds
 
 
-@pytest.mark.parametrize(("later_ms", "chosen", "tiles"), [(0.5, "cuda-cublas", {"cublas": 3}), (3.0, "cuda-per-kernel", {"64": 2, "cublas": 1})])
-def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, later_ms: float, chosen: str, tiles: dict) -> None:
+@pytest.mark.parametrize(("later_ms", "tiles"), [(0.5, {"cublas": 3}), (3.0, {"tile64": 2, "cublas": 1})])
+def test_on_a_gpu_products_run_on_cublas_where_it_measures_faster(monkeypatch, later_ms: float, tiles: dict) -> None:
     from compiler import compile_onnx, devices
 
     monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _LibraryEmulation(0.5, later_ms))
     data = (FIXTURES / "torch_mlp.onnx").read_bytes()
     artifact = compile_onnx(data, "h100")
     report = artifact.report
-    assert "cuda-cublas" in report["measuring"]["device_ms_by_size"]
-    assert report["chosen"] == chosen and report["product_tiles"] == tiles
+    # each product's alternatives came from the schedule rules, cuBLAS among them, each measured
+    kernels = report["search"]["schedule"]["forms"]["cuda"]["kernels"]
+    products = [k for k in kernels.values() if k["term"].startswith("(Product")]
+    assert len(products) == 3 and all(set(k["measured"]) == {"tile64", "tile128", "cublas"} for k in products)
+    assert report["chosen"] == "cuda-searched" and report["product_tiles"] == tiles
     assert report["precision"]["library_products"] == f"{tiles['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): float32 operands, float32 sums"
     launches = artifact.kernels[0]["launches"]
     assert sum("library" in launch for launch in launches) == tiles["cublas"]

@@ -233,7 +233,7 @@ def test_a_model_uploaded_for_a_gpu_type_compiles_to_cuda_and_waits_for_a_gpu_ru
         version = wait_for(client, key, "mlp", 1)
         assert version["status"] == "ready", version
         report = client.get("/v1/models/mlp", headers=auth(key)).json()["versions"][0]["report"]
-        assert report["chosen"] == "cuda-tile64"  # the default schedule: none is timed without a GPU
+        assert report["chosen"] == "cuda-default"  # every kernel's first schedule: none is timed without a GPU
         assert report["target"]["arch"] == "sm_90" and report["verified_on"] == "cpu emulation"
         assert report["verify_max_abs_error"] < 1e-4
         # no GPU runtime in this server: the request is refused, not run elsewhere
@@ -597,27 +597,35 @@ class _TimedEmulation(_EmulatedH100):
             array += 1.0
 
 
-@pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-tile128"), (2.0, "cuda-tile64")])
-def test_on_a_gpu_every_schedule_is_built_verified_timed_and_the_fastest_kept(monkeypatch, seconds: float, chosen: str) -> None:
+@pytest.mark.parametrize(("seconds", "large"), [(0.5, True), (2.0, False)])
+def test_on_a_gpu_every_alternative_is_built_verified_timed_and_the_fastest_kept(monkeypatch, seconds: float, large: bool) -> None:
     from compiler import compile_onnx, devices
 
     monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", seconds))
     artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
     report = artifact.report
-    assert report["chosen"] == chosen and report["verified_on"] == "emulated H100 (sm_90)"
+    assert report["chosen"] == "cuda-searched" and report["verified_on"] == "emulated H100 (sm_90)"
     timed = report["measuring"]["device_ms_by_size"]
-    assert set(timed) == {"cuda-tile64", "cuda-tile128"} and all(set(t) == set(timed["cuda-tile64"]) for t in timed.values())
-    assert ("lc_ra[" in artifact.kernels[0]["source"]) == (chosen == "cuda-tile128")
+    # round 0 (every kernel's default), one round per further alternative, then the winners whole
+    assert set(timed) == {"cuda-round0", "cuda-round1", "cuda-round2", "cuda-searched"}
+    assert all(set(t) == set(timed["cuda-round0"]) for t in timed.values())
+    assert ("lc_ra[" in artifact.kernels[0]["source"]) == large
+    assert report["product_tiles"] == ({"tile128": 3} if large else {"tile64": 3})
+    space = report["search"]["schedule"]["forms"]["cuda"]["space"]
+    assert space["searched_kernels"] >= 3 and space["programs"] >= 8
 
 
-def test_on_a_gpu_a_schedule_that_disagrees_with_the_reference_is_dropped(monkeypatch) -> None:
+def test_on_a_gpu_an_alternative_that_disagrees_with_the_reference_is_dropped(monkeypatch) -> None:
     from compiler import compile_onnx, devices
 
-    # the large schedule's program is the faster, but its outputs are wrong
+    # the large tile's program is the faster, but its outputs are wrong
     monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_ra[", 0.5, broken="lc_ra["))
-    report = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100").report
-    assert report["chosen"] == "cuda-tile64"
-    assert "max error" in report["measuring"]["device_ms_by_size"]["cuda-tile128"]
+    artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
+    report = artifact.report
+    assert report["chosen"] == "cuda-searched" and "lc_ra[" not in artifact.kernels[0]["source"]
+    failed = [k["failed"] for k in report["search"]["schedule"]["forms"]["cuda"]["kernels"].values() if "failed" in k]
+    assert failed and all("max error" in why for record in failed for why in record.values())
+    assert any("max error" in str(t) for t in report["measuring"]["device_ms_by_size"].values())
 
 
 class _PerKernelEmulation(_EmulatedH100):
@@ -646,13 +654,28 @@ def test_on_a_gpu_each_product_gets_the_tile_that_measured_fastest_for_it(monkey
     monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _PerKernelEmulation())
     artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "h100")
     report = artifact.report
-    # built from the two tiles' kernel times, verified against the reference, then timed whole
-    assert report["chosen"] == "cuda-per-kernel"
-    assert set(report["measuring"]["device_ms_by_size"]) == {"cuda-tile64", "cuda-tile128", "cuda-per-kernel"}
-    assert report["product_tiles"] == {"64": 2, "128": 1}
+    # each product's tile from its own measured time, the winners verified and timed whole
+    assert report["chosen"] == "cuda-searched"
+    assert report["product_tiles"] == {"tile128": 1, "tile64": 2}
     source = artifact.kernels[0]["source"]
     products = [launch for launch in artifact.kernels[0]["launches"] if "lc_as[" in _kernel_source(source, int(launch["kernel"][1:]))]
     assert ["lc_ra[" in _kernel_source(source, int(launch["kernel"][1:])) for launch in products] == [True, False, False]
+
+
+def test_a_second_compile_of_the_same_kernels_on_the_same_gpu_measures_nothing_again(monkeypatch, tmp_path) -> None:
+    from compiler import compile_onnx, devices
+    from compiler.search.schedule import DirectoryKernelCache
+
+    monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _PerKernelEmulation())
+    cache = DirectoryKernelCache(tmp_path)
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    first = compile_onnx(data, "h100", kernel_cache=cache).report
+    assert first["search"]["schedule"]["forms"]["cuda"]["cache"]["hits"] == 0
+    second = compile_onnx(data, "h100", kernel_cache=cache).report
+    searched = second["search"]["schedule"]["forms"]["cuda"]
+    assert searched["cache"] == {"hits": first["search"]["schedule"]["forms"]["cuda"]["cache"]["misses"], "misses": 0}
+    assert [r["round"] for r in searched["rounds"]] == [0]  # only the winners' own round
+    assert second["product_tiles"] == first["product_tiles"] == {"tile128": 1, "tile64": 2}
 
 
 # ---- narrow precisions: float16 and bfloat16 storage, tensor-core products ---------------------

@@ -23,7 +23,6 @@ from compiler.render.cuda import (
     ATTENTION_HEAD_MAX,
     ATTENTION_MMA_HEAD_MAX,
     DEFAULT_SCHEDULE,
-    SCHEDULES,
     render_cuda,
     scheduled,
 )
@@ -200,16 +199,18 @@ def _function(source: str, name: str) -> str:
     return source[start : end if end >= 0 else len(source)]
 
 
-@pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-tile64"), (2.0, "cuda-tile64-unfused-attention")])
+@pytest.mark.parametrize(("seconds", "chosen"), [(0.5, "cuda-searched"), (2.0, "cuda-unfused-attention-searched")])
 def test_on_a_gpu_fused_attention_is_kept_only_where_it_measures_faster(monkeypatch, seconds: float, chosen: str) -> None:
     from compiler import compile_onnx, devices
 
     # a program whose source has the fused kernel takes `seconds` a call, the others 1 s
     monkeypatch.setattr(devices, "_gpu_of_arch", lambda arch: _TimedEmulation("lc_qs[", seconds))
     report = compile_onnx(_attention(16, heads=1, mask="none"), "h100").report
-    assert set(report["measuring"]["device_ms_by_size"]) == set(SCHEDULES) - {"cuda-cublas"}  # (no cuBLAS on this one)
+    # both forms searched, each kernel by kernel, then each form's winners timed whole
+    assert set(report["search"]["schedule"]["forms"]) == {"cuda", "cuda-unfused-attention"}
+    assert {"cuda-searched", "cuda-unfused-attention-searched"} <= set(report["measuring"]["device_ms_by_size"])
     assert report["chosen"] == chosen
-    assert report["fused_attention"] == (1 if chosen != "cuda-tile64-unfused-attention" else 0)
+    assert report["fused_attention"] == (1 if chosen == "cuda-searched" else 0)
 
 
 @pytest.mark.parametrize("precision", ["exported", "float16", "bfloat16"])
@@ -217,7 +218,7 @@ def test_a_transformer_compiled_for_a_gpu_type_runs_its_attention_fused_in_every
     from compiler import compile_onnx
 
     report = compile_onnx((FIXTURES / "gpt2_dynamo.onnx").read_bytes(), "h100", precision=precision).report
-    assert report["chosen"] == DEFAULT_SCHEDULE.name and report["fused_attention"] == 2
+    assert report["chosen"] == "cuda-default" and report["fused_attention"] == 2
     assert report["verified_on"] == "cpu emulation"
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import weakref
 from dataclasses import dataclass, replace
 
 from compiler.kernels.attention import fuse_attention
@@ -301,8 +302,23 @@ DEFAULT_SCHEDULE = SCHEDULES["cuda-tile64"]
 
 
 def scheduled(program: Program, schedule: CudaSchedule) -> Program:
-    """The program as `schedule` renders it: its attention fused where the schedule says."""
-    return fuse_attention(program, ATTENTION_HEAD_MAX) if schedule.fused_attention else program
+    """The program as `schedule` renders it: its attention fused where the schedule says (found
+    once per program: every candidate of a compile renders the same one)."""
+    if not schedule.fused_attention:
+        return program
+    key = id(program)
+    fused = _FUSED.get(key)
+    if fused is None or fused[0]() is not program:
+        found = fuse_attention(program, ATTENTION_HEAD_MAX)
+        # (None where there was nothing to fuse: the entry must not hold the program itself)
+        fused = _FUSED[key] = (weakref.ref(program), None if found is program else found)
+        weakref.finalize(program, _FUSED.pop, key, None)
+    return program if fused[1] is None else fused[1]
+
+
+# id(program) -> (the program, weakly; its attention fused), while the program lives (the kernel rules
+# take about a second on a 6-layer BERT, and a search renders a program several times)
+_FUSED: dict[int, tuple[weakref.ref, Program | None]] = {}
 
 
 @dataclass(frozen=True)
