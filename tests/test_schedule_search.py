@@ -172,3 +172,22 @@ def test_kernel_schedule_labels_round_trip_and_terms_read_as_the_rules_spell_the
     assert CUBLAS.term == '(LibraryCall "cublas" k)' and TILE128.term == "(Tiled 128 k)"
     with pytest.raises(ValueError, match="unknown kernel schedule kind"):
         KernelSchedule("split", 2)
+
+
+def test_the_service_keeps_the_kernel_cache_in_its_object_store(tmp_path):
+    from cloud.storage import LocalObjectStore
+    from worker.kernel_cache import ObjectStoreKernelCache
+
+    store = LocalObjectStore(tmp_path)
+    cache = ObjectStoreKernelCache(store)
+    space = schedule_space([_product(0, "shared")], None)
+    timings = {TILE64: 0.3, TILE128: 0.2, CUBLAS: 0.1}
+    extract_by_measurement(space, _timer(timings), 60, cache, device="h100", sizes=("b1",), version="1")
+    records = list((tmp_path / "kernels").glob("*.json"))
+    assert len(records) == 1 and '"chosen": "cublas"' in records[0].read_text()
+    # another worker (another cache object on the same store) reuses it
+    calls: list = []
+    found = extract_by_measurement(space, _timer(timings, calls), 60, ObjectStoreKernelCache(store), device="h100", sizes=("b1",), version="1")
+    assert found.report["cache"] == {"hits": 1, "misses": 0} and len(calls) == 1
+    records[0].write_bytes(b"\x00torn")
+    assert ObjectStoreKernelCache(store).get(records[0].stem) is None

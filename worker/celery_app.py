@@ -144,7 +144,7 @@ def worker_context() -> WorkerContext:
     candidates, search = settings.compile_candidates, settings.compile_search
     return WorkerContext(
         registry=registry,
-        sandbox=Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search),
+        sandbox=Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search, settings),
         options=compile_options(candidates, search),
         redis=redis.Redis.from_url(settings.redis_url),
         holder=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",

@@ -42,7 +42,7 @@ def make_compile_queue(settings: Settings, registry: Registry) -> CompileQueue:
     from worker.sandbox import Sandbox
 
     candidates, search = settings.compile_candidates, settings.compile_search
-    sandbox = Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search)
+    sandbox = Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search, settings)
     return EmbeddedCompilePool.with_sandbox(
         registry,
         sandbox,

@@ -69,12 +69,16 @@ def _compile_child(
     candidates: tuple[str, ...] | None,
     search: bool | None = None,
     precision: str = EXPORTED,
+    settings: Any = None,
 ) -> None:
     os.setpgid(0, 0)  # its own process group: stopping it stops the C compiler it may be running
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        artifact = compile_onnx(graph.read_bytes(), target, candidates, search, _ProgressSender(conn), precision, memory_bytes)
+        cache = _kernel_cache(settings)
+        artifact = compile_onnx(
+            graph.read_bytes(), target, candidates, search, _ProgressSender(conn), precision, memory_bytes, cache
+        )
         conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:
         conn.send(("unsupported", exc.missing))
@@ -84,6 +88,16 @@ def _compile_child(
         conn.send(("memory", None))
     except Exception as exc:  # noqa: BLE001  a compiler bug: the parent fails the version with its type
         conn.send(("crash", type(exc).__name__))
+
+
+def _kernel_cache(settings: Any):
+    """The schedule search's kernel cache in the settings' object store (None without settings)."""
+    if settings is None:
+        return None
+    from cloud.storage import make_object_store
+    from worker.kernel_cache import ObjectStoreKernelCache
+
+    return ObjectStoreKernelCache(make_object_store(settings))
 
 
 def _kill_group(child: multiprocessing.Process) -> None:
@@ -141,8 +155,11 @@ class Sandbox:
         memory_bytes: int,
         candidates: tuple[str, ...] | None = None,
         search: bool | None = None,
+        settings: Any = None,
     ) -> None:
         self.timeout_s = timeout_s
+        # where the child finds the object store that holds the kernel cache (None: no cache)
+        self.settings = settings
         self.memory_bytes = memory_bytes
         self.candidates = candidates
         # whether the compile runs the search (None: the compiler's default)
@@ -167,7 +184,7 @@ class Sandbox:
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
             target=_compile_child,
-            args=(sender, graph, target, self.memory_bytes, self.candidates, self.search, precision),
+            args=(sender, graph, target, self.memory_bytes, self.candidates, self.search, precision, self.settings),
             daemon=True,
             name=f"compile-{version_id}",
         )
