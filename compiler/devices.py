@@ -98,6 +98,15 @@ class CpuDevice:
         """Seconds one run takes when runs come back to back (the median of a short burst)."""
         return self._helper().time(program, self._inputs_key(inputs))
 
+    def profile(self, program: str, inputs: Mapping[str, np.ndarray], kernels: int) -> list[float]:
+        """Seconds each kernel of a program built with render(profile=True) takes in one run."""
+        return self._helper().profile(program, self._inputs_key(inputs), kernels)
+
+    @property
+    def fingerprint(self) -> str:
+        """What measured times depend on: this CPU's model and flags, and how many cores it has."""
+        return f"{native_cpu.cpu_fingerprint()}|{os.cpu_count()} cpus"
+
     def memory(self) -> int | None:
         try:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -40,11 +40,15 @@ from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph
 from compiler.kernels.attention import attention_count
+from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import Program
+from compiler.kernels.lower import NotNative, lower
 from compiler.kernels.precision import NARROWED_ROLES, computed_in_float32, narrow_values
 from compiler.memory import MemoryBudget, memory_terms
 from compiler.progress import PHASES, Progress, Tracker
 from compiler.render.cuda import scheduled
+from compiler.search.cpu_schedules import NAME as NATIVE_SEARCHED
+from compiler.search.cpu_schedules import search_native
 from compiler.search.cuda_schedules import product_schedules, search_cuda_schedule
 from compiler.search.extract import candidate_report, choose, measure_candidates, measure_cases, search_graph
 from compiler.search.schedule import KernelCache
@@ -110,7 +114,7 @@ def compile_graph(
     unknown = sorted(set(wanted) - set(KNOWN_CANDIDATES))
     if unknown:
         raise ValueError(f"unknown compile candidates {unknown}; known: {list(KNOWN_CANDIDATES)}")
-    return _compile_for_cpu(graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes)
+    return _compile_for_cpu(graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache)
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -118,7 +122,8 @@ def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _compile_for_cpu(
-    graph: Graph, target: str, wanted: Sequence[str], searching: bool, tracker: Tracker, memory_bytes: int | None
+    graph: Graph, target: str, wanted: Sequence[str], searching: bool, tracker: Tracker, memory_bytes: int | None,
+    kernel_cache: KernelCache | None = None,
 ) -> Artifact:
     """The stages for the CPU: the NumPy lowering (which also sizes the memory budget), then for
     the generated C the search, lowering, rendering and building of each candidate, verified and
@@ -148,8 +153,9 @@ def _compile_for_cpu(
         loop_inputs = cases[0][1] if cases else case[0]
         built, rejected = build_native(program_graph, wanted, loop_inputs, device, tracker)
         with device.session():
-            # verify
+            # verify; then the products' schedules searched (native-searched), on the searched graph
             natives = verify_native(device, built, case, rejected, tracker)
+            natives = _with_searched(natives, program_graph, graph, case, cases, device, tracker, kernel_cache, wanted, rejected, search_report)
             if not natives and program_graph is not graph:
                 search_report["used"] = "parsed graph"
                 search_report["why"] = "no candidate of the optimized graph passed: " + "; ".join(
@@ -157,8 +163,9 @@ def _compile_for_cpu(
                 )
                 built, rejected = build_native(graph, wanted, loop_inputs, device, tracker)
                 natives = verify_native(device, built, case, rejected, tracker)
+                natives = _with_searched(natives, graph, graph, case, cases, device, tracker, kernel_cache, wanted, rejected, search_report)
             found = natives + found
-            # search (extraction by measurement)
+            # search (extraction by measurement): the candidates raced whole
             if len(found) > 1 and cases:
                 measuring = measure_candidates(found, cases, rejected, tracker)
                 measuring["notes"] = budget.notes + measuring["notes"]
@@ -187,6 +194,27 @@ def _compile_for_cpu(
     return Artifact(
         target, graph.content_hash(), signature, graph, best.kernels, report, best.binaries, program_weights
     )
+
+
+def _with_searched(
+    natives: list, program_graph: Graph, graph: Graph, case, cases: list, device: CpuDevice, tracker: Tracker,
+    kernel_cache: KernelCache | None, wanted: Sequence[str], rejected: dict[str, str], search_report: dict[str, Any],
+) -> list:
+    """The verified native candidates with the native-searched one first, where it is wanted and
+    found (compiler/search/cpu_schedules.py; its report goes under the search's "schedule")."""
+    if NATIVE_SEARCHED not in wanted:
+        return natives
+    tracker.phase("lower", NATIVE_SEARCHED)
+    try:
+        program = fuse(lower(program_graph, use_gemm=True))
+    except NotNative as exc:
+        rejected[NATIVE_SEARCHED] = f"not expressible natively: {exc}"
+        return natives
+    searched, search_report["schedule"] = search_native(program, graph, case, cases, device, tracker, kernel_cache, COMPILER_VERSION)
+    if searched is None:
+        rejected[NATIVE_SEARCHED] = search_report["schedule"].get("error") or search_report["schedule"].get("skipped", "")
+        return natives
+    return [searched, *natives]
 
 
 def _compile_for_cuda(

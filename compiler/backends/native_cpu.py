@@ -191,6 +191,14 @@ class NativeProgram:
         arena is per call's size, like the outputs, and not counted)."""
         return sum(w.nbytes for w in self._weights) + self._library_bytes
 
+    def kernel_seconds(self, kernels: int):
+        """The library's per-kernel seconds (lc_kernel_seconds, a ctypes array of `kernels`
+        doubles) where it was rendered with `profile`; ValueError otherwise."""
+        try:
+            return (ctypes.c_double * max(1, kernels)).in_dll(self._library, "lc_kernel_seconds")
+        except ValueError:
+            raise ValueError("this program was not built to time its kernels (render(profile=True))") from None
+
     def run(self, inputs: Mapping[str, np.ndarray], busy: bool = False) -> dict[str, np.ndarray]:
         """The outputs; `busy` says other requests are waiting, so only large loops wake the
         program's sleeping threads (their spinning would take the CPU the server needs)."""

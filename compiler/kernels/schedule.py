@@ -10,6 +10,11 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (Threads 256 k)         an elementwise loop, 256 threads per block
     (WarpRows 8 k)          a reduction, a warp per output, 8 outputs per block
     (BlockRows 256 k)       a reduction, a block of 256 threads per output
+    (GeneratedTiles k)      (C) a product in the generated register-tiled code, a weight B packed
+                            at compile time
+    (WindowRows k)          (C) a convolution's product reading its windows in place, rows of the
+                            output at a time
+    (GeneratedPanels k)     (C) a convolution's product computing its windows a panel at a time
 
 Renderers print what a schedule says; they choose nothing.
 """
@@ -26,7 +31,12 @@ KINDS = {
     "Threads": "threads",
     "WarpRows": "warp-rows",
     "BlockRows": "block-rows",
+    "GeneratedTiles": "generated-tiles",
+    "WindowRows": "window-rows",
+    "GeneratedPanels": "generated-panels",
 }
+# kinds whose term has no argument
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 
@@ -45,6 +55,8 @@ class KernelSchedule:
     @property
     def term(self) -> str:
         """The schedule as the e-graph spells it, around the kernel `k`."""
+        if self.kind in SIZELESS:
+            return f"({_CONSTRUCTORS[self.kind]} k)"
         argument = f'"{self.library}"' if self.kind == "library" else str(self.size)
         return f"({_CONSTRUCTORS[self.kind]} {argument} k)"
 
@@ -53,12 +65,16 @@ class KernelSchedule:
         """A short name for reports: tile64, tc-tile64, cublas, threads256, warp-rows8, block-rows256."""
         if self.kind == "library":
             return self.library
+        if self.kind in SIZELESS:
+            return self.kind
         prefix = {"tiled": "tile", "tensor-core-tiled": "tc-tile"}.get(self.kind, self.kind)
         return f"{prefix}{self.size}"
 
     @staticmethod
     def from_label(label: str) -> KernelSchedule:
         """The schedule a report's label names (the inverse of `label`; a kernel cache keeps labels)."""
+        if label in SIZELESS:
+            return KernelSchedule(label)
         for prefix, kind in (("tc-tile", "tensor-core-tiled"), ("tile", "tiled"), ("threads", "threads"),
                              ("warp-rows", "warp-rows"), ("block-rows", "block-rows")):
             if label.startswith(prefix) and label[len(prefix):].isdigit():

@@ -192,6 +192,11 @@ class Runner:
         program's calls alone: the median of a short burst)."""
         return self._ask(name, key, ("time", name, key))
 
+    def profile(self, name: str, key: str, kernels: int) -> list[float]:
+        """Seconds each of the program's `kernels` kernels takes in one run (its library built
+        with compiler.render.c.render's `profile`): the mean over a short burst."""
+        return self._ask(name, key, ("profile", name, key, kernels))
+
     def _ask(self, name: str, key: str | None, request: tuple | None) -> Any:
         try:
             self.start()
@@ -337,6 +342,20 @@ def _burst_seconds(program: Any, feed: dict[str, np.ndarray]) -> float:
     return statistics.median(runs)
 
 
+def _kernel_seconds(program: Any, feed: dict[str, np.ndarray], kernels: int) -> list[float]:
+    """Each kernel's mean seconds a run over a burst, from the program's lc_kernel_seconds."""
+    program.run(feed)
+    totals = program.kernel_seconds(kernels)
+    for i in range(kernels):
+        totals[i] = 0.0
+    runs = 0
+    started = time.perf_counter()
+    while runs < BURST_MIN_RUNS or (runs < BURST_MAX_RUNS and time.perf_counter() - started < BURST_SECONDS):
+        program.run(feed)
+        runs += 1
+    return [totals[i] / runs for i in range(kernels)]
+
+
 def serve(request_fd: int, reply_fd: int) -> None:
     """The helper: serves until its parent closes the pipes (or is gone)."""
     requests = Connection(request_fd, writable=False)
@@ -348,7 +367,7 @@ def serve(request_fd: int, reply_fd: int) -> None:
 
 
 def _serve(requests: Connection, replies: Connection) -> None:
-    """One request at a time: load, run, time (answered), inputs and reset (not answered)."""
+    """One request at a time: load, run, time, profile (answered), inputs and reset (not answered)."""
     from compiler.backends.native_cpu import NativeProgram
 
     programs: dict[str, NativeProgram] = {}
@@ -373,6 +392,8 @@ def _serve(requests: Connection, replies: Connection) -> None:
                 answer = programs[request[1]].run(inputs[request[2]])
             elif kind == "time":
                 answer = _burst_seconds(programs[request[1]], inputs[request[2]])
+            elif kind == "profile":
+                answer = _kernel_seconds(programs[request[1]], inputs[request[2]], request[3])
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as exc:  # noqa: BLE001 - the parent rejects the candidate with the reason

@@ -8,7 +8,8 @@
    any model (its canonical text), with the facts its rules need (dtype, the libraries that can
    compute it, the program's tensor-core format).
 2. Schedule rules (SCHEDULE_RULES, egglog) add equivalent alternatives to each kernel's e-class:
-   tiles, tensor-core tiles, library calls, threads per block, a warp or a block per output row.
+   tiles, tensor-core tiles, library calls, threads per block, a warp or a block per output row
+   on a GPU; OpenBLAS, generated register tiles, windows read in place or by panels on the CPU.
    Every alternative of a kernel's e-class is read back (`extract` with variants), so the space
    is what the rules derived, nothing listed by hand.
 3. Extraction is by measurement: whole programs are built in rounds, round r giving each kernel
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 from egglog import bindings
 
-from compiler.kernels.schedule import KINDS, KernelSchedule
+from compiler.kernels.schedule import KINDS, SIZELESS, KernelSchedule
 
 SCHEDULE_RULES = """
 (datatype Kernel
@@ -52,26 +53,38 @@ SCHEDULE_RULES = """
     (LibraryCall String Kernel)
     (Threads i64 Kernel)
     (WarpRows i64 Kernel)
-    (BlockRows i64 Kernel))
+    (BlockRows i64 Kernel)
+    (GeneratedTiles Kernel)
+    (WindowRows Kernel)
+    (GeneratedPanels Kernel))
+(relation CudaTarget ())
+(relation CpuTarget ())
+(relation Windowed (String))
 (relation CudaCores ())
 (relation TensorCores (String))
 (relation LibraryComputes (String String))
 (ruleset schedule)
 ; a product: a block computes a square of C, staged through shared memory
-(rule ((= k (Product sig dtype)) (CudaCores))
+(rule ((= k (Product sig dtype)) (CudaTarget) (CudaCores))
       ((union k (Tiled 64 k)) (union k (Tiled 128 k))) :ruleset schedule)
-(rule ((= k (Product sig dtype)) (TensorCores format) (!= dtype "float32"))
+(rule ((= k (Product sig dtype)) (CudaTarget) (TensorCores format) (!= dtype "float32"))
       ((union k (Tiled 64 k)) (union k (Tiled 128 k))) :ruleset schedule)
 ; float32 products multiply on tensor cores where the program's precision allows it
-(rule ((= k (Product sig "float32")) (TensorCores format))
+(rule ((= k (Product sig "float32")) (CudaTarget) (TensorCores format))
       ((union k (TensorCoreTiled 64 k)) (union k (TensorCoreTiled 128 k))) :ruleset schedule)
 (rule ((= k (Product sig dtype)) (LibraryComputes library sig))
       ((union k (LibraryCall library k))) :ruleset schedule)
-(rule ((= k (Elementwise sig)))
+(rule ((= k (Elementwise sig)) (CudaTarget))
       ((union k (Threads 256 k)) (union k (Threads 128 k)) (union k (Threads 512 k))) :ruleset schedule)
 ; a reduction: a warp per output (short rows) or a block per output (long rows)
-(rule ((= k (Reduction sig extent)))
+(rule ((= k (Reduction sig extent)) (CudaTarget))
       ((union k (WarpRows 8 k)) (union k (BlockRows 256 k))) :ruleset schedule)
+; the CPU: a float32 product in generated register tiles; a convolution's also with its windows
+; read in place or computed a panel at a time
+(rule ((= k (Product sig "float32")) (CpuTarget))
+      ((union k (GeneratedTiles k))) :ruleset schedule)
+(rule ((= k (Product sig "float32")) (CpuTarget) (Windowed sig))
+      ((union k (WindowRows k)) (union k (GeneratedPanels k))) :ruleset schedule)
 """
 
 # the most alternatives read back per kernel (the rules derive at most five today)
@@ -97,6 +110,8 @@ class KernelTerm:
     extent: int = 0
     # the libraries that can compute it (a product cuBLAS takes as it stands)
     libraries: tuple[str, ...] = ()
+    # a convolution's product whose B is its windows (the CPU reads them in place or by panels)
+    windowed: bool = False
 
     @property
     def term(self) -> str:
@@ -109,18 +124,18 @@ class KernelTerm:
         return f'(Attention "{self.signature}")'
 
     def default(self, alternatives: Sequence[KernelSchedule]) -> KernelSchedule:
-        """The alternative tried first: a 64-square tile, 256 threads, a warp per output of a
-        short known row. The others are tried in the seed's order."""
+        """The alternative tried first: a 64-square tile (on tensor cores where there are), else
+        a library call; 256 threads; a warp per output of a short known row. The others are
+        tried in the seed's order."""
         wanted = {
-            "product": ("tensor-core-tiled", 64),
-            "elementwise": ("threads", 256),
-            "reduction": ("warp-rows", 8) if 0 < self.extent <= WARP_ROWS_DEFAULT_MAX else ("block-rows", 256),
-        }.get(self.family)
-        for alternative in alternatives:
-            if wanted is not None and (alternative.kind, alternative.size) == wanted:
-                return alternative
-            if wanted == ("tensor-core-tiled", 64) and (alternative.kind, alternative.size) == ("tiled", 64):
-                return alternative
+            "product": (("tensor-core-tiled", 64), ("tiled", 64), ("library", 0)),
+            "elementwise": (("threads", 256),),
+            "reduction": (("warp-rows", 8),) if 0 < self.extent <= WARP_ROWS_DEFAULT_MAX else (("block-rows", 256),),
+        }.get(self.family, ())
+        for kind, size in wanted:
+            for alternative in alternatives:
+                if (alternative.kind, alternative.size) == (kind, size):
+                    return alternative
         return alternatives[0]
 
 
@@ -153,18 +168,23 @@ class ScheduleSpace:
         }
 
 
-def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed: int = 0) -> ScheduleSpace:
+def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed: int = 0, target: str = "cuda") -> ScheduleSpace:
     """Every kernel's schedule alternatives as the rules derive them: the kernels' terms and
     facts are written into an e-graph, SCHEDULE_RULES run to saturation, and each kernel's e-class
     is read back whole. Kernels of one signature are one term (a model's repeated layers share
     an e-class)."""
     began = time.perf_counter()
     egraph = bindings.EGraph()
-    facts = [SCHEDULE_RULES, "(CudaCores)" if tensor_cores is None else f'(TensorCores "{tensor_cores}")']
+    if target not in ("cuda", "cpu"):
+        raise ValueError(f"schedule target must be 'cuda' or 'cpu', not {target!r}")
+    facts = [SCHEDULE_RULES, "(CudaTarget)" if target == "cuda" else "(CpuTarget)"]
+    facts.append("(CudaCores)" if tensor_cores is None else f'(TensorCores "{tensor_cores}")')
     names: dict[str, str] = {}  # term -> its let
     for kernel in kernels:
         for library in kernel.libraries:
             facts.append(f'(LibraryComputes "{library}" "{kernel.signature}")')
+        if kernel.windowed:
+            facts.append(f'(Windowed "{kernel.signature}")')
         if kernel.term not in names:
             names[kernel.term] = f"$k{len(names)}"
             facts.append(f"(let {names[kernel.term]} {kernel.term})")
@@ -193,6 +213,8 @@ def _schedule_of(termdag: bindings.TermDag, term_id: int) -> KernelSchedule | No
     term = termdag.get(term_id)
     if not isinstance(term, bindings.TermApp) or term.name not in KINDS:
         return None
+    if KINDS[term.name] in SIZELESS:
+        return KernelSchedule(KINDS[term.name])
     argument = termdag.get(term.args[0])
     value = argument.value.value
     kind = KINDS[term.name]

@@ -1,0 +1,159 @@
+"""The CPU schedule search: each product's schedule (OpenBLAS, generated register tiles, a
+convolution's windows read in place or by panels) comes from the schedule e-graph
+(compiler.search.schedule) and is extracted by measurement on this CPU.
+
+    candidate, report = search_native(program, graph, case, cases, device, tracker, cache, version)
+
+Rounds of whole programs are rendered with every kernel timed (render's `profile`), built, run on
+the verification case and timed kernel by kernel at each measuring size in the helper process;
+each product keeps its fastest alternative, and the winners are built as one program (without
+the timing), verified, and become the "native-searched" candidate that the whole-program race
+(against the loop nests and the NumPy lowering) measures like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from compiler.backends import native_cpu
+from compiler.devices import CpuDevice
+from compiler.errors import CompilerError
+from compiler.ir import Graph
+from compiler.kernels.ir import GemmCall, Program
+from compiler.kernels.schedule import KernelSchedule
+from compiler.progress import Tracker
+from compiler.render.c import CRenderer, prepack_weights, render
+from compiler.search.extract import Candidate
+from compiler.search.measure import CandidateFailed
+from compiler.search.schedule import (
+    KernelCache,
+    KernelTerm,
+    RoundFailed,
+    extract_by_measurement,
+    schedule_space,
+)
+from compiler.tuning import SCHEDULE_SEARCH_SECONDS, SCHEDULE_SEARCH_SEED
+from compiler.verify import VerificationFailed, max_error
+
+NAME = "native-searched"
+# a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
+GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels"}
+# the products whose weight is packed at compile time: the generated ones
+_PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
+
+
+def kernel_terms(program: Program) -> list[KernelTerm]:
+    """The program's products as the schedule e-graph sees them (its loops have no alternatives on
+    the CPU yet): a signature from the C they render to in OpenBLAS form, buffers numbered by
+    position, and whether B is a convolution's windows."""
+    renderer = CRenderer(program)
+    terms = []
+    for number, kernel in enumerate(program.kernels):
+        if not isinstance(kernel, GemmCall):
+            continue
+        text = re.sub(r"\bk\d+\b", "kN", renderer.kernel(number, kernel))
+        text = _buffers_by_position(text)
+        dtypes = [program.buffers[b].dtype for b in (kernel.a, kernel.b, kernel.c)]
+        signature = hashlib.sha256(f"{text}|{dtypes}".encode()).hexdigest()[:24]
+        libraries = ("openblas",) if kernel.dtype in ("float32", "float64") else ()
+        terms.append(KernelTerm(number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None))
+    return terms
+
+
+def _buffers_by_position(text: str) -> str:
+    """The text with its buffers b<id> renumbered in order of first appearance."""
+    positions: dict[str, str] = {}
+    return re.sub(r"\bb(\d+)\b", lambda m: positions.setdefault(m[1], f"b{len(positions)}"), text)
+
+
+def search_native(
+    program: Program, graph: Graph, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], cases: list,
+    device: CpuDevice, tracker: Tracker, cache: KernelCache | None = None, version: str = "",
+    seconds: float = SCHEDULE_SEARCH_SECONDS, seed: int = SCHEDULE_SEARCH_SEED,
+) -> tuple[Candidate | None, dict[str, Any]]:
+    """The searched candidate (loaded on `device`, within its session) and the search's report;
+    None (the report says why) where the program has no product to choose for, or no round ran."""
+    space = schedule_space(kernel_terms(program), None, seed, target="cpu")
+    if not any(len(a) > 1 for a in space.alternatives.values()):
+        return None, {"space": space.report(), "skipped": "no product with more than one schedule"}
+    verify_inputs, expected = case
+    timed_cases = cases or [("verify", verify_inputs)]
+    rounds: list[str] = []
+
+    def measure_round(choices: dict[int, KernelSchedule]) -> dict[int, dict[str, float]]:
+        name = f"{NAME}-round{len(rounds)}"
+        try:
+            loaded, _ = _built(program, graph, choices, name, device, tracker, profile=True)
+            tracker.phase("verify", name)
+            outputs = device.run(loaded, verify_inputs)
+            max(max_error(expected[k], v) for k, v in outputs.items())
+            tracker.timed(name)
+            by_kernel: dict[int, dict[str, float]] = {}
+            for size, (label, inputs) in enumerate(timed_cases):
+                try:
+                    kernel_seconds = device.profile(loaded, inputs, len(program.kernels))
+                except CandidateFailed as exc:
+                    if exc.crashed or size == 0:
+                        raise
+                    continue  # a larger size this program does not run (as the whole-program race skips it)
+                for number, seconds_run in enumerate(kernel_seconds):
+                    by_kernel.setdefault(number, {})[label] = seconds_run * 1000.0
+        except (CompilerError, CandidateFailed, VerificationFailed) as exc:
+            raise RoundFailed(str(getattr(exc, "reason", exc))) from None
+        finally:
+            rounds.append(name)
+        return by_kernel
+
+    try:
+        extraction = extract_by_measurement(
+            space, measure_round, seconds, cache, device.fingerprint, [label for label, _ in timed_cases], version,
+        )
+    except RoundFailed as exc:
+        return None, {"space": space.report(), "error": str(exc)}
+    choices = extraction.choices
+    try:
+        loaded, built = _built(program, graph, choices, NAME, device, tracker, profile=False)
+        tracker.phase("verify", NAME)
+        outputs = device.run(loaded, verify_inputs)
+        error = max((max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
+    except (CompilerError, CandidateFailed, VerificationFailed) as exc:
+        return None, {**extraction.report, "error": str(getattr(exc, "reason", exc))}
+    kernel, binaries, weights, stats = built
+    candidate = Candidate(NAME, [kernel], binaries, weights, error, stats)
+    candidate.timer = lambda label, inputs, loaded=loaded: device.time(loaded, inputs)
+    products = {}
+    for alternative in choices.values():
+        products[alternative.label] = products.get(alternative.label, 0) + 1
+    return candidate, {**extraction.report, "products": dict(sorted(products.items()))}
+
+
+def _built(
+    program: Program, graph: Graph, choices: dict[int, KernelSchedule], name: str, device: CpuDevice, tracker: Tracker,
+    profile: bool,
+) -> tuple[str, tuple[dict[str, Any], dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]]:
+    """The program rendered with each product as `choices` says, built and loaded on `device`."""
+    began = time.perf_counter()
+    kinds = {number: GEMM_KIND[choice.kind] for number, choice in choices.items()}
+    packed = {number for number, choice in choices.items() if choice.kind in _PACKED}
+    rendered = prepack_weights(program, only=packed) if packed else program
+    source = render(rendered, profile=profile, gemm=kinds)
+    tracker.phase("build", name)
+    binaries = device.build(source)
+    layout = native_cpu.describe(rendered, graph.size_limits)
+    kernel = {"kind": "native", "layout": layout, "source": source, "fingerprint": native_cpu.cpu_fingerprint()}
+    loaded = device.load(name, kernel, rendered.weights, binaries)
+    stats = {
+        "kernels": len(rendered.kernels),
+        "gemm_calls": sum(isinstance(k, GemmCall) for k in rendered.kernels),
+        "fused_epilogues": sum(isinstance(k, GemmCall) and k.epilogue is not None for k in rendered.kernels),
+        "build_seconds": round(time.perf_counter() - began, 4),
+    }
+    return loaded, (kernel, binaries, dict(rendered.weights), stats)
+
+
+__all__ = ["NAME", "kernel_terms", "search_native"]
