@@ -191,3 +191,65 @@ def test_the_service_keeps_the_kernel_cache_in_its_object_store(tmp_path):
     assert found.report["cache"] == {"hits": 1, "misses": 0} and len(calls) == 1
     records[0].write_bytes(b"\x00torn")
     assert ObjectStoreKernelCache(store).get(records[0].stem) is None
+
+
+# ---- the CPU: products' schedules, measured in the helper process ------------------------------
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+
+
+def _lowered(name: str):
+    from compiler.frontends.onnx import load_graph
+    from compiler.kernels.fusion import fuse
+    from compiler.kernels.lower import lower
+
+    return fuse(lower(load_graph((FIXTURES / f"{name}.onnx").read_bytes()), use_gemm=True))
+
+
+def test_the_cpu_rules_offer_generated_products_and_a_convolution_its_windows_in_place_or_by_panels():
+    from compiler.search.cpu_schedules import kernel_terms
+
+    cnn = schedule_space(kernel_terms(_lowered("torch_cnn")), None, target="cpu")
+    mlp = schedule_space(kernel_terms(_lowered("torch_mlp")), None, target="cpu")
+    labels = [{a.label for a in alternatives} for alternatives in cnn.alternatives.values()]
+    assert {"openblas", "generated-tiles", "window-rows", "generated-panels"} in labels
+    assert all(set(a) == {KernelSchedule("library", library="openblas"), KernelSchedule("generated-tiles")} for a in mlp.alternatives.values())
+    assert all(a[0].kind == "library" for a in [*cnn.alternatives.values(), *mlp.alternatives.values()])  # OpenBLAS first
+    # the MLP's three products are three kernels with different shapes: three signatures
+    assert len({k.signature for k in kernel_terms(_lowered("torch_mlp"))}) == 3
+
+
+def test_a_cpu_compile_gives_each_product_the_schedule_that_measured_fastest_for_it(monkeypatch):
+    """With a fake timer (OpenBLAS fastest for the first product, generated tiles for the
+    others), the searched program calls OpenBLAS in kernel 0 only; its outputs are verified."""
+    from compiler import compile_onnx
+    from compiler.devices import CpuDevice
+    from compiler.search import cpu_schedules
+
+    chosen_by_name: dict[str, dict] = {}
+    built = cpu_schedules._built
+
+    def recording(program, graph, choices, name, device, tracker, profile):
+        chosen_by_name[name] = dict(choices)
+        return built(program, graph, choices, name, device, tracker, profile)
+
+    def fake_profile(self, program, inputs, kernels):
+        choices = chosen_by_name[program]
+        first = min(choices)
+        return [
+            (0.001 if (choices[n].kind == "library") == (n == first) else 0.003) if n in choices else 0.0005
+            for n in range(kernels)
+        ]
+
+    monkeypatch.setattr(cpu_schedules, "_built", recording)
+    monkeypatch.setattr(CpuDevice, "profile", fake_profile)
+    artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "cpu", ("native-searched",))
+    report = artifact.report
+    assert report["chosen"] == "native-searched"
+    schedule = report["search"]["schedule"]
+    assert schedule["products"] == {"generated-tiles": 2, "openblas": 1}
+    products = sorted(int(n) for n in schedule["kernels"])
+    assert [schedule["kernels"][str(n)]["chosen"] for n in products] == ["openblas", "generated-tiles", "generated-tiles"]
+    source = artifact.kernels[0]["source"]
+    calls = [source[source.index(f"static void k{n}("):].split("\nstatic void ", 1)[0] for n in products]
+    assert ["scipy_cblas_sgemm" in body for body in calls] == [True, False, False]
