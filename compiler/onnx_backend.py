@@ -24,15 +24,19 @@ from compiler.artifact import Artifact
 from compiler.errors import UnsupportedModel
 from compiler.frontends.onnx import onnx_to_graph, parse_model
 from compiler.pipeline import compile_graph, executable
+from compiler.targets import GPU_TYPES, is_gpu
 
 # which candidate programs prepare() builds (None: the pipeline's); a test forces one
 candidates: tuple[str, ...] | None = None
+# the target prepare() compiles for: "cpu", or a GPU type, whose programs run where a GPU of that
+# type is, else on the CPU emulation of the CUDA device (the same CudaProgram a GPU runtime runs)
+target = "cpu"
 
 
 class LuminalRep(BackendRep):
     def __init__(self, artifact: Artifact) -> None:
         self.artifact = artifact
-        self._program = executable(artifact)
+        self._program = _gpu_program(artifact) if is_gpu(artifact.target) else executable(artifact)
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         specs = self.artifact.signature.inputs
@@ -106,7 +110,16 @@ def _shape_inputs(model: onnx.ModelProto) -> list[str]:
 
 
 def _compile(model: onnx.ModelProto) -> LuminalRep:
-    return LuminalRep(compile_graph(onnx_to_graph(model), "cpu", candidates))
+    return LuminalRep(compile_graph(onnx_to_graph(model), target, candidates))
+
+
+def _gpu_program(artifact: Artifact):
+    """A GPU artifact loaded on this machine's GPU of its type, else on the emulated device."""
+    from compiler.backends.cuda import CudaProgram
+    from compiler.devices import cuda_device
+
+    device = cuda_device(GPU_TYPES[artifact.target].arch)
+    return CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, device.driver)
 
 
 class LuminalBackend(Backend):
