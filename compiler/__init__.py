@@ -4,8 +4,9 @@
     frontends/     parse: ONNX to the primitive-op IR   ir.py, shape.py    the IR, symbolic shapes
     composite.py   ops spelled in the IR                 reference.py      the NumPy oracle
     verify.py      reference case, checking a program    memory.py         memory need and budget
-    search/        the e-graph and its rules, extraction by measurement (extract.py), the helper
-                   process that runs candidates (measure.py), the CUDA schedule race
+    search/        the graph e-graph and its rules, the kernel rules (attention, epilogues), the
+                   schedule e-graph with extraction by measurement (schedule.py; per device:
+                   cpu_schedules.py, cuda_schedules.py), the helper process (measure.py)
     kernels/       the kernel IR (ir.py, ir_walk.py), lowering to it, fusion, precision
     render/        C and CUDA C printed from the kernel IR   codegen/   the NumPy lowering
     candidates.py  lowered, rendered, built and verified candidate programs

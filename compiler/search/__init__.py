@@ -6,7 +6,14 @@
                                     extraction by measurement among verified candidates
     measure.py                      the helper process that runs candidates (a crash or a hang
                                     rejects the candidate, not the compile), timing in turns
-    cuda_schedules.py               the CUDA schedules raced by device time on a GPU
+    kernel_rules.py                 egglog rules over the lowered kernels that find attention
+                                    (online softmax) and a product's epilogue from primitives
+    schedule.py                     the schedule e-graph: each kernel's term, the rules that add
+                                    its alternatives (tiles, tensor cores, library calls, threads,
+                                    rows per warp or block, windows in place), extraction by
+                                    per-kernel measurement in rounds, the kernel cache
+    cuda_schedules.py               that search on a GPU (CUDA events), attention fused or not
+    cpu_schedules.py                that search on the CPU (the helper process): native-searched
 """
 
 from compiler.search.egraph import SearchBudget, optimize
