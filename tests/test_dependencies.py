@@ -22,8 +22,8 @@ ALLOWED = {
     "registry": {"registry", "cloud", "compiler"},
     # the ledger records the scheduler's Usage: the adapter depends on the port, not the reverse
     "cloud": {"cloud", "compiler", "scheduler.pricing"},
-    # compile jobs: the gateway's API is not theirs to use
-    "worker": {"worker", "registry", "cloud", "compiler"},
+    # compile jobs (and the GPU they compile on, named as a runtime names it): the gateway's API is not theirs to use
+    "worker": {"worker", "registry", "cloud", "compiler", "runtime"},
 }
 
 
