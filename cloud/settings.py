@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     compile_candidates: tuple[str, ...] = CANDIDATES
     # whether cpu compiles run the search (an e-graph that removes work) before generating code
     compile_search: bool = True
+    # seconds the schedule search may spend measuring a model's kernels after every kernel's first
+    # alternative (winners are cached by kernel and device: a second model pays for new kernels only)
+    compile_search_seconds: float = Field(default=30.0, ge=0)
     # device types a model may be provisioned for: "cpu" and GPU types of compiler/targets.py
     # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"); a GPU type is compiled where its
     # GPU is (below) and served by GPU runtimes

@@ -61,7 +61,7 @@ from compiler.targets import (
     check_precision,
     is_gpu,
 )
-from compiler.tuning import CANDIDATES, KNOWN_CANDIDATES, SEARCH
+from compiler.tuning import CANDIDATES, KNOWN_CANDIDATES, SCHEDULE_SEARCH_SECONDS, SEARCH
 from compiler.verify import VerificationFailed, sample_inputs, verification_case, verify
 
 # part of every artifact key: bump it when compiled programs or signatures change meaning
@@ -77,10 +77,13 @@ def compile_onnx(
     precision: str = EXPORTED,
     memory_bytes: int | None = None,
     kernel_cache: KernelCache | None = None,
+    search_seconds: float | None = None,
 ) -> Artifact:
     check_precision(target, precision)
     Tracker(progress, _wanted(candidates)).phase("parse")
-    return compile_graph(load_graph(data), target, candidates, search, progress, precision, memory_bytes, kernel_cache)
+    return compile_graph(
+        load_graph(data), target, candidates, search, progress, precision, memory_bytes, kernel_cache, search_seconds
+    )
 
 
 def compile_graph(
@@ -92,6 +95,7 @@ def compile_graph(
     precision: str = EXPORTED,
     memory_bytes: int | None = None,
     kernel_cache: KernelCache | None = None,
+    search_seconds: float | None = None,
 ) -> Artifact:
     """Candidates for the target, each verified against the reference and timed; the fastest
     correct one is kept. A candidate that cannot be built, disagrees, crashes or hangs is
@@ -101,12 +105,14 @@ def compile_graph(
     target offers (ValueError otherwise). `memory_bytes` is the compile's memory limit (None:
     none): a size whose run would pass it is not measured, and a model that passes it at its
     smallest size fails at once (MemoryBudget). `kernel_cache` keeps the schedule search's
-    measured winners by kernel and device (None: every kernel measured)."""
+    measured winners by kernel and device (None: every kernel measured); `search_seconds` bounds
+    its measuring after every kernel's first alternative (None: SCHEDULE_SEARCH_SECONDS)."""
+    seconds = SCHEDULE_SEARCH_SECONDS if search_seconds is None else search_seconds
     check_precision(target, precision)
     searching = SEARCH if search is None else search
     if is_gpu(target):
         return _compile_for_cuda(
-            graph, target, searching, Tracker(progress, ("cuda",)), progress, precision, memory_bytes, kernel_cache
+            graph, target, searching, Tracker(progress, ("cuda",)), progress, precision, memory_bytes, kernel_cache, seconds
         )
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
@@ -114,7 +120,7 @@ def compile_graph(
     unknown = sorted(set(wanted) - set(KNOWN_CANDIDATES))
     if unknown:
         raise ValueError(f"unknown compile candidates {unknown}; known: {list(KNOWN_CANDIDATES)}")
-    return _compile_for_cpu(graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache)
+    return _compile_for_cpu(graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache, seconds)
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -123,7 +129,7 @@ def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
 
 def _compile_for_cpu(
     graph: Graph, target: str, wanted: Sequence[str], searching: bool, tracker: Tracker, memory_bytes: int | None,
-    kernel_cache: KernelCache | None = None,
+    kernel_cache: KernelCache | None = None, search_seconds: float = SCHEDULE_SEARCH_SECONDS,
 ) -> Artifact:
     """The stages for the CPU: the NumPy lowering (which also sizes the memory budget), then for
     the generated C the search, lowering, rendering and building of each candidate, verified and
@@ -155,7 +161,9 @@ def _compile_for_cpu(
         with device.session():
             # verify; then the products' schedules searched (native-searched), on the searched graph
             natives = verify_native(device, built, case, rejected, tracker)
-            natives = _with_searched(natives, program_graph, graph, case, cases, device, tracker, kernel_cache, wanted, rejected, search_report)
+            natives = _with_searched(
+                natives, program_graph, graph, case, cases, device, tracker, (kernel_cache, search_seconds), wanted, rejected, search_report
+            )
             if not natives and program_graph is not graph:
                 search_report["used"] = "parsed graph"
                 search_report["why"] = "no candidate of the optimized graph passed: " + "; ".join(
@@ -163,7 +171,9 @@ def _compile_for_cpu(
                 )
                 built, rejected = build_native(graph, wanted, loop_inputs, device, tracker)
                 natives = verify_native(device, built, case, rejected, tracker)
-                natives = _with_searched(natives, graph, graph, case, cases, device, tracker, kernel_cache, wanted, rejected, search_report)
+                natives = _with_searched(
+                    natives, graph, graph, case, cases, device, tracker, (kernel_cache, search_seconds), wanted, rejected, search_report
+                )
             found = natives + found
             # search (extraction by measurement): the candidates raced whole
             if len(found) > 1 and cases:
@@ -198,7 +208,7 @@ def _compile_for_cpu(
 
 def _with_searched(
     natives: list, program_graph: Graph, graph: Graph, case, cases: list, device: CpuDevice, tracker: Tracker,
-    kernel_cache: KernelCache | None, wanted: Sequence[str], rejected: dict[str, str], search_report: dict[str, Any],
+    searching: tuple[KernelCache | None, float], wanted: Sequence[str], rejected: dict[str, str], search_report: dict[str, Any],
 ) -> list:
     """The verified native candidates with the native-searched one first, where it is wanted and
     found (compiler/search/cpu_schedules.py; its report goes under the search's "schedule")."""
@@ -210,7 +220,10 @@ def _with_searched(
     except NotNative as exc:
         rejected[NATIVE_SEARCHED] = f"not expressible natively: {exc}"
         return natives
-    searched, search_report["schedule"] = search_native(program, graph, case, cases, device, tracker, kernel_cache, COMPILER_VERSION)
+    kernel_cache, seconds = searching
+    searched, search_report["schedule"] = search_native(
+        program, graph, case, cases, device, tracker, kernel_cache, COMPILER_VERSION, seconds
+    )
     if searched is None:
         rejected[NATIVE_SEARCHED] = search_report["schedule"].get("error") or search_report["schedule"].get("skipped", "")
         return natives
@@ -219,7 +232,7 @@ def _with_searched(
 
 def _compile_for_cuda(
     graph: Graph, target: str, searching: bool, tracker: Tracker, progress: Progress | None, precision: str,
-    memory_bytes: int | None, kernel_cache: KernelCache | None = None,
+    memory_bytes: int | None, kernel_cache: KernelCache | None = None, search_seconds: float = SCHEDULE_SEARCH_SECONDS,
 ) -> Artifact:
     """The stages for the GPU type `target`: searched and lowered as for the CPU, rendered as
     CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute capability, and verified
@@ -249,7 +262,7 @@ def _compile_for_cuda(
     tolerance = PRECISION_TOLERANCE[precision]
     try:
         found = search_cuda_schedule(
-            program, graph, case, tolerance, device, progress, budget, kernel_cache, version=COMPILER_VERSION
+            program, graph, case, tolerance, device, progress, budget, kernel_cache, search_seconds, version=COMPILER_VERSION
         )
     finally:
         device.close()

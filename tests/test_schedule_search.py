@@ -253,3 +253,22 @@ def test_a_cpu_compile_gives_each_product_the_schedule_that_measured_fastest_for
     source = artifact.kernels[0]["source"]
     calls = [source[source.index(f"static void k{n}("):].split("\nstatic void ", 1)[0] for n in products]
     assert ["scipy_cblas_sgemm" in body for body in calls] == [True, False, False]
+
+
+def test_the_search_budget_bounds_the_rounds_of_a_compile():
+    from compiler import compile_onnx
+
+    data = (FIXTURES / "torch_mlp.onnx").read_bytes()
+    spent = compile_onnx(data, "cpu", ("native-searched",), search_seconds=0).report["search"]["schedule"]
+    assert [r["round"] for r in spent["rounds"]] == [0, 1] and spent["rounds"][1]["skipped"] == "the search's budget was spent"
+    assert all(k["chosen"] == "openblas" for k in spent["kernels"].values())  # every product's first alternative
+    full = compile_onnx(data, "cpu", ("native-searched",), search_seconds=60).report["search"]["schedule"]
+    assert [r["round"] for r in full["rounds"]] == [0, 1] and "kernel_ms" in full["rounds"][1]
+
+
+def test_the_budget_is_a_setting():
+    from cloud.settings import Settings
+
+    assert Settings(compile_search_seconds=5).compile_search_seconds == 5
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        Settings(compile_search_seconds=-1)

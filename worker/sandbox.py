@@ -76,8 +76,9 @@ def _compile_child(
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
         cache = _kernel_cache(settings)
+        seconds = None if settings is None else settings.compile_search_seconds
         artifact = compile_onnx(
-            graph.read_bytes(), target, candidates, search, _ProgressSender(conn), precision, memory_bytes, cache
+            graph.read_bytes(), target, candidates, search, _ProgressSender(conn), precision, memory_bytes, cache, seconds
         )
         conn.send(("ok", artifact.to_files()))
     except UnsupportedModel as exc:

@@ -37,7 +37,7 @@ from compiler.search.schedule import (
     extract_by_measurement,
     schedule_space,
 )
-from compiler.tuning import SCHEDULE_SEARCH_SECONDS, SCHEDULE_SEARCH_SEED
+from compiler.tuning import MAX_LARGE_RUN_S, SCHEDULE_SEARCH_SECONDS, SCHEDULE_SEARCH_SEED
 from compiler.verify import VerificationFailed, max_error
 
 NAME = "native-searched"
@@ -63,6 +63,10 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
         libraries = ("openblas",) if kernel.dtype in ("float32", "float64") else ()
         terms.append(KernelTerm(number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None))
     return terms
+
+
+def _elements(inputs: dict[str, np.ndarray]) -> int:
+    return max(1, sum(int(x.size) for x in inputs.values()))
 
 
 def _buffers_by_position(text: str) -> str:
@@ -94,7 +98,10 @@ def search_native(
             max(max_error(expected[k], v) for k, v in outputs.items())
             tracker.timed(name)
             by_kernel: dict[int, dict[str, float]] = {}
+            first_run_s = 0.0
             for size, (label, inputs) in enumerate(timed_cases):
+                if size > 0 and first_run_s * _elements(inputs) / _elements(timed_cases[0][1]) > MAX_LARGE_RUN_S:
+                    continue  # a run there would take long: the whole-program race skips it too
                 try:
                     kernel_seconds = device.profile(loaded, inputs, len(program.kernels))
                 except CandidateFailed as exc:
@@ -103,6 +110,8 @@ def search_native(
                     continue  # a larger size this program does not run (as the whole-program race skips it)
                 for number, seconds_run in enumerate(kernel_seconds):
                     by_kernel.setdefault(number, {})[label] = seconds_run * 1000.0
+                if size == 0:
+                    first_run_s = sum(kernel_seconds)
         except (CompilerError, CandidateFailed, VerificationFailed) as exc:
             raise RoundFailed(str(getattr(exc, "reason", exc))) from None
         finally:
