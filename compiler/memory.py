@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from compiler.dtypes import numpy_dtype
-from compiler.ir import Graph, Op
 from compiler.errors import CompilerError
+from compiler.ir import Graph, Op
 from compiler.shape import Dim, SymDim, dim_add, dim_mul, dim_to_json, evaluate, numel, parse_dim, symbols_of
 
 # views numpy serves without copying

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from compiler.kernels.ir import AttentionCall, GemmCall, Ix, LoopKernel, Program
-from compiler.kernels.lower import (
+from compiler.kernels.ir_walk import (
     kernel_reads,
     kernel_stores,
     linear,

@@ -30,7 +30,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import (
+from compiler.kernels.ir_walk import (
     drop_unit_axes,
     identity_index,
     map_loads,

@@ -39,18 +39,6 @@ from compiler.kernels.ir import (
     ix_mod,
 )
 from compiler.kernels.ir_walk import linear, plan_slots, renamed, strides_of, walk
-
-# (re-exported until attention/epilogue/render import from the IR module)
-from compiler.kernels.ir_walk import (  # noqa: F401
-    drop_unit_axes,
-    expr_reads,
-    identity_index,
-    kernel_reads,
-    kernel_stores,
-    lets_reads,
-    map_loads,
-    substituted,
-)
 from compiler.reference import eval_node
 from compiler.shape import (
     Dim,

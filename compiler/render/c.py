@@ -32,7 +32,8 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import OP_COST, expr_reads, kernel_reads, kernel_stores, lets_reads, linear, walk
+from compiler.kernels.ir_walk import expr_reads, kernel_reads, kernel_stores, lets_reads, linear, walk
+from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import WindowGeometry, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
 from compiler.shape import Dim

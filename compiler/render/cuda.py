@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from compiler.kernels.attention import fuse_attention
 from compiler.kernels.ir import AttentionCall, GemmCall, Kernel, Load, LoopKernel, Program
-from compiler.kernels.lower import kernel_reads, kernel_stores, lets_reads
+from compiler.kernels.ir_walk import kernel_reads, kernel_stores, lets_reads
 from compiler.kernels.schedule import KernelSchedule
 from compiler.render.c import _MAX_INIT, C_TYPES, CRenderer, dim
 from compiler.shape import Dim, dim_ceildiv, dim_to_json, numel

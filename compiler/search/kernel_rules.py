@@ -55,7 +55,7 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.lower import kernel_reads, kernel_stores, linear, renamed, strides_of, walk
+from compiler.kernels.ir_walk import kernel_reads, kernel_stores, linear, renamed, strides_of, walk
 from compiler.search.rules import Rule, RuleSet
 from compiler.shape import numel
 
