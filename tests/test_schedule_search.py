@@ -272,3 +272,16 @@ def test_the_budget_is_a_setting():
     assert Settings(compile_search_seconds=5).compile_search_seconds == 5
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         Settings(compile_search_seconds=-1)
+
+
+def test_every_round_is_handed_to_prebuild_before_the_first_is_measured():
+    space = schedule_space([_product(0), KernelTerm(1, "elementwise", "e")], None)
+    planned: list = []
+
+    def measure_round(choices):
+        assert planned, "measured before the rounds were built"
+        return {n: {"b1": 0.1} for n in choices}
+
+    found = extract_by_measurement(space, measure_round, 60, prebuild=planned.extend)
+    assert len(planned) == 3 and planned[0] == space.default()
+    assert [c for c, _ in found.rounds] == planned  # the rounds measured are the ones built

@@ -13,9 +13,12 @@ the timing), verified, and become the "native-searched" candidate that the whole
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -118,9 +121,17 @@ def search_native(
             rounds.append(name)
         return by_kernel
 
+    def prebuild(planned: list[dict[int, KernelSchedule]]) -> None:
+        # every round's C compiled at once, a build per core (each lands in native_cpu's cache)
+        sources = [_rendered(program, choices, profile=True)[1] for choices in planned]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            for _ in pool.map(_build_quietly, sources):
+                pass
+
     try:
         extraction = extract_by_measurement(
             space, measure_round, seconds, cache, device.fingerprint, [label for label, _ in timed_cases], version,
+            prebuild,
         )
     except RoundFailed as exc:
         return None, {"space": space.report(), "error": str(exc)}
@@ -141,16 +152,27 @@ def search_native(
     return candidate, {**extraction.report, "products": dict(sorted(products.items()))}
 
 
+def _rendered(program: Program, choices: dict[int, KernelSchedule], profile: bool) -> tuple[Program, str]:
+    """The program with the chosen products' weights packed, and its C with each product as chosen."""
+    kinds = {number: GEMM_KIND[choice.kind] for number, choice in choices.items()}
+    packed = {number for number, choice in choices.items() if choice.kind in _PACKED}
+    rendered = prepack_weights(program, only=packed) if packed else program
+    return rendered, render(rendered, profile=profile, gemm=kinds)
+
+
+def _build_quietly(source: str) -> None:
+    """Builds into the cache; a failure is the round's, reported when it is measured."""
+    with contextlib.suppress(CompilerError):
+        native_cpu.build(source)
+
+
 def _built(
     program: Program, graph: Graph, choices: dict[int, KernelSchedule], name: str, device: CpuDevice, tracker: Tracker,
     profile: bool,
 ) -> tuple[str, tuple[dict[str, Any], dict[str, bytes], dict[str, np.ndarray], dict[str, Any]]]:
     """The program rendered with each product as `choices` says, built and loaded on `device`."""
     began = time.perf_counter()
-    kinds = {number: GEMM_KIND[choice.kind] for number, choice in choices.items()}
-    packed = {number for number, choice in choices.items() if choice.kind in _PACKED}
-    rendered = prepack_weights(program, only=packed) if packed else program
-    source = render(rendered, profile=profile, gemm=kinds)
+    rendered, source = _rendered(program, choices, profile)
     tracker.phase("build", name)
     binaries = device.build(source)
     layout = native_cpu.describe(rendered, graph.size_limits)

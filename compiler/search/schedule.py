@@ -288,11 +288,14 @@ def extract_by_measurement(
     device: str = "",
     sizes: Sequence[str] = (),
     version: str = "",
+    prebuild: Callable[[list[dict[int, KernelSchedule]]], None] | None = None,
 ) -> Extraction:
     """Each kernel's fastest alternative (see the module's docstring). Round 0 (every kernel's
     default, or its cached winner) must succeed: its RoundFailed propagates. A later round that
     fails marks the alternatives it tried as failed; a kernel's winner is the alternative with the
-    least normalized time among those measured; a kernel that was never timed keeps its default."""
+    least normalized time among those measured; a kernel that was never timed keeps its default.
+    `prebuild`, when given, is handed every round's choices before the first is measured (so the
+    caller can build them all at once, in parallel)."""
     began = time.perf_counter()
     keys = {k.number: cache_key(k, device, sizes, version) for k in space.kernels if k.number in space.alternatives}
     fixed: dict[int, KernelSchedule] = {}
@@ -314,13 +317,17 @@ def extract_by_measurement(
     rounds_report = []
     extraction = Extraction({})
     depth = max((len(a) for a in searched.values()), default=1)
-    for r in range(depth):
+    planned = [
+        ({**space.default(), **fixed, **{n: a[r] for n, a in searched.items() if r < len(a)}},
+         {n: a[r] for n, a in searched.items() if r < len(a)})
+        for r in range(depth)
+    ]
+    if prebuild is not None:
+        prebuild([choices for choices, _ in planned])
+    for r, (choices, trying) in enumerate(planned):
         if r > 0 and time.perf_counter() - began >= budget_seconds:
             rounds_report.append({"round": r, "skipped": "the search's budget was spent"})
             break
-        choices = {**space.default(), **fixed}
-        trying = {n: a[r] for n, a in searched.items() if r < len(a)}
-        choices.update(trying)
         round_began = time.perf_counter()
         try:
             timings = measure_round(choices)
