@@ -98,24 +98,17 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         task_default_queue=compile_queue(settings.targets[0]),
     )
-    app.task(
-        name=COMPILE_TASK,
-        bind=True,
-        autoretry_for=TRANSIENT_ERRORS,
-        retry_backoff=2,
-        retry_backoff_max=60,
-        retry_jitter=True,
-        max_retries=settings.compile_max_retries,
-    )(_compile_task)
-    app.task(
-        name=RECOMPILE_TASK,
-        bind=True,
-        autoretry_for=TRANSIENT_ERRORS,
-        retry_backoff=2,
-        retry_backoff_max=60,
-        retry_jitter=True,
-        max_retries=settings.compile_max_retries,
-    )(_recompile_task)
+    for name, task in ((COMPILE_TASK, _compile_task), (RECOMPILE_TASK, _recompile_task)):
+        # a broker or database that is briefly away: retried with backoff, not failed
+        app.task(
+            name=name,
+            bind=True,
+            autoretry_for=TRANSIENT_ERRORS,
+            retry_backoff=2,
+            retry_backoff_max=60,
+            retry_jitter=True,
+            max_retries=settings.compile_max_retries,
+        )(task)
     return app
 
 
