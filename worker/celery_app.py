@@ -178,16 +178,26 @@ def compile_lease(context: WorkerContext, version_id: int, handle: CompileHandle
             context.redis.delete(key)
 
 
-def _compile_task(task, version_id: int) -> str | None:
+@contextmanager
+def _leased_compile(version_id: int):
+    """(this delivery's sandboxed compile, the worker's context) while it holds the version's lease;
+    the compile is None where another worker holds it."""
     context = worker_context()
     # this delivery's compile, and nothing after it: what the lease's watch cancels
     handle = CompileHandle(version_id)
     with compile_lease(context, version_id, handle) as held:
         if not held:
             log.info("version %s is compiling in another worker; this delivery ends", version_id)
+            yield None, context
+        else:
+            yield functools.partial(context.sandbox.compile, handle=handle), context
+
+
+def _compile_task(task, version_id: int) -> str | None:
+    unmeasured = task.app.conf.get(UNMEASURED_TARGETS_CONF) or ()
+    with _leased_compile(version_id) as (compile_fn, context):
+        if compile_fn is None:
             return "leased"
-        compile_fn = functools.partial(context.sandbox.compile, handle=handle)
-        unmeasured = task.app.conf.get(UNMEASURED_TARGETS_CONF) or ()
         status = compile_version(version_id, context.registry, compile_fn, context.options, unmeasured)
     if status == "queued":  # stopped while its version remains: compiled again, never left compiling
         raise task.retry(countdown=1)
@@ -198,13 +208,9 @@ def _compile_task(task, version_id: int) -> str | None:
 
 
 def _recompile_task(task, version_id: int) -> str | None:
-    context = worker_context()
-    handle = CompileHandle(version_id)
-    with compile_lease(context, version_id, handle) as held:
-        if not held:
-            log.info("version %s is compiling in another worker; this delivery ends", version_id)
+    with _leased_compile(version_id) as (compile_fn, context):
+        if compile_fn is None:
             return "leased"
-        compile_fn = functools.partial(context.sandbox.compile, handle=handle)
         return recompile_measured(version_id, context.registry, compile_fn, context.options)
 
 

@@ -56,7 +56,7 @@ from compiler.kernels.ir import (
     Program,
 )
 from compiler.kernels.ir_walk import kernel_reads, kernel_stores, linear, renamed, strides_of, walk
-from compiler.search.rules import Rule, RuleSet
+from compiler.search.rules import RuleSet, egglog_rewrite, egglog_rule
 from compiler.shape import numel
 
 DECLARATIONS = """
@@ -120,14 +120,6 @@ DECLARATIONS = """
 """
 
 
-def _rule(name: str, query: str, actions: str) -> Rule:
-    return Rule(name, f"(rule ({query}) ({actions}))")
-
-
-def _rewrite(name: str, lhs: str, rhs: str) -> Rule:
-    return Rule(name, f"(rewrite {lhs} {rhs})")
-
-
 # the one dtype the fused attention kernel is written for (narrow formats are chosen later)
 _F32 = '"float32"'
 
@@ -135,8 +127,8 @@ ALGEBRA = RuleSet(
     "kernel_algebra",
     "operand order of add and mul inside loop bodies, so each pattern needs one order only",
     (
-        _rewrite("add_commutes", "(Ap2 \"add\" d a b)", "(Ap2 \"add\" d b a)"),
-        _rewrite("mul_commutes", "(Ap2 \"mul\" d a b)", "(Ap2 \"mul\" d b a)"),
+        egglog_rewrite("add_commutes", "(Ap2 \"add\" d a b)", "(Ap2 \"add\" d b a)"),
+        egglog_rewrite("mul_commutes", "(Ap2 \"mul\" d a b)", "(Ap2 \"mul\" d b a)"),
     ),
 )
 
@@ -145,7 +137,7 @@ SOFTMAX = RuleSet(
     "a softmax spelled by primitives: row max, exp2 of the shifted scaled value, row sum, and the "
     "product of the exponentials with V divided by the sums",
     (
-        _rule(
+        egglog_rule(
             "shifted_exponential",
             # exp2(c * (x + -1 * max_row(x))) with c > 0, over the same rows and keys as the max
             f"(KernelAt top M) (= M (RowReduce \"max\" dm rows n x)) "
@@ -155,14 +147,14 @@ SOFTMAX = RuleSet(
             "(= (reader-count mo) 1) (ReadBy mo ex) (= (writer-count mo) 1)",
             "(ShiftedExp ex top c)",
         ),
-        _rule(
+        egglog_rule(
             "row_sum_of_exponentials",
             "(ShiftedExp ex top c) (KernelAt ex E) (= E (RowMap d rows n body)) "
             "(KernelAt sm S) (= S (RowReduce \"sum\" ds rows n (Ld E (Elem rows n)))) (< ex sm) "
             "(Out sm so) (Role so \"temp\") (= (reader-count so) 1) (= (writer-count so) 1)",
             "(ExpSum sm ex)",
         ),
-        _rule(
+        egglog_rule(
             "softmax_times_values",
             # (P V)[row, :] * recip(sum_row): the normalization after the product, in place
             "(ShiftedExp ex top c) (ExpSum sm ex) (KernelAt ex E) (= E (RowMap d rows n body)) "
@@ -185,7 +177,7 @@ ATTENTION = RuleSet(
     "attention",
     "softmax(scores) V over a product's scores, read directly or through one masking loop",
     (
-        _rule(
+        egglog_rule(
             "scores_read_directly",
             # the max and the exponentials read the product's sums, at their own element only
             "(KernelAt sc G) (= G (Gemm sc Q K)) (PlainProduct sc) (Out sc c) (Role c \"temp\") "
@@ -195,7 +187,7 @@ ATTENTION = RuleSet(
             "(ScoreSource top sc -1 c)",
         ),
         *(
-            _rule(
+            egglog_rule(
                 f"scores_read_through_a_{kind}_masking_loop",
                 # one elementwise loop (scale, mask) over the scores' elements is their only reader
                 "(KernelAt sc G) (= G (Gemm sc Q K)) (PlainProduct sc) (Out sc c) (Role c \"temp\") "
@@ -210,7 +202,7 @@ ATTENTION = RuleSet(
             # a flat loop over as many elements, or one over the scores' own rows and keys
             for kind, frame, flat in (("flat", "prows pn", "(FlatLoop mk) "), ("shaped", "rows n", ""))
         ),
-        _rule(
+        egglog_rule(
             "attention_candidate",
             "(Softmaxed dv pv sm ex top c) (ScoreSource top sc mk b) "
             "(= (reader-count b) 2) (ReadBy b top) (ReadBy b ex) "
@@ -224,7 +216,7 @@ ATTENTION_FOUND = RuleSet(
     "attention_found",
     "a candidate whose span nothing else disturbs is one online-softmax kernel",
     (
-        _rule(
+        egglog_rule(
             "online_attention",
             "(AttentionCandidate sc mk top ex sm pv dv c) (Undisturbed sc dv) "
             "(KernelAt sc G) (= G (Gemm sc Q K)) (KernelAt pv PV) (= PV (Gemm pv E V)) "
@@ -238,7 +230,7 @@ EPILOGUE = RuleSet(
     "epilogue",
     "a product whose only reader is an elementwise loop over it",
     (
-        _rule(
+        egglog_rule(
             "product_read_by_one_loop",
             "(KernelAt sc G) (= G (Gemm sc A B)) (NoEpilogue sc) (Out sc c) (Role c \"temp\") "
             "(= (reader-count c) 1) (= (writer-count c) 1) (ReadBy c lp) (< sc lp) "
@@ -255,7 +247,7 @@ EPILOGUE_FOUND = RuleSet(
     "epilogue_found",
     "a candidate whose loop reads only linear functions of C's (t, i, j) runs inside the product",
     (
-        _rule(
+        egglog_rule(
             "product_with_epilogue",
             "(EpilogueCandidate sc lp) (Regroupable sc lp) (KernelAt sc G) (KernelAt lp L) "
             "(Out lp o) (Role o r) (!= r \"weight\") (!= r \"input\") (!= r \"panel\")",

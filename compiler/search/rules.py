@@ -151,12 +151,14 @@ class RuleSet:
     rules: tuple[Rule, ...]
 
 
-def _rewrite(name: str, lhs: str, rhs: str, *when: str) -> Rule:
+def egglog_rewrite(name: str, lhs: str, rhs: str, *when: str) -> Rule:
+    """A named egglog rewrite, applied only where every `when` condition holds."""
     guard = f" :when ({' '.join(when)})" if when else ""
     return Rule(name, f"(rewrite {lhs} {rhs}{guard})")
 
 
-def _rule(name: str, query: str, actions: str) -> Rule:
+def egglog_rule(name: str, query: str, actions: str) -> Rule:
+    """A named egglog rule: where `query` matches, do `actions`."""
     return Rule(name, f"(rule ({query}) ({actions}))")
 
 
@@ -166,45 +168,45 @@ FACTS = RuleSet(
     "facts",
     "value facts propagated through views, casts and constant arithmetic",
     (
-        _rule("folded_product_is_materialized", "(= e (CMul d a b))", "(Materialized e)"),
-        _rule("folded_sum_is_materialized", "(= e (CAdd d a b))", "(Materialized e)"),
-        _rule("one_through_view", f"(IsOne x) (= e (View d x kind key)) {_NOT_PAD}", "(IsOne e)"),
-        _rule("zero_through_view", f"(IsZero x) (= e (View d x kind key)) {_NOT_PAD}", "(IsZero e)"),
+        egglog_rule("folded_product_is_materialized", "(= e (CMul d a b))", "(Materialized e)"),
+        egglog_rule("folded_sum_is_materialized", "(= e (CAdd d a b))", "(Materialized e)"),
+        egglog_rule("one_through_view", f"(IsOne x) (= e (View d x kind key)) {_NOT_PAD}", "(IsOne e)"),
+        egglog_rule("zero_through_view", f"(IsZero x) (= e (View d x kind key)) {_NOT_PAD}", "(IsZero e)"),
         # 1 is representable in every dtype; 0 in every dtype but float8_e8m0fnu
-        _rule("one_through_cast", "(IsOne x) (= e (Cast to from x))", "(IsOne e)"),
-        _rule("zero_through_cast", "(IsZero x) (= e (Cast to from x)) (HasZero to)", "(IsZero e)"),
-        _rule("nonneg_exp2", "(= e (Exp2 d x))", "(NonNeg e)"),
-        _rule("nonneg_sqrt", "(= e (Sqrt d x))", "(NonNeg e)"),
+        egglog_rule("one_through_cast", "(IsOne x) (= e (Cast to from x))", "(IsOne e)"),
+        egglog_rule("zero_through_cast", "(IsZero x) (= e (Cast to from x)) (HasZero to)", "(IsZero e)"),
+        egglog_rule("nonneg_exp2", "(= e (Exp2 d x))", "(NonNeg e)"),
+        egglog_rule("nonneg_sqrt", "(= e (Sqrt d x))", "(NonNeg e)"),
         # arithmetic only on floats: integers wrap to negative values
-        _rule("nonneg_square", "(= e (Mul d x x)) (FloatType d)", "(NonNeg e)"),
-        _rule("nonneg_product", "(= e (Mul d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
-        _rule("nonneg_sum", "(= e (Add d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
-        _rule("nonneg_view", f"(NonNeg x) (= e (View d x kind key)) {_NOT_PAD}", "(NonNeg e)"),
-        _rule("nonneg_sum_reduce", "(NonNeg x) (= e (SumR d x axes)) (FloatType d)", "(NonNeg e)"),
-        _rule("nonneg_max_reduce", "(NonNeg x) (= e (MaxR d x axes))", "(NonNeg e)"),
-        _rule("nonneg_gather", "(NonNeg x) (= e (Gather d x i axis))", "(NonNeg e)"),
-        _rule("nonneg_cast_to_float", "(NonNeg x) (= e (Cast to from x)) (FloatType to)", "(NonNeg e)"),
-        _rule("nonneg_cast_unsigned", "(= e (Cast to from x)) (Unsigned from) (FloatType to)", "(NonNeg e)"),
-        _rule("mag_view", f"(= e (View d x kind key)) {_NOT_PAD} (= h (mag-hi x))", "(set (mag-hi e) h)"),
-        _rule("mag_lo_view", f"(= e (View d x kind key)) {_NOT_PAD} (= l (mag-lo x))", "(set (mag-lo e) l)"),
-        _rule("mag_sin", "(= e (Sin d x))", "(set (mag-hi e) 0)"),
-        _rule("mag_cast_bool", '(= e (Cast to "bool" x))', "(set (mag-hi e) 0)"),
-        _rule(
+        egglog_rule("nonneg_square", "(= e (Mul d x x)) (FloatType d)", "(NonNeg e)"),
+        egglog_rule("nonneg_product", "(= e (Mul d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
+        egglog_rule("nonneg_sum", "(= e (Add d a b)) (NonNeg a) (NonNeg b) (FloatType d)", "(NonNeg e)"),
+        egglog_rule("nonneg_view", f"(NonNeg x) (= e (View d x kind key)) {_NOT_PAD}", "(NonNeg e)"),
+        egglog_rule("nonneg_sum_reduce", "(NonNeg x) (= e (SumR d x axes)) (FloatType d)", "(NonNeg e)"),
+        egglog_rule("nonneg_max_reduce", "(NonNeg x) (= e (MaxR d x axes))", "(NonNeg e)"),
+        egglog_rule("nonneg_gather", "(NonNeg x) (= e (Gather d x i axis))", "(NonNeg e)"),
+        egglog_rule("nonneg_cast_to_float", "(NonNeg x) (= e (Cast to from x)) (FloatType to)", "(NonNeg e)"),
+        egglog_rule("nonneg_cast_unsigned", "(= e (Cast to from x)) (Unsigned from) (FloatType to)", "(NonNeg e)"),
+        egglog_rule("mag_view", f"(= e (View d x kind key)) {_NOT_PAD} (= h (mag-hi x))", "(set (mag-hi e) h)"),
+        egglog_rule("mag_lo_view", f"(= e (View d x kind key)) {_NOT_PAD} (= l (mag-lo x))", "(set (mag-lo e) l)"),
+        egglog_rule("mag_sin", "(= e (Sin d x))", "(set (mag-hi e) 0)"),
+        egglog_rule("mag_cast_bool", '(= e (Cast to "bool" x))', "(set (mag-hi e) 0)"),
+        egglog_rule(
             "mag_product",
             "(= e (Mul d a b)) (= ha (mag-hi a)) (= hb (mag-hi b))",
             "(set (mag-hi e) (+ ha hb))",
         ),
-        _rule(
+        egglog_rule(
             "mag_sum",
             "(= e (Add d a b)) (= ha (mag-hi a)) (= hb (mag-hi b))",
             "(set (mag-hi e) (+ (max ha hb) 1))",
         ),
-        _rule(
+        egglog_rule(
             "mag_folded_product",
             "(= e (CMul d a b)) (= ha (mag-hi a)) (= hb (mag-hi b)) (= la (mag-lo a)) (= lb (mag-lo b))",
             "(set (mag-hi e) (+ ha hb)) (set (mag-lo e) (+ la lb))",
         ),
-        _rule(
+        egglog_rule(
             "mag_folded_sum",
             "(= e (CAdd d a b)) (= ha (mag-hi a)) (= hb (mag-hi b))",
             "(set (mag-hi e) (+ (max ha hb) 1))",
@@ -216,19 +218,19 @@ IDENTITIES = RuleSet(
     "identities",
     "algebraic identities that remove an op",
     (
-        _rewrite("mul_by_one_left", "(Mul d o x)", "x", "(IsOne o)"),
-        _rewrite("mul_by_one_right", "(Mul d x o)", "x", "(IsOne o)"),
-        _rewrite("add_zero_left", "(Add d z x)", "x", "(IsZero z)"),
-        _rewrite("add_zero_right", "(Add d x z)", "x", "(IsZero z)"),
-        _rewrite("mul_by_zero_exact_left", "(Mul d z x)", "z", "(IsZero z)", "(ExactArith d)"),
-        _rewrite("mul_by_zero_exact_right", "(Mul d x z)", "z", "(IsZero z)", "(ExactArith d)"),
-        _rewrite("recip_of_recip", "(Recip d (Recip d x))", "x", "(FloatType d)"),
-        _rule(
+        egglog_rewrite("mul_by_one_left", "(Mul d o x)", "x", "(IsOne o)"),
+        egglog_rewrite("mul_by_one_right", "(Mul d x o)", "x", "(IsOne o)"),
+        egglog_rewrite("add_zero_left", "(Add d z x)", "x", "(IsZero z)"),
+        egglog_rewrite("add_zero_right", "(Add d x z)", "x", "(IsZero z)"),
+        egglog_rewrite("mul_by_zero_exact_left", "(Mul d z x)", "z", "(IsZero z)", "(ExactArith d)"),
+        egglog_rewrite("mul_by_zero_exact_right", "(Mul d x z)", "z", "(IsZero z)", "(ExactArith d)"),
+        egglog_rewrite("recip_of_recip", "(Recip d (Recip d x))", "x", "(FloatType d)"),
+        egglog_rule(
             "log2_of_bounded_exp2",
             "(= e (Log2 d (Exp2 d x))) (= h (mag-hi x)) (= limit (exp2-safe d)) (<= h limit)",
             "(union e x)",
         ),
-        _rewrite("exp2_of_nonneg_log2", "(Exp2 d (Log2 d x))", "x", "(NonNeg x)", "(FloatType d)"),
+        egglog_rewrite("exp2_of_nonneg_log2", "(Exp2 d (Log2 d x))", "x", "(NonNeg x)", "(FloatType d)"),
     ),
 )
 
@@ -236,8 +238,8 @@ CASTS = RuleSet(
     "casts",
     "casts that change no value",
     (
-        _rewrite("cast_to_own_dtype", "(Cast d d x)", "x"),
-        _rewrite("cast_through_wider", "(Cast b a (Cast a s x))", "(Cast b s x)", "(Widens s a)"),
+        egglog_rewrite("cast_to_own_dtype", "(Cast d d x)", "x"),
+        egglog_rewrite("cast_through_wider", "(Cast b a (Cast a s x))", "(Cast b s x)", "(Widens s a)"),
     ),
 )
 
@@ -245,13 +247,13 @@ MASKS = RuleSet(
     "masks",
     "boolean logic computed through a numeric type, done on the bools",
     (
-        _rewrite(
+        egglog_rewrite(
             "bool_and_through_numbers",
             '(Cast "bool" w (Mul w (Cast w "bool" a) (Cast w "bool" b)))',
             '(Mul "bool" a b)',
             "(CountsBools w)",
         ),
-        _rewrite(
+        egglog_rewrite(
             "bool_or_through_numbers",
             '(Cast "bool" w (Add w (Cast w "bool" a) (Cast w "bool" b)))',
             '(Add "bool" a b)',
@@ -278,14 +280,14 @@ def _chain_rules() -> tuple[Rule, ...]:
             # folding through it again and again would grow the e-graph without end
             consts = f"(Materialized a) (Materialized b) (!= inner x) {guard}"
             rules.append(
-                _rule(
+                egglog_rule(
                     f"fold_{op.lower()}_chain_{guard_name}",
                     f"(= outer ({op} d a inner)) (= inner ({op} d b x)) {consts}",
                     f"(union outer ({op} d ({folded} d a b) x))",
                 )
             )
             rules.append(
-                _rule(
+                egglog_rule(
                     f"fold_{op.lower()}_chain_under_view_{guard_name}",
                     f"(= outer ({op} d (View d a kind key) inner)) (= inner ({op} d (View d b kind key) x)) "
                     f"{_NOT_PAD} {consts}",
@@ -503,5 +505,7 @@ __all__ = [
     "RuleSet",
     "Stage",
     "dtype_facts",
+    "egglog_rewrite",
+    "egglog_rule",
     "ruleset_program",
 ]
