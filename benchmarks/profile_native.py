@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_native.py bert_minilm --sizes batch=1,seq=128
     .venv/bin/python benchmarks/profile_native.py resnet_cnn --sizes batch=1 --top 15
+    .venv/bin/python benchmarks/profile_native.py tests/fixtures/hf/mobilenet_v2_dynamo.onnx --sizes batch=8
 
 Lowers a model of benchmarks/models.py the way the compiler's native-blas candidate does, renders
 it with per-kernel timers, runs it --repeats times and prints the kernels that took the most
@@ -53,7 +54,7 @@ def describe(kernel: LoopKernel | GemmCall, graph, bindings: dict[str, int]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", choices=sorted(models.BUILDERS))
+    parser.add_argument("model", help=f"one of {sorted(models.BUILDERS)}, or the path of an .onnx file")
     parser.add_argument("--sizes", default="batch=1,seq=128", help="symbolic dims, e.g. batch=8,seq=128")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
@@ -63,13 +64,21 @@ def main() -> None:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the program loads OpenMP
     sizes = {k: int(v) for k, v in (item.split("=") for item in args.sizes.split(",") if item)}
-    data = models.BUILDERS[args.model]()
+    if args.model in models.BUILDERS:
+        data = models.BUILDERS[args.model]()
+    elif args.model.endswith(".onnx") and Path(args.model).is_file():
+        data = Path(args.model).read_bytes()
+    else:
+        parser.error(f"{args.model!r} is neither a model of benchmarks/models.py nor an .onnx file")
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
     program = fuse(lower(graph))  # as the compiler's candidates are
-    if args.gemm != "blas":  # as the compiler's generated candidates do
+    if args.gemm not in ("blas", "loops"):  # as the compiler's generated candidates do
         program = prepack_weights(program)
-    library = native_cpu.build(render(program, profile=True, gemm=args.gemm))
+    gemm = args.gemm
+    if gemm == "loops":  # the products that have a loop form run it, the others call OpenBLAS
+        gemm = {n: "loops" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall) and k.loops is not None}
+    library = native_cpu.build(render(program, profile=True, gemm=gemm))
     runner = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
     runner.run(inputs)
     seconds = (ctypes.c_double * max(1, len(program.kernels))).in_dll(runner._library, "lc_kernel_seconds")

@@ -52,7 +52,9 @@ def fuse_epilogues(program: Program) -> Program:
         return program
     kernels: list = list(program.kernels)
     for (step, consumer), epilogue in found.items():
-        kernels[step] = replace(program.kernels[step], c=program.kernels[consumer].out, epilogue=epilogue)
+        call, c = program.kernels[step], program.kernels[consumer].out
+        loops = replace(call.loops, out=c) if call.loops is not None else None  # (C's elements in the same order)
+        kernels[step] = replace(call, c=c, epilogue=epilogue, loops=loops)
         kernels[consumer] = None
     result = Program(program.buffers, [k for k in kernels if k is not None], program.symbols, {}, program.weights)
     result.slots = plan_slots(result)

@@ -301,6 +301,10 @@ class GemmCall:
     packed_b: bool = False
     # an elementwise loop fused into the product (compiler.kernels.epilogue); C is then its output
     epilogue: Epilogue | None = None
+    # the same product as a reduction loop over its operands where the graph has them (windows
+    # read in place, nothing packed) writing C: a schedule may run it instead of the call (a
+    # matrix-vector product, whose operands a GEMM's blocking reuses nothing of); None: no such form
+    loops: LoopKernel | None = None
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,33 @@ def kernel_reads(kernel: Kernel) -> set[int]:
         reads = {kernel.a} | (expr_reads(kernel.b_panels.kernel.value) if kernel.b_panels is not None else {kernel.b})
         if kernel.epilogue is not None:
             reads |= lets_reads(kernel.epilogue) - {kernel.c}
+        if kernel.loops is not None:  # (either form may run: both keep what they read alive)
+            reads |= lets_reads(kernel.loops)
         return reads
     return lets_reads(kernel)
+
+
+def exclusive_feeders(program: Program, number: int) -> tuple[int, ...]:
+    """The kernels that compute product `number`'s operands for it alone (a convolution's windows
+    stored as a matrix, an operand copied into the call's layout): loops storing a temp that no
+    other kernel reads. A product run as its loop form (GemmCall.loops) makes them dead."""
+    call = program.kernels[number]
+    if not isinstance(call, GemmCall):
+        return ()
+    operands = {call.a, call.b} - {call.c}
+    readers: dict[int, int] = {}
+    for step, kernel in enumerate(program.kernels):
+        for buffer in kernel_reads(kernel):
+            readers[buffer] = readers.get(buffer, 0) + 1
+    feeders = []
+    for step, kernel in enumerate(program.kernels[:number]):
+        if (
+            isinstance(kernel, LoopKernel) and kernel.out in operands and not any(let.store for let in kernel.lets)
+            and program.buffers[kernel.out].role == "temp" and readers.get(kernel.out) == 1
+            and sum(kernel_writes(k) == kernel.out for k in program.kernels) == 1
+        ):
+            feeders.append(step)
+    return tuple(feeders)
 
 
 

@@ -13,7 +13,7 @@ with a sum, which is the alternative the search measures against the library cal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -362,15 +362,19 @@ class _Lowering:
 
     def lower_contraction(self, i: int, out: int) -> None:
         found = self.contractions[i]
-        inputs, out_letters = found.subscripts.split("->")
+        inputs, out_axes = found.subscripts.split("->")
         a_letters, b_letters = inputs.split(",")
         node = self.nodes[i]
         sizes: dict[str, Dim] = {}
         for operand, letters, squeezed in zip(found.operands, (a_letters, b_letters), found.squeezes):
             kept = [d for axis, d in enumerate(self.nodes[operand].shape) if axis not in squeezed]
             sizes.update(zip(letters, kept))
-        only_a = set(a_letters) - set(b_letters) - set(out_letters)
-        only_b = set(b_letters) - set(a_letters) - set(out_letters)
+        # axes of extent 1 index nothing: left out of the call's batch, rows, columns and sum (an
+        # output pixel of a 1x1 image would otherwise make every channel a batch index of its own)
+        ones = {c for c, d in sizes.items() if isinstance(d, int) and d == 1}
+        out_letters = "".join(c for c in out_axes if c not in ones)
+        only_a = set(a_letters) - set(b_letters) - set(out_letters) - ones
+        only_b = set(b_letters) - set(a_letters) - set(out_letters) - ones
         if only_a or only_b:
             # a factor summed on its own first: not a matrix product
             self.kernels.append(self.loop_kernel(i, out))
@@ -378,8 +382,9 @@ class _Lowering:
         batch = [c for c in out_letters if c in a_letters and c in b_letters]
         m_letters = [c for c in out_letters if c in a_letters and c not in b_letters]
         n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
-        k_letters = [c for c in a_letters if c in b_letters and c not in out_letters]
-        a, b = (found.operands[0], a_letters, found.squeezes[0]), (found.operands[1], b_letters, found.squeezes[1])
+        k_letters = [c for c in a_letters if c in b_letters and c not in out_letters and c not in ones]
+        a = (found.operands[0], a_letters, found.squeezes[0], ones)
+        b = (found.operands[1], b_letters, found.squeezes[1], ones)
         if all(sizes[c] == 1 for c in m_letters + n_letters):
             # dot products (a variance's sum of squares): a library call each costs more than the sum
             self.kernels.append(self.loop_kernel(i, out))
@@ -411,15 +416,34 @@ class _Lowering:
                 size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels, lda, ldb,
             )
         )
+        if target == out and row_scale is None and self.matrix_vector(m_letters, n_letters, sizes):
+            self.offer_loop_form(i, out)
         if row_scale is not None:  # C[m, n] *= f[m], in place
             shape = tuple(sizes[c] for c in canonical)
             names = {c: f"o{j}" for j, c in enumerate(canonical)}
             own = Load(target, linear([Ix.var(names[c]) for c in canonical], shape))
             self.kernels.append(LoopKernel(target, shape, Apply("mul", (own, renamed(row_scale, names)), node.dtype), None, i))
         if target != out:
-            var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_letters)}
+            var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_axes)}
             index = linear([var_of[c] for c in canonical], tuple(sizes[c] for c in canonical))
             self.kernels.append(LoopKernel(out, node.shape, Load(target, index), None, i))
+
+    @staticmethod
+    def matrix_vector(m_letters: list[str], n_letters: list[str], sizes: dict[str, Dim]) -> bool:
+        """Whether C has one row or one column per batch index (statically): a product whose
+        operands a GEMM's blocking reuses nothing of, so a loop nest is a real alternative."""
+        return any(isinstance(extent, int) and extent == 1 for extent in (numel(sizes[c] for c in m_letters), numel(sizes[c] for c in n_letters)))
+
+    def offer_loop_form(self, i: int, out: int) -> None:
+        """The product just lowered also as the reduction loop over its operands where the graph
+        has them (GemmCall.loops), when that form reads no weight the call does not (a weight
+        stored twice would cost memory whichever form runs)."""
+        known = len(self.buffers)
+        loops = self.loop_kernel(i, out)
+        if len(self.buffers) > known or loops.reduce is None:
+            del self.buffers[known:]  # (only weights are made while an expression is built)
+            return
+        self.kernels[-1] = replace(self.kernels[-1], loops=loops)
 
     def row_scaled_operand(
         self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
@@ -431,16 +455,15 @@ class _Lowering:
         being stored first (a softmax's division by its row sums, ahead of attention's second
         product: C has head-size columns, the probabilities sequence-length ones). None otherwise,
         or where C has more columns than A (the scaling would cost more than the copy)."""
-        base, letters, squeezed = operand
+        base, letters, squeezed, ones = operand
         if self.nodes[base].dtype not in ("float32", "float64"):
             return None
         probe = _probe_sizes([tuple(sizes[c] for c in rows + cols + n_letters)])
         if _probe(numel(sizes[c] for c in n_letters), probe) > _probe(numel(sizes[c] for c in cols), probe):
             return None
-        letter_iter = iter(letters)
-        axis_letter = [None if axis in squeezed else next(letter_iter) for axis in range(len(self.nodes[base].shape))]
+        axis_letter = _axis_letters(letters, squeezed, ones, len(self.nodes[base].shape))
         own_batch = [c for c in batch if c in letters]
-        extents = {c: sizes[c] for c in letters}
+        extents = {c: sizes[c] for c in letters if c not in ones}
         value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], extents)
         if not isinstance(value, Apply) or value.op != "mul":
             return None
@@ -462,11 +485,10 @@ class _Lowering:
         operand read through windows (a convolution's) the loop nest that computes it in panels
         instead of a kernel that stores it whole, and its row stride where that is not the
         packed one (a head's slice of a [tokens, heads * size] projection, read in place)."""
-        base, letters, squeezed = operand
+        base, letters, squeezed, ones = operand
         own_batch = [c for c in batch if c in letters]
         shape = self.nodes[base].shape
-        letter_iter = iter(letters)
-        axis_letter = [None if axis in squeezed else next(letter_iter) for axis in range(len(shape))]
+        axis_letter = _axis_letters(letters, squeezed, ones, len(shape))
         for trans, order in ((False, own_batch + rows + cols), (True, own_batch + cols + rows)):
             extents = {c: sizes[c] for c in order}
             idx = [Ix() if c is None else Ix.var(c) for c in axis_letter]
@@ -483,7 +505,9 @@ class _Lowering:
         folded = self.constant_value(base)
         if folded is not None:
             array = np.squeeze(folded, axis=squeezed) if squeezed else folded
-            array = np.ascontiguousarray(np.transpose(array, [letters.index(c) for c in order]))
+            array = array[tuple(0 if c in ones else slice(None) for c in letters)]
+            kept = [c for c in letters if c not in ones]
+            array = np.ascontiguousarray(np.transpose(array, [kept.index(c) for c in order]))
             key = f"{self.nodes[base].arg if self.nodes[base].op is Op.CONSTANT else 'folded'}:gemm:{base}:{''.join(order)}"
             self.weights[key] = array
             buffer = self.new_buffer(array.dtype.name, array.shape, "weight", key)
@@ -544,6 +568,14 @@ class _Lowering:
             node = self.nodes[j]
             memo[j] = eval_node(node, [memo[s] for s in node.srcs], self.graph, {})
         return np.asarray(memo[i])
+
+
+def _axis_letters(letters: str, squeezed: Sequence[int], ones: set[str], rank: int) -> list[str | None]:
+    """Each axis of an operand's base: its letter, or None where it is broadcast (squeezed) or of
+    extent 1 (indexed at 0)."""
+    letter_iter = iter(letters)
+    named = [None if axis in squeezed else next(letter_iter) for axis in range(rank)]
+    return [None if c in ones else c for c in named]
 
 
 def _in_place_split(

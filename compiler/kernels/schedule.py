@@ -15,6 +15,8 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (WindowRows k)          (C) a convolution's product reading its windows in place, rows of the
                             output at a time
     (GeneratedPanels k)     (C) a convolution's product computing its windows a panel at a time
+    (ReductionLoops k)      (C) a matrix-vector product as its reduction loop, reading its operands
+                            where the graph has them (no operand packed or windows stored)
 
 Renderers print what a schedule says; they choose nothing.
 """
@@ -34,9 +36,10 @@ KINDS = {
     "GeneratedTiles": "generated-tiles",
     "WindowRows": "window-rows",
     "GeneratedPanels": "generated-panels",
+    "ReductionLoops": "loops",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels"})
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

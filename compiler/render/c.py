@@ -32,7 +32,15 @@ from compiler.kernels.ir import (
     LoopKernel,
     Program,
 )
-from compiler.kernels.ir_walk import expr_reads, kernel_reads, kernel_stores, lets_reads, linear, walk
+from compiler.kernels.ir_walk import (
+    exclusive_feeders,
+    expr_reads,
+    kernel_reads,
+    kernel_stores,
+    lets_reads,
+    linear,
+    walk,
+)
 from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import WindowGeometry, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
@@ -85,7 +93,7 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "loops")
 # a convolution whose output rows are at least this wide multiplies its windows in place (lc_conv_rows)
 # in the generated kinds: narrower rows waste too many of the padded rows' columns
 CONV_MIN_WIDTH = 20
@@ -465,6 +473,10 @@ class CRenderer:
                 raise ValueError(f"gemm must be one of {GEMM_KINDS}, not {kind!r}")
         # the kernel being rendered
         self.number = 0
+        # kernels that pack an operand for a product run as its loop form alone: dead, not rendered
+        self.skipped = frozenset(
+            f for n in self.looped() for f in exclusive_feeders(program, n)
+        )
         # the conditions of the padding guards around the expression being rendered ("" outside
         # any; None below a guard that is not affine, where loads are not wrapped)
         self.guard: str | None = ""
@@ -489,9 +501,23 @@ class CRenderer:
     def gemm_kind(self) -> str:
         return self.kind_of(self.number)
 
+    def looped(self) -> list[int]:
+        """The products that run as their reduction loop (GemmCall.loops)."""
+        numbers = []
+        for number, kernel in enumerate(self.program.kernels):
+            if isinstance(kernel, GemmCall) and self.kind_of(number) == "loops":
+                if kernel.loops is None:
+                    raise ValueError(f"kernel {number} is a product with no loop form: it cannot run as 'loops'")
+                numbers.append(number)
+        return numbers
+
     def kernel(self, number: int, kernel: LoopKernel | GemmCall) -> str:
         self.number = number  # its parallel loop names its function, which the workers call
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
+        if number in self.skipped:
+            return head + "    (void)B;  /* its product runs as its loop form and reads no packed operand */\n}\n"
+        if isinstance(kernel, GemmCall) and self.gemm_kind == "loops":
+            return head + self.loop_form(kernel) + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
                 return head + self.gemm(kernel) + "}\n"
@@ -501,6 +527,21 @@ class CRenderer:
         reads = sorted(kernel_reads(kernel) - set(stored))
         body = "".join(self.pointer(b) for b in reads) + "".join(self.pointer(b, writable=True) for b in stored)
         return head + body + self.loops(kernel) + "}\n"
+
+    def loop_form(self, call: GemmCall) -> str:
+        """A product as its reduction loop (GemmCall.loops), which writes C, then its epilogue over
+        the whole of C."""
+        loops = call.loops
+        assert loops is not None
+        stored = kernel_stores(call)
+        reads = lets_reads(loops) | (lets_reads(call.epilogue) if call.epilogue is not None else set())
+        text = "".join(self.pointer(b) for b in sorted(reads - stored)) + "".join(self.pointer(b, writable=True) for b in sorted(stored))
+        text += self.loops(loops)
+        if call.epilogue is not None:
+            batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
+            text += f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, batch = {batch};\n"
+            text += "    for (int64_t t = 0; t < batch; ++t) {\n" + self.epilogue(call, ("0", "m"), ("0", "n"), "        ") + "    }\n"
+        return text
 
     def loops(self, kernel: LoopKernel) -> str:
         """The output loops, the outer ones shared among threads. The innermost output loop stays

@@ -28,6 +28,7 @@ from compiler.devices import CpuDevice
 from compiler.errors import CompilerError
 from compiler.ir import Graph
 from compiler.kernels.ir import GemmCall, Program
+from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.schedule import KernelSchedule
 from compiler.progress import Tracker
 from compiler.render.c import CRenderer, prepack_weights, render
@@ -45,26 +46,31 @@ from compiler.verify import VerificationFailed, max_error
 
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
-GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels"}
+GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels", "loops": "loops"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
 
 
 def kernel_terms(program: Program) -> list[KernelTerm]:
     """The program's products as the schedule e-graph sees them (its loops have no alternatives on
-    the CPU yet): a signature from the C they render to in OpenBLAS form, buffers numbered by
-    position, and whether B is a convolution's windows."""
+    the CPU yet): a signature from the C they render to in OpenBLAS form (and as their reduction
+    loop, where they have one), buffers numbered by position, whether B is a convolution's
+    windows, and whether there is a loop form."""
     renderer = CRenderer(program)
+    looped = CRenderer(program, gemm={n: "loops" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall) and k.loops is not None})
     terms = []
     for number, kernel in enumerate(program.kernels):
         if not isinstance(kernel, GemmCall):
             continue
-        text = re.sub(r"\bk\d+\b", "kN", renderer.kernel(number, kernel))
-        text = _buffers_by_position(text)
+        text = renderer.kernel(number, kernel) + (looped.kernel(number, kernel) if kernel.loops is not None else "")
+        text = _buffers_by_position(re.sub(r"\bk\d+\b", "kN", text))
         dtypes = [program.buffers[b].dtype for b in (kernel.a, kernel.b, kernel.c)]
         signature = hashlib.sha256(f"{text}|{dtypes}".encode()).hexdigest()[:24]
         libraries = ("openblas",) if kernel.dtype in ("float32", "float64") else ()
-        terms.append(KernelTerm(number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None))
+        terms.append(KernelTerm(
+            number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
+            loop_form=kernel.loops is not None,
+        ))
     return terms
 
 
@@ -90,6 +96,9 @@ def search_native(
         return None, {"space": space.report(), "skipped": "no product with more than one schedule"}
     verify_inputs, expected = case
     timed_cases = cases or [("verify", verify_inputs)]
+    # a product's time includes the kernels that pack its operands for it alone: its loop form
+    # makes them dead (they are then not run), so the forms compare whole
+    feeders = {term.number: exclusive_feeders(program, term.number) for term in space.kernels}
     rounds: list[str] = []
 
     def measure_round(choices: dict[int, KernelSchedule]) -> dict[int, dict[str, float]]:
@@ -114,6 +123,8 @@ def search_native(
                     continue  # a larger size this program does not run (as the whole-program race skips it)
                 for number, seconds_run in enumerate(kernel_seconds):
                     by_kernel.setdefault(number, {})[label] = seconds_run * 1000.0
+                for number, feeding in feeders.items():
+                    by_kernel[number][label] += sum(kernel_seconds[f] for f in feeding) * 1000.0
                 if size == 0:
                     first_run_s = sum(kernel_seconds)
         except (CompilerError, CandidateFailed, VerificationFailed) as exc:

@@ -56,10 +56,12 @@ SCHEDULE_RULES = """
     (BlockRows i64 Kernel)
     (GeneratedTiles Kernel)
     (WindowRows Kernel)
-    (GeneratedPanels Kernel))
+    (GeneratedPanels Kernel)
+    (ReductionLoops Kernel))
 (relation CudaTarget ())
 (relation CpuTarget ())
 (relation Windowed (String))
+(relation LoopForm (String))
 (relation CudaCores ())
 (relation TensorCores (String))
 (relation LibraryComputes (String String))
@@ -85,6 +87,10 @@ SCHEDULE_RULES = """
       ((union k (GeneratedTiles k))) :ruleset schedule)
 (rule ((= k (Product sig "float32")) (CpuTarget) (Windowed sig))
       ((union k (WindowRows k)) (union k (GeneratedPanels k))) :ruleset schedule)
+; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
+; reduction loop, which reads its operands in place
+(rule ((= k (Product sig dtype)) (CpuTarget) (LoopForm sig))
+      ((union k (ReductionLoops k))) :ruleset schedule)
 """
 
 # the most alternatives read back per kernel (the rules derive at most five today)
@@ -112,6 +118,8 @@ class KernelTerm:
     libraries: tuple[str, ...] = ()
     # a convolution's product whose B is its windows (the CPU reads them in place or by panels)
     windowed: bool = False
+    # a product that can also run as its reduction loop (GemmCall.loops)
+    loop_form: bool = False
 
     @property
     def term(self) -> str:
@@ -185,6 +193,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(LibraryComputes "{library}" "{kernel.signature}")')
         if kernel.windowed:
             facts.append(f'(Windowed "{kernel.signature}")')
+        if kernel.loop_form:
+            facts.append(f'(LoopForm "{kernel.signature}")')
         if kernel.term not in names:
             names[kernel.term] = f"$k{len(names)}"
             facts.append(f"(let {names[kernel.term]} {kernel.term})")
@@ -265,7 +275,8 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    text = json.dumps([kernel.term, sorted(kernel.libraries), device, list(sizes), version])
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form]
+    text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 

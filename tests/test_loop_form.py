@@ -1,0 +1,173 @@
+"""A matrix-vector product's loop form (GemmCall.loops): a depthwise convolution lowers to a
+product per image and channel whose windows would be stored as a matrix first; the schedule
+e-graph offers the same product as its reduction loop, reading the windows in place, and the C
+renderer prints whichever measurement chose, leaving the kernel that stored the windows out.
+Also: axes of extent 1 do not split a product into dot products (a 1x1 image's convolution)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import helper
+
+from compiler.frontends.onnx import load_graph
+from compiler.kernels.epilogue import fuse_epilogues
+from compiler.kernels.fusion import fuse
+from compiler.kernels.ir import GemmCall
+from compiler.kernels.ir_walk import exclusive_feeders
+from compiler.kernels.lower import lower
+from compiler.kernels.schedule import KernelSchedule
+from compiler.pipeline import sample_inputs
+from compiler.render.c import CRenderer
+from compiler.search.cpu_schedules import kernel_terms
+from compiler.search.schedule import schedule_space
+from tests.onnx_models import init, make_model, tensor
+
+LOOPS = KernelSchedule("loops")
+
+
+def _depthwise(channels: int = 6, size: int = 9, relu: bool = True) -> bytes:
+    """Conv(group = channels, 3x3, pad 1, bias), then Relu: MobileNet's depthwise layer."""
+    rng = np.random.default_rng(0)
+    w = init("w", rng.standard_normal((channels, 1, 3, 3)).astype(np.float32))
+    bias = init("bias", rng.standard_normal(channels).astype(np.float32))
+    conv = helper.make_node("Conv", ["x", "w", "bias"], ["c" if relu else "y"], group=channels, pads=[1, 1, 1, 1])
+    nodes = [conv, helper.make_node("Relu", ["c"], ["y"])] if relu else [conv]
+    shape = ["n", channels, size, size]
+    return make_model(nodes, [tensor("x", shape)], [tensor("y", shape)], [w, bias]).SerializeToString()
+
+
+def _programs(data: bytes):
+    graph = load_graph(data)
+    return graph, fuse_epilogues(fuse(lower(graph)))
+
+
+def _onnxruntime(data: bytes, inputs):
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
+
+
+def test_a_depthwise_convolution_has_a_loop_form_that_makes_its_window_matrix_dead():
+    graph, program = _programs(_depthwise())
+    (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    call = program.kernels[number]
+    assert call.loops is not None and call.loops.reduce is not None
+    (feeder,) = exclusive_feeders(program, number)
+    assert program.kernels[feeder].out in (call.a, call.b)  # the windows, stored as a matrix
+    looped = CRenderer(program, {number: "loops"})
+    assert "(void)B;" in looped.kernel(feeder, program.kernels[feeder])  # nothing computed
+    assert "scipy_cblas" not in looped.kernel(number, call) and "+=" in looped.kernel(number, call)
+    # the plain program still stores the windows and calls the library
+    plain = CRenderer(program)
+    assert "(void)B;" not in plain.kernel(feeder, program.kernels[feeder])
+    assert "scipy_cblas" in plain.kernel(number, call)
+
+
+def _dense_row() -> bytes:
+    """A dense layer at one row, [1, 24] @ [24, 40] + bias, then Relu: a matrix-vector product,
+    its bias and relu fused into it as an epilogue."""
+    rng = np.random.default_rng(2)
+    inits = [init("w", rng.standard_normal((24, 40)).astype(np.float32)), init("bias", rng.standard_normal(40).astype(np.float32))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "bias"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    return make_model(nodes, [tensor("x", [1, 24])], [tensor("y", [1, 40])], inits).SerializeToString()
+
+
+@pytest.mark.parametrize("model", ["depthwise+relu", "depthwise", "dense-row+bias+relu"])
+def test_both_forms_of_a_matrix_vector_product_match_onnxruntime(model):
+    data = {"depthwise+relu": _depthwise(relu=True), "depthwise": _depthwise(relu=False), "dense-row+bias+relu": _dense_row()}[model]
+    graph, program = _programs(data)
+    (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    call = program.kernels[number]
+    assert call.loops is not None
+    if model.startswith("dense"):
+        assert call.epilogue is not None and call.loops.out == call.c  # the loop writes what the epilogue rewrites
+    for batch in (1, 3):
+        inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
+        want = _onnxruntime(data, inputs)["y"]
+        for gemm in ("blas", {number: "loops"}):
+            got = _run(graph, program, gemm, inputs)
+            np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"{gemm} batch {batch}")
+
+
+def _run(graph, program, gemm, inputs):
+    from compiler.backends import native_cpu
+    from compiler.render.c import render
+
+    library = native_cpu.build(render(program, gemm=gemm))
+    return native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library).run(inputs)
+
+
+def test_the_cpu_rules_offer_the_loop_form_and_the_gpu_rules_do_not():
+    _, program = _programs(_depthwise())
+    terms = kernel_terms(program)
+    assert [t.loop_form for t in terms] == [True]
+    cpu = schedule_space(terms, None, target="cpu")
+    assert LOOPS in next(iter(cpu.alternatives.values()))
+    assert cpu.default()[terms[0].number].kind == "library"  # OpenBLAS first; the loop is measured
+    cuda = schedule_space(terms, None, target="cuda")
+    assert all(LOOPS not in a for a in cuda.alternatives.values())
+    # a product with no loop form (a dense layer over many rows) is not offered one
+    _, dense = _programs(make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 8])], [tensor("y", ["n", 4])],
+        [init("w", np.ones((8, 4), np.float32))],
+    ).SerializeToString())
+    (term,) = kernel_terms(dense)
+    assert not term.loop_form and LOOPS not in schedule_space([term], None, target="cpu").alternatives[term.number]
+
+
+def test_a_loop_form_label_round_trips_and_a_product_without_one_refuses_it():
+    assert KernelSchedule.from_label(LOOPS.label) == LOOPS and LOOPS.term == "(ReductionLoops k)"
+    _, dense = _programs(make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 8])], [tensor("y", ["n", 4])],
+        [init("w", np.ones((8, 4), np.float32))],
+    ).SerializeToString())
+    with pytest.raises(ValueError, match="no loop form"):
+        CRenderer(dense, {0: "loops"})
+
+
+def test_a_convolution_of_a_one_pixel_image_is_one_product_per_image_not_dot_products():
+    """[n, 96, 1, 1] by a 1x1 kernel to 16 channels: C is [16, 1] per image with k = 96 (or its
+    transpose), where extent-1 axes used to make every output channel a batch index."""
+    rng = np.random.default_rng(1)
+    w = init("w", rng.standard_normal((16, 96, 1, 1)).astype(np.float32))
+    data = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], [tensor("x", ["n", 96, 1, 1])], [tensor("y", ["n", 16, 1, 1])], [w],
+    ).SerializeToString()
+    graph, program = _programs(data)
+    (call,) = [k for k in program.kernels if isinstance(k, GemmCall)]
+    assert call.k == 96 and 16 in (call.m, call.n) and 16 not in call.batch
+    inputs = sample_inputs(graph, seed=0, symbol_size=4)
+    np.testing.assert_allclose(_run(graph, program, "blas", inputs)["y"], _onnxruntime(data, inputs)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_compile_keeps_the_loop_form_where_it_measured_faster(monkeypatch):
+    """With a fake timer that makes the loop form fastest, the searched program runs the depthwise
+    product as its loop and leaves the window matrix out; the compile verified its outputs."""
+    from compiler import compile_onnx
+    from compiler.devices import CpuDevice
+    from compiler.search import cpu_schedules
+
+    chosen_by_name: dict[str, dict] = {}
+    built = cpu_schedules._built
+
+    def recording(program, graph, choices, name, device, tracker, profile):
+        chosen_by_name[name] = dict(choices)
+        return built(program, graph, choices, name, device, tracker, profile)
+
+    def fake_profile(self, program, inputs, kernels):
+        choices = chosen_by_name[program]
+        return [(0.001 if choices[n] == LOOPS else 0.003) if n in choices else 0.0005 for n in range(kernels)]
+
+    monkeypatch.setattr(cpu_schedules, "_built", recording)
+    monkeypatch.setattr(CpuDevice, "profile", fake_profile)
+    data = _depthwise()
+    artifact = compile_onnx(data, "cpu", ("native-searched",))
+    schedule = artifact.report["search"]["schedule"]
+    assert artifact.report["chosen"] == "native-searched" and schedule["products"] == {"loops": 1}
+    (record,) = schedule["kernels"].values()
+    # the library's time includes the kernel that stored the windows for it
+    assert record["measured"]["openblas"]["verify"] == pytest.approx(3.5) and record["measured"]["loops"]["verify"] == pytest.approx(1.5)
+    source = artifact.kernels[0]["source"]
+    assert "scipy_cblas_sgemm(101" not in source and "scipy_cblas_sgemv(101" not in source
+    assert "its product runs as its loop form" in source
