@@ -49,7 +49,7 @@ def _onnxruntime(data: bytes, inputs):
 
 
 def test_a_depthwise_convolution_has_a_loop_form_that_makes_its_window_matrix_dead():
-    graph, program = _programs(_depthwise())
+    _, program = _programs(_depthwise())
     (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
     call = program.kernels[number]
     assert call.loops is not None and call.loops.reduce is not None
