@@ -135,14 +135,16 @@ def _serve(args: argparse.Namespace) -> None:
     from api.services import DataDirInUse, DataDirLock, open_database
     from cloud.errors import LuminalError
     from cloud.storage import make_object_store
+    from worker.queue import check_compile_settings
 
     logging.basicConfig(level=logging.INFO)
     settings = _settings(args)
     try:  # fail before any work, with a message rather than uvicorn's startup traceback
+        check_compile_settings(settings)
         DataDirLock(settings.data_dir).release()
         open_database(settings).dispose()  # and brings a PostgreSQL schema to head
         make_object_store(settings)
-    except (DataDirInUse, LuminalError) as exc:
+    except (DataDirInUse, LuminalError, ValueError) as exc:
         sys.exit(f"luminal-cloud serve: {exc}")
     print(f"Luminal Cloud on http://{args.host}:{args.port} (data in {settings.data_dir})")
     uvicorn.run(
@@ -155,6 +157,7 @@ def _worker(args: argparse.Namespace) -> None:
     from cloud.errors import LuminalError
     from worker.celery_app import run_worker, wait_for_broker
     from worker.devices import check_targets, probe_cuda
+    from worker.queue import check_compile_settings
 
     logging.basicConfig(level=args.loglevel.upper())
     settings = Settings()
@@ -163,6 +166,7 @@ def _worker(args: argparse.Namespace) -> None:
     if unknown:
         sys.exit(f"luminal-cloud worker: unknown target {', '.join(unknown)}; known: {', '.join(settings.targets)}")
     try:
+        check_compile_settings(settings)
         check = check_targets(targets, args.device, probe_cuda, settings.allow_unmeasured_compile)
     except ValueError as exc:
         sys.exit(f"luminal-cloud worker: {exc}")

@@ -15,11 +15,11 @@ from starlette.concurrency import run_in_threadpool
 
 from api.schemas import InferUsage
 from api.services import Services
+from api.validation import DecodedInputs, symbol_limits
 from cloud import metrics
 from cloud.db import ModelVersion, Tenant
 from cloud.errors import ClientDisconnected, LuminalError
 from cloud.settings import Settings
-from cloud.validation import DecodedInputs, symbol_limits
 from compiler import Signature
 from scheduler.engine import InferenceResult, Route
 

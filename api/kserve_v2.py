@@ -18,8 +18,7 @@ from pydantic import ValidationError
 from api.codec import encode_output
 from api.errors import describe_validation_errors
 from api.schemas import V2InferRequest, V2InferResponse, V2RequestInput, V2TensorMetadata
-from cloud.errors import InvalidInput, InvalidRequest
-from cloud.validation import (
+from api.validation import (
     DecodedInputs,
     FlatTensor,
     InputRules,
@@ -28,6 +27,7 @@ from cloud.validation import (
     describe,
     loads,
 )
+from cloud.errors import InvalidInput, InvalidRequest
 from compiler import Signature, TensorSpec
 from compiler.shape import Shape
 
@@ -84,11 +84,11 @@ def decode_request(
     *,
     header_length: str | None,
 ) -> DecodedV2Request:
-    """A v2 inference body to arrays checked like /v1's (cloud.validation); `header_length` is
+    """A v2 inference body to arrays checked like /v1's (api/validation.py); `header_length` is
     the Inference-Header-Content-Length header as sent (None: the body is all JSON)."""
     split = _header_length(header_length, len(raw))
     try:
-        # json, not pydantic's parser: it tells a NaN token from 1e999 (cloud.validation.loads)
+        # json, not pydantic's parser: it tells a NaN token from 1e999 (api.validation.loads)
         parsed = loads(raw[:split])
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"the inference request's JSON header is not valid JSON ({exc})") from None

@@ -170,7 +170,7 @@ def build_runtime(settings: Settings, store: ObjectStore, device: str = "cpu") -
     naming why."""
 
     def fetch(key: str) -> Artifact:
-        return load_artifact(store, key)
+        return load_artifact(store, key, Artifact.from_files)
 
     target, ordinal = parse_device(device)
     if target == "cpu":
@@ -199,7 +199,7 @@ def run_runtime_process(settings: Settings, device: str) -> None:
     # Redis's client only where the distributed mode runs (as StreamEngine in build_engine)
     import redis
 
-    from scheduler.runtime_process import RuntimeConfig, RuntimeProcess
+    from runtime.process import RuntimeConfig, RuntimeProcess
 
     runtime = build_runtime(settings, make_object_store(settings), device)
     config = RuntimeConfig(

@@ -25,7 +25,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from cloud.errors import Unreachable
 from cloud.settings import Settings
-from compiler.targets import EXPORTED
 
 
 def utcnow() -> datetime:
@@ -97,8 +96,9 @@ class ModelVersion(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     target: Mapped[str] = mapped_column(String(32))
     # the float the model runs in: "exported" (its declared dtypes) or a narrower one on a GPU
-    # type (compiler.targets.PRECISIONS)
-    precision: Mapped[str] = mapped_column(String(16), default=EXPORTED, server_default=EXPORTED)
+    # type (compiler.targets.PRECISIONS); the default is compiler.targets.EXPORTED, spelled out as
+    # migration 0004 does, since the database's schema must not import the compiler
+    precision: Mapped[str] = mapped_column(String(16), default="exported", server_default="exported")
     # object-store key of the uploaded graph (content addressed)
     graph_key: Mapped[str] = mapped_column(String(256))
     graph_bytes: Mapped[int] = mapped_column(Integer)

@@ -1,7 +1,7 @@
 """The usage ledger: records usage once per request in the metadata database, and sums it.
 
-The pricing it records (Usage, the split of a batch's time by rows) is the scheduler's pure
-core, scheduler/pricing.py; the ledger is the UsageSink the engines are given.
+It records Usage (cloud/usage.py), which the scheduler's pure pricing core (scheduler/pricing.py)
+fills in by splitting a batch's time by rows; the ledger is the UsageSink the engines are given.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from cloud.db import Database, Tenant, UsageRecord, utcnow
-from scheduler.pricing import Usage
+from cloud.usage import Usage
 
 # what usage can be grouped by: a tenant (by name), a model, a version (with its target and
 # price), a UTC calendar day

@@ -88,8 +88,9 @@ QUEUE_REJECTIONS = Counter(
 
 
 class PrometheusObserver:
-    """The runtime's and the scheduler's observer (runtime.runtime.RuntimeObserver,
-    scheduler.observer.SchedulerObserver) as the series above; built where they are wired."""
+    """The runtime's, the scheduler's and the compile worker's observer
+    (runtime.runtime.RuntimeObserver, scheduler.observer.SchedulerObserver,
+    worker.observer.CompileObserver) as the series above; built where they are wired."""
 
     def model_loaded(self, target: str, seconds: float) -> None:
         MODEL_LOAD_SECONDS.labels(target).observe(seconds)
@@ -109,3 +110,7 @@ class PrometheusObserver:
 
     def request_rejected(self, tenant: str, model: str) -> None:
         QUEUE_REJECTIONS.labels(tenant, model).inc()
+
+    def compile_finished(self, status: str, seconds: float) -> None:
+        COMPILES.labels(status).inc()
+        COMPILE_SECONDS.observe(seconds)

@@ -1,4 +1,8 @@
-"""The one settings class. Every environment variable is declared here (prefix LUMINAL_)."""
+"""The one settings class. Every environment variable is declared here (prefix LUMINAL_).
+
+Importing it imports no compiler (a container's health check reads it): names the compiler owns,
+the targets and compile candidates, are checked where compiles are set up (worker/queue.py).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from compiler.pipeline import CANDIDATES
-from compiler.targets import KNOWN_TARGETS
 
 
 def _default_data_dir() -> Path:
@@ -53,17 +54,18 @@ class Settings(BaseSettings):
     # each compile's limits: wall time, and address space of its process
     compile_timeout_s: float = 600.0
     compile_memory_bytes: int = 8 * 1024**3
-    # the programs each cpu compile builds, verifies and times, keeping the fastest: generated C
-    # with BLAS calls, generated C with loop nests only, the NumPy lowering
-    compile_candidates: tuple[str, ...] = CANDIDATES
+    # the programs each cpu compile builds, verifies and times, keeping the fastest (names of
+    # compiler/tuning.py's KNOWN_CANDIDATES); empty: the compiler's default, its CANDIDATES
+    compile_candidates: tuple[str, ...] = ()
     # whether cpu compiles run the search (an e-graph that removes work) before generating code
     compile_search: bool = True
     # seconds the schedule search may spend measuring a model's kernels after every kernel's first
     # alternative (winners are cached by kernel and device: a second model pays for new kernels only)
     compile_search_seconds: float = Field(default=30.0, ge=0)
     # device types a model may be provisioned for: "cpu" and GPU types of compiler/targets.py
-    # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"); a GPU type is compiled where its
-    # GPU is (below) and served by GPU runtimes
+    # ("cuda", the default GPU type, "h100", "h200", "a100", "l4"), checked against its
+    # KNOWN_TARGETS where compiles are set up; a GPU type is compiled where its GPU is (below) and
+    # served by GPU runtimes
     targets: tuple[str, ...] = ("cpu",)
     # a GPU type is compiled where a GPU of its compute capability is (a worker's --device, GPU 0
     # for the embedded server); true lets a process without one compile it anyway: the default
@@ -139,14 +141,6 @@ class Settings(BaseSettings):
     # a log line per HTTP request from the gateway; off by default, as in Triton: at thousands of
     # requests a second it costs a tenth of a small request, and /metrics already counts them
     access_log: bool = False
-
-    @field_validator("targets")
-    @classmethod
-    def _known_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = sorted(set(targets) - set(KNOWN_TARGETS))
-        if unknown:
-            raise ValueError(f"unknown targets {unknown}; known: {list(KNOWN_TARGETS)}")
-        return targets
 
     @property
     def resolved_database_url(self) -> str:

@@ -1,7 +1,8 @@
 """The object store: graph blobs and compiled artifacts, by key.
 
 One small interface with two adapters, picked by `make_object_store`: a local directory (the
-embedded default) and an S3 bucket (`cloud/s3.py`).
+embedded default) and an S3 bucket (`cloud/s3.py`). It stores bytes under keys: an artifact is
+its files (compiler.Artifact's to_files and from_files, called by whoever holds the artifact).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,6 @@ from typing import BinaryIO, Protocol
 
 from cloud.errors import NotFound, PayloadTooLarge
 from cloud.settings import Settings
-from compiler import Artifact
-from compiler.pipeline import COMPILER_VERSION
 
 # uploads are read, hashed and stored this much at a time
 _CHUNK = 1 << 20
@@ -143,12 +142,15 @@ def graph_digest(graph_key: str) -> str:
     return graph_key.removeprefix("graphs/").removesuffix(".onnx")
 
 
-def artifact_key(graph_key: str, target: str, options: Mapping[str, object] | None = None) -> str:
+def artifact_key(
+    graph_key: str, target: str, options: Mapping[str, object] | None = None, *, compiler_version: str
+) -> str:
     """Artifacts are cached by (uploaded graph, target, compiler version, compile options): the
+    compiler's version is its caller's to give (compiler.pipeline.COMPILER_VERSION); the
     options (candidates measured, search on or off, the CPU type a cpu program was built and
     measured on, a narrow precision) enter as a digest, so that changing any of them compiles again."""
     digest = hashlib.sha256(json.dumps(dict(options or {}), sort_keys=True).encode()).hexdigest()[:16]
-    return f"{artifacts_prefix(graph_key)}/{target}/{COMPILER_VERSION}/{digest}"
+    return f"{artifacts_prefix(graph_key)}/{target}/{compiler_version}/{digest}"
 
 
 def artifacts_prefix(graph_key: str) -> str:
@@ -156,15 +158,24 @@ def artifacts_prefix(graph_key: str) -> str:
     return f"artifacts/{graph_digest(graph_key)}"
 
 
-def save_artifact(store: ObjectStore, key: str, artifact: Artifact) -> None:
+class StoredArtifact(Protocol):
+    """What the store needs of an artifact (compiler.Artifact): its files in the order to write
+    them, the manifest last."""
+
+    def to_files(self) -> Mapping[str, bytes]: ...
+
+
+def save_artifact(store: ObjectStore, key: str, artifact: StoredArtifact) -> None:
     """Each file under `key`, the manifest last: a crash midway leaves no manifest, or one whose
     hashes the partial files fail, and the artifact is compiled again."""
     for name, data in artifact.to_files().items():
         store.put(f"{key}/{name}", data)
 
 
-def load_artifact(store: ObjectStore, key: str) -> Artifact:
-    """The artifact under `key`; CorruptArtifact when its files are incomplete or altered."""
+def load_artifact[A](store: ObjectStore, key: str, from_files: Callable[[Callable[[str], bytes]], A]) -> A:
+    """The artifact under `key`, as `from_files` (compiler.Artifact.from_files) builds it from a
+    reader of its files, which raises FileNotFoundError for a missing one; CorruptArtifact (from
+    `from_files`) when its files are incomplete or altered."""
 
     def read(name: str) -> bytes:
         try:
@@ -172,4 +183,4 @@ def load_artifact(store: ObjectStore, key: str) -> Artifact:
         except NotFound as exc:
             raise FileNotFoundError(str(exc)) from None
 
-    return Artifact.from_files(read)
+    return from_files(read)

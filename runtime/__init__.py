@@ -4,6 +4,9 @@
     cuda.py      a GPU device: CUDA programs on one GPU through a compiler.backends.cuda Driver
     batching.py  joining requests into one batch and splitting the outputs back
     runtime.py   one runtime per device: loads artifacts on demand, evicts idle ones
+    process.py   the runtime process of the distributed mode (`luminal-cloud runtime`): a
+                 runtime serving its versions' Redis streams with the scheduler's batching policy
+                 and wire messages (not imported here: the scheduler imports this package)
 """
 
 from runtime.cpu import CpuDevice

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 import redis
 
 from cloud.errors import DeadlineExceeded, LuminalError
+from cloud.usage import Usage
 from runtime.runtime import Runtime
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending
-from scheduler.pricing import Usage
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,13 @@ from cloud.errors import (
     PayloadTooLarge,
     Unavailable,
 )
+from cloud.usage import Usage
 from compiler.shape import ShapeError
 from runtime import Runtime
 from runtime.runtime import DoesNotFit
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
-from scheduler.pricing import Usage, UsageSink, price_for, split_by_rows
+from scheduler.pricing import UsageSink, price_for, split_by_rows
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The distributed engine (settings.request_queue="redis"): the gateway queues each request on
 its model version's Redis stream and waits for the answer on its own reply stream; runtime
-processes (scheduler/runtime_process.py) do the batching and the running. The gateway runs no model.
+processes (runtime/process.py) do the batching and the running. The gateway runs no model.
 
 Also here, since only gateways run them: the placement of versions on runtimes, and the ledger
 consumer that turns the runtimes' usage events into usage records.
@@ -21,10 +21,11 @@ import redis
 import redis.asyncio as aioredis
 
 from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
+from cloud.usage import Usage
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
-from scheduler.pricing import Usage, UsageSink
+from scheduler.pricing import UsageSink
 
 log = logging.getLogger(__name__)
 

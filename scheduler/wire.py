@@ -90,7 +90,7 @@ class RequestMessage:
 @dataclass
 class ReplyMessage:
     """A runtime's answer to one request: "ok" or "error", after "started" when its batch starts
-    where a slow run could pass the request's deadline (scheduler.runtime_process)."""
+    where a slow run could pass the request's deadline (runtime.process)."""
 
     request_id: str
     kind: str

@@ -59,7 +59,7 @@ def test_a_crash_while_saving_an_artifact_is_recompiled_for_every_tenant(tmp_pat
         assert compile_version(again.id, registry) == "ready"
         x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
         np.testing.assert_allclose(
-            executable(load_artifact(store, key)).run({"x": x})["y"],
+            executable(load_artifact(store, key, Artifact.from_files)).run({"x": x})["y"],
             executable(compile_onnx(MLP)).run({"x": x})["y"],
             rtol=1e-5,
             atol=1e-6,

@@ -23,7 +23,7 @@ from cloud.errors import Unavailable
 from cloud.storage import artifact_key
 from compiler import Artifact, compile_onnx
 from compiler.backends.native_cpu import cpu_fingerprint
-from compiler.pipeline import PHASES
+from compiler.pipeline import COMPILER_VERSION, PHASES
 from registry import INTERRUPTED
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import heavy_compile_model, mlp
@@ -272,8 +272,11 @@ def test_the_worker_compiles_a_version_in_its_precision_and_caches_each_apart(tm
 def test_the_cache_key_names_a_narrow_precision_and_keeps_the_exported_keys() -> None:
     options, graph = compile_options(), "graphs/abc"
     # the keys before precisions existed: exported artifacts stored then are found again
-    assert cache_key(graph, "h100", options, "exported") == artifact_key(graph, "h100", options)
-    assert cache_key(graph, "cpu", options) == artifact_key(graph, "cpu", {**options, "cpu": cpu_fingerprint()})
+    version = COMPILER_VERSION
+    assert cache_key(graph, "h100", options, "exported") == artifact_key(graph, "h100", options, compiler_version=version)
+    assert cache_key(graph, "cpu", options) == artifact_key(
+        graph, "cpu", {**options, "cpu": cpu_fingerprint()}, compiler_version=version
+    )
     keys = {cache_key(graph, "h100", options, p) for p in ("exported", "float16", "bfloat16")}
     assert len(keys) == 3
 

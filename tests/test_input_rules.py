@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from api.errors import describe_validation_errors
+from api.validation import decode_body
 from cloud.errors import InvalidInput, InvalidRequest
-from cloud.validation import decode_body
 from compiler import Signature
 from tests.conftest import auth, upload, wait_for
 from tests.onnx_models import int_input_model, make_model, mlp, tensor, unsupported_model

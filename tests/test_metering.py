@@ -11,7 +11,8 @@ from api.services import open_database
 from cloud.db import Database, UsageRecord
 from cloud.metering import Ledger
 from cloud.settings import Settings
-from scheduler.pricing import Usage, split_by_rows
+from cloud.usage import Usage
+from scheduler.pricing import split_by_rows
 
 
 def test_split_is_proportional_to_rows_and_sums_to_the_batch() -> None:

@@ -28,8 +28,8 @@ from cloud.metering import Ledger
 from cloud.migrations import alembic_config
 from cloud.settings import Settings
 from cloud.storage import LocalObjectStore
+from cloud.usage import Usage
 from registry import Registry
-from scheduler.pricing import Usage
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 

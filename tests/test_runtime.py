@@ -21,9 +21,9 @@ from cloud.metrics import PrometheusObserver
 from cloud.storage import make_object_store
 from compiler import Artifact, compile_onnx
 from runtime import CpuDevice, Runtime
+from runtime.process import STARTED_NOTICE_S, RuntimeConfig, RuntimeProcess
 from scheduler import wire
 from scheduler.engine import Route
-from scheduler.runtime_process import STARTED_NOTICE_S, RuntimeConfig, RuntimeProcess
 from scheduler.streams import route_fields
 from tests.conftest import make_settings
 from tests.onnx_models import mlp

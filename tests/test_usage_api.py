@@ -21,7 +21,7 @@ from api.services import open_database
 from cloud.auth import create_admin_key, create_key
 from cloud.db import Tenant
 from cloud.metering import Ledger
-from scheduler.pricing import Usage
+from cloud.usage import Usage
 from tests.conftest import auth, make_settings, upload, wait_for
 from tests.onnx_models import mlp
 

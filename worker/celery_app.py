@@ -35,7 +35,13 @@ from kombu.exceptions import KombuError
 from cloud.settings import Settings, get_settings
 from compiler.targets import GPU_TYPES
 from registry import Registry
-from worker.compile import TRANSIENT_ERRORS, compile_options, compile_version, recompile_measured
+from worker.compile import (
+    TRANSIENT_ERRORS,
+    compile_candidates,
+    compile_options,
+    compile_version,
+    recompile_measured,
+)
 from worker.devices import TargetCheck, is_unmeasured, show_only_gpu
 from worker.sandbox import CompileHandle, Sandbox
 
@@ -134,7 +140,7 @@ def worker_context() -> WorkerContext:
     settings = get_settings()
     db = open_database(settings)
     registry = Registry(db, make_object_store(settings), settings.targets)
-    candidates, search = settings.compile_candidates, settings.compile_search
+    candidates, search = compile_candidates(settings.compile_candidates), settings.compile_search
     return WorkerContext(
         registry=registry,
         sandbox=Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search, settings),

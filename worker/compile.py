@@ -13,23 +13,27 @@ from typing import Any, Protocol
 import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from cloud import metrics
 from cloud.db import ModelVersion
 from cloud.errors import Unavailable
+from cloud.metrics import PrometheusObserver
 from cloud.storage import ObjectStore, artifact_key, load_artifact, save_artifact
-from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx
+from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx, pipeline
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
-from compiler.pipeline import CANDIDATES, SEARCH, Progress
+from compiler.pipeline import CANDIDATES, COMPILER_VERSION, SEARCH, Progress
 from compiler.targets import EXPORTED
+from compiler.tuning import KNOWN_CANDIDATES
 from registry import UNMEASURED, Registry
 from worker.devices import is_unmeasured, unmeasured_label
+from worker.observer import CompileObserver
 from worker.sandbox import CompileCancelled
 
 log = logging.getLogger(__name__)
 
 # a compile's progress is written to its version at most this often
 PROGRESS_WRITE_INTERVAL_S = 1.0
+# where compiles are reported unless a caller says otherwise: the one metrics registry
+_METRICS: CompileObserver = PrometheusObserver()
 
 # outages of the database, the object store or Redis: a compile that meets one is tried again
 # later, never failed for it
@@ -110,6 +114,21 @@ class ProgressWriter:
                 self._timer.cancel()
 
 
+def compile_candidates(named: Sequence[str]) -> tuple[str, ...]:
+    """The programs a cpu compile builds: those named (settings.compile_candidates), or the
+    compiler's default when none are. ValueError naming the setting and the choices for a name
+    the compiler cannot build: checked here, where the compiler is, not in cloud/settings.py,
+    whose import must not import the compiler."""
+    if not named:
+        return pipeline.CANDIDATES
+    unknown = sorted(set(named) - set(KNOWN_CANDIDATES))
+    if unknown:
+        raise ValueError(
+            f"unknown compile candidates {unknown} in LUMINAL_COMPILE_CANDIDATES; known: {list(KNOWN_CANDIDATES)}"
+        )
+    return tuple(named)
+
+
 def compile_options(candidates: Sequence[str] = CANDIDATES, search: bool = SEARCH) -> dict[str, object]:
     """What besides the graph and the target decides which program a compile ships."""
     return {"candidates": list(candidates), "search": search}
@@ -123,7 +142,7 @@ def cache_key(graph_key: str, target: str, options: Mapping[str, object], precis
         options = {**options, "precision": precision}
     if target == "cpu":
         options = {**options, "cpu": cpu_fingerprint()}
-    return artifact_key(graph_key, target, options)
+    return artifact_key(graph_key, target, options, compiler_version=COMPILER_VERSION)
 
 
 def compile_version(
@@ -132,15 +151,17 @@ def compile_version(
     compile_fn: CompileFn = compile_here,
     options: Mapping[str, object] | None = None,
     unmeasured_targets: Collection[str] = (),
+    observer: CompileObserver = _METRICS,
 ) -> str | None:
     """Compile a queued version for its target in its precision with `compile_fn`, which
     compiles with `options` (the defaults' when None); idempotent, and an artifact compiled
     before from the same bytes with the same options and precision is reused. The graph reaches
     `compile_fn` as a temporary file streamed from the store. A target in `unmeasured_targets`
     is compiled without its GPU (unless a measured artifact of it is stored): its artifact is
-    stored apart from measured ones and its report labelled UNMEASURED. Returns the final status: None if the version was deleted, "queued" if
-    its compile was cancelled while the version remains (the caller queues it again). Only a
-    process that stops midway leaves it "compiling"."""
+    stored apart from measured ones and its report labelled UNMEASURED. How each compile ends is
+    told to `observer` (by default the metrics at /metrics). Returns the final status: None if
+    the version was deleted, "queued" if its compile was cancelled while the version remains (the
+    caller queues it again). Only a process that stops midway leaves it "compiling"."""
     version = registry.get_version(version_id)
     if version is None:
         return None
@@ -161,16 +182,16 @@ def compile_version(
         return _after_cancel(registry, version_id)
     except UnsupportedModel as exc:
         message = "the graph uses operations the compiler does not support: " + ", ".join(exc.missing)
-        return _fail(registry, version_id, message, started)
+        return _fail(registry, version_id, message, started, observer)
     except CompilerError as exc:
-        return _fail(registry, version_id, f"compilation failed: {exc}", started)
+        return _fail(registry, version_id, f"compilation failed: {exc}", started, observer)
     except TRANSIENT_ERRORS:
         raise
     except Exception as exc:  # a compiler bug must fail the version, not the worker
         log.exception("compiling version %s crashed", version_id)
         # the exception's text may name storage keys and paths: it stays in the operators' log
         message = f"internal compiler error ({type(exc).__name__}); operators can find version {version_id} in the log"
-        return _fail(registry, version_id, message, started)
+        return _fail(registry, version_id, message, started, observer)
     finally:
         progress.close()
     seconds = time.perf_counter() - started
@@ -186,8 +207,7 @@ def compile_version(
         error=None,
     )
     log.info("version %s ready in %.3f s (cached artifact: %s)", version_id, seconds, cached)
-    metrics.COMPILES.labels("cached" if cached else "ready").inc()
-    metrics.COMPILE_SECONDS.observe(seconds)
+    observer.compile_finished("cached" if cached else "ready", seconds)
     return "ready"
 
 
@@ -261,15 +281,14 @@ def _cached_artifact(store: ObjectStore, key: str) -> Artifact | None:
     if not store.exists(f"{key}/manifest.json"):
         return None
     try:
-        return load_artifact(store, key)
+        return load_artifact(store, key, Artifact.from_files)
     except CorruptArtifact as exc:
         log.warning("artifact %s is corrupt, compiling again: %s", key, exc)
         return None
 
 
-def _fail(registry: Registry, version_id: int, message: str, started: float) -> str:
+def _fail(registry: Registry, version_id: int, message: str, started: float, observer: CompileObserver) -> str:
     # (the report held the compile's progress)
     registry.set_status(version_id, "failed", error=message, report=None)
-    metrics.COMPILES.labels("failed").inc()
-    metrics.COMPILE_SECONDS.observe(time.perf_counter() - started)
+    observer.compile_finished("failed", time.perf_counter() - started)
     return "failed"

@@ -18,7 +18,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from compiler.targets import GPU_TYPES, is_gpu
+from compiler.targets import GPU_TYPES, KNOWN_TARGETS, is_gpu
 from registry import UNMEASURED
 from runtime.cuda import parse_device
 
@@ -77,6 +77,16 @@ class TargetCheck:
     @property
     def accepted(self) -> tuple[str, ...]:
         return (*self.measured, *self.unmeasured)
+
+
+def known_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    """`targets` (settings.targets); ValueError naming the setting and the choices for one the
+    compiler has no device type for: checked here, where the compiler is, not in
+    cloud/settings.py, whose import must not import the compiler."""
+    unknown = sorted(set(targets) - set(KNOWN_TARGETS))
+    if unknown:
+        raise ValueError(f"unknown targets {unknown} in LUMINAL_TARGETS; known: {list(KNOWN_TARGETS)}")
+    return tuple(targets)
 
 
 def check_targets(

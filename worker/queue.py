@@ -7,7 +7,7 @@ from typing import Protocol
 
 from cloud.settings import Settings
 from registry import Registry
-from worker.devices import TargetCheck, check_targets, probe_cuda
+from worker.devices import TargetCheck, check_targets, known_targets, probe_cuda
 
 
 class CompileQueue(Protocol):
@@ -17,10 +17,23 @@ class CompileQueue(Protocol):
     def shutdown(self) -> None: ...
 
 
+def check_compile_settings(settings: Settings) -> None:
+    """ValueError naming the setting unless its targets are device types the compiler knows and
+    its compile candidates programs it can build: what the settings cannot check themselves,
+    since importing them must not import the compiler. Each process that compiles or takes
+    uploads (a gateway, a worker) checks them as it starts."""
+    from worker.compile import compile_candidates
+
+    known_targets(settings.targets)
+    compile_candidates(settings.compile_candidates)
+
+
 def compile_check(settings: Settings) -> TargetCheck:
     """What this server may compile for: on Celery every target (each worker checks its own
     device); embedded, each GPU type only when GPU 0 is of its compute capability, or unmeasured
-    where settings allow. Its `refused` targets are refused at upload."""
+    where settings allow. Its `refused` targets are refused at upload. ValueError for a target
+    the compiler does not know (known_targets)."""
+    known_targets(settings.targets)
     if settings.compile_backend == "celery":
         return TargetCheck(measured=settings.targets)
     return _embedded_check(settings.targets, settings.allow_unmeasured_compile)
@@ -37,11 +50,11 @@ def make_compile_queue(settings: Settings, registry: Registry) -> CompileQueue:
         from worker.celery_app import CeleryCompileQueue
 
         return CeleryCompileQueue(registry, settings)
-    from worker.compile import compile_options
+    from worker.compile import compile_candidates, compile_options
     from worker.pool import EmbeddedCompilePool
     from worker.sandbox import Sandbox
 
-    candidates, search = settings.compile_candidates, settings.compile_search
+    candidates, search = compile_candidates(settings.compile_candidates), settings.compile_search
     sandbox = Sandbox(settings.compile_timeout_s, settings.compile_memory_bytes, candidates, search, settings)
     return EmbeddedCompilePool.with_sandbox(
         registry,

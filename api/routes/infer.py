@@ -10,7 +10,7 @@ from api.codec import render_infer_response, rendered_size
 from api.deps import CurrentTenant, ServicesDep
 from api.inference import serve
 from api.schemas import InferRequest, InferResponse
-from cloud.validation import decode_body
+from api.validation import decode_body
 from registry import version_ref
 
 router = APIRouter(prefix="/v1/models", tags=["inference"])

@@ -18,9 +18,9 @@ from api.schemas import (
     VersionCreated,
     VersionPublic,
 )
+from api.validation import symbol_limits
 from cloud.db import Model, ModelVersion
 from cloud.settings import Settings
-from cloud.validation import symbol_limits
 from compiler import Signature
 from compiler.targets import EXPORTED
 from registry import report_and_progress
