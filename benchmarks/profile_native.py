@@ -31,7 +31,7 @@ from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import GEMM_KINDS, prepack_weights, render
+from compiler.render.c import GEMM_KINDS, LOOP_FORMS, prepack_weights, render
 from compiler.shape import evaluate
 
 
@@ -73,11 +73,11 @@ def main() -> None:
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
     program = fuse(lower(graph))  # as the compiler's candidates are
-    if args.gemm not in ("blas", "loops"):  # as the compiler's generated candidates do
+    if args.gemm not in ("blas", *LOOP_FORMS):  # as the compiler's generated candidates do
         program = prepack_weights(program)
     gemm = args.gemm
-    if gemm == "loops":  # the products that have a loop form run it, the others call OpenBLAS
-        gemm = {n: "loops" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall) and k.loops is not None}
+    if gemm in LOOP_FORMS:  # the products that have a loop form run it, the others call OpenBLAS
+        gemm = {n: args.gemm for n, k in enumerate(program.kernels) if isinstance(k, GemmCall) and k.loops is not None}
     library = native_cpu.build(render(program, profile=True, gemm=gemm))
     runner = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
     runner.run(inputs)

@@ -16,7 +16,9 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
                             output at a time
     (GeneratedPanels k)     (C) a convolution's product computing its windows a panel at a time
     (ReductionLoops k)      (C) a matrix-vector product as its reduction loop, reading its operands
-                            where the graph has them (no operand packed or windows stored)
+                            where the graph has them (no operand packed or windows stored), the
+                            reduced loops around the output row
+    (ReductionLoopsInside k) (C) the same with each element's sum inside the output row's loop
 
 Renderers print what a schedule says; they choose nothing.
 """
@@ -37,9 +39,10 @@ KINDS = {
     "WindowRows": "window-rows",
     "GeneratedPanels": "generated-panels",
     "ReductionLoops": "loops",
+    "ReductionLoopsInside": "loops-inside",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops"})
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops", "loops-inside"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

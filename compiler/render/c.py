@@ -93,7 +93,9 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "loops")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "loops", "loops-inside")
+# the kinds that run a product as its loop form (GemmCall.loops)
+LOOP_FORMS = ("loops", "loops-inside")
 # a convolution whose output rows are at least this wide multiplies its windows in place (lc_conv_rows)
 # in the generated kinds: narrower rows waste too many of the padded rows' columns
 CONV_MIN_WIDTH = 20
@@ -505,9 +507,9 @@ class CRenderer:
         """The products that run as their reduction loop (GemmCall.loops)."""
         numbers = []
         for number, kernel in enumerate(self.program.kernels):
-            if isinstance(kernel, GemmCall) and self.kind_of(number) == "loops":
+            if isinstance(kernel, GemmCall) and self.kind_of(number) in LOOP_FORMS:
                 if kernel.loops is None:
-                    raise ValueError(f"kernel {number} is a product with no loop form: it cannot run as 'loops'")
+                    raise ValueError(f"kernel {number} is a product with no loop form: it cannot run as {self.kind_of(number)!r}")
                 numbers.append(number)
         return numbers
 
@@ -516,8 +518,8 @@ class CRenderer:
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if number in self.skipped:
             return head + "    (void)B;  /* its product runs as its loop form and reads no packed operand */\n}\n"
-        if isinstance(kernel, GemmCall) and self.gemm_kind == "loops":
-            return head + self.loop_form(kernel) + "}\n"
+        if isinstance(kernel, GemmCall) and self.gemm_kind in LOOP_FORMS:
+            return head + self.loop_form(kernel, inside=self.gemm_kind == "loops-inside") + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
                 return head + self.gemm(kernel) + "}\n"
@@ -528,20 +530,47 @@ class CRenderer:
         body = "".join(self.pointer(b) for b in reads) + "".join(self.pointer(b, writable=True) for b in stored)
         return head + body + self.loops(kernel) + "}\n"
 
-    def loop_form(self, call: GemmCall) -> str:
+    def loop_form(self, call: GemmCall, inside: bool = False) -> str:
         """A product as its reduction loop (GemmCall.loops), which writes C, then its epilogue over
-        the whole of C."""
+        the whole of C. The loop runs as a window reduction (its loops around the output row) or,
+        `inside`, with each element's sum inside the row's vector loop."""
         loops = call.loops
-        assert loops is not None
+        assert loops is not None and loops.reduce is not None and not loops.lets
         stored = kernel_stores(call)
         reads = lets_reads(loops) | (lets_reads(call.epilogue) if call.epilogue is not None else set())
         text = "".join(self.pointer(b) for b in sorted(reads - stored)) + "".join(self.pointer(b, writable=True) for b in sorted(stored))
-        text += self.loops(loops)
+        text += self.sums_inside_row(loops) if inside else self.loops(loops)
         if call.epilogue is not None:
             batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
             text += f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, batch = {batch};\n"
             text += "    for (int64_t t = 0; t < batch; ++t) {\n" + self.epilogue(call, ("0", "m"), ("0", "n"), "        ") + "    }\n"
         return text
+
+    def sums_inside_row(self, kernel: LoopKernel) -> str:
+        """A sum reduction with the output's last axis as the vector loop and each element's sum
+        (every reduced loop, constant trip counts unrolled by the C compiler) inside it: rows too
+        short for the window form's split loops (a 7x7 window over a 4x4 image) still vectorize."""
+        rank = len(kernel.shape)
+        kind, extents = kernel.reduce
+        assert kind == "sum" and rank >= 1
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        total = " * ".join(f"(int64_t)({dim(d)})" for d in (*kernel.shape, *extents))
+        lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
+        cost = max(1, _operations(kernel.value) + 1)
+        outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[: rank - 1])]
+        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= lc_wake_work"))
+        indent, inner = "            ", f"o{rank - 1}"
+        if not self.gathers(kernel.value):
+            lines.append(f"{indent}#pragma omp simd\n")
+        lines.append(f"{indent}for (int64_t {inner} = 0; {inner} < {dim(kernel.shape[-1])}; ++{inner}) {{\n")
+        lines.append(f"{indent}    {out_type} acc = 0;\n")
+        body = indent + "    "
+        for j, d in enumerate(extents):
+            lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
+            body += "    "
+        lines.append(f"{body}acc += ({out_type})({self.expr(kernel.value)});\n")
+        lines.append(f"{indent}    {self.target(kernel)} = acc;\n{indent}}}\n")
+        return "".join(lines) + "        }\n"
 
     def loops(self, kernel: LoopKernel) -> str:
         """The output loops, the outer ones shared among threads. The innermost output loop stays

@@ -343,17 +343,17 @@ def _burst_seconds(program: Any, feed: dict[str, np.ndarray]) -> float:
 
 
 def _kernel_seconds(program: Any, feed: dict[str, np.ndarray], kernels: int) -> list[float]:
-    """Each kernel's mean seconds a run over a burst, from the program's lc_kernel_seconds."""
+    """Each kernel's median seconds a run over a burst, from the program's lc_kernel_seconds (the
+    median: a slow spell of the shared machine during one run must not decide a schedule)."""
     program.run(feed)
-    totals = program.kernel_seconds(kernels)
-    for i in range(kernels):
-        totals[i] = 0.0
-    runs = 0
+    totals = np.frombuffer(program.kernel_seconds(kernels), dtype=np.float64, count=kernels)
+    runs: list[np.ndarray] = []
     started = time.perf_counter()
-    while runs < BURST_MIN_RUNS or (runs < BURST_MAX_RUNS and time.perf_counter() - started < BURST_SECONDS):
+    while len(runs) < BURST_MIN_RUNS or (len(runs) < BURST_MAX_RUNS and time.perf_counter() - started < BURST_SECONDS):
+        before = totals.copy()
         program.run(feed)
-        runs += 1
-    return [totals[i] / runs for i in range(kernels)]
+        runs.append(totals - before)
+    return [float(x) for x in np.median(np.stack(runs), axis=0)]
 
 
 def serve(request_fd: int, reply_fd: int) -> None:

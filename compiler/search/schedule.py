@@ -57,7 +57,8 @@ SCHEDULE_RULES = """
     (GeneratedTiles Kernel)
     (WindowRows Kernel)
     (GeneratedPanels Kernel)
-    (ReductionLoops Kernel))
+    (ReductionLoops Kernel)
+    (ReductionLoopsInside Kernel))
 (relation CudaTarget ())
 (relation CpuTarget ())
 (relation Windowed (String))
@@ -88,9 +89,10 @@ SCHEDULE_RULES = """
 (rule ((= k (Product sig "float32")) (CpuTarget) (Windowed sig))
       ((union k (WindowRows k)) (union k (GeneratedPanels k))) :ruleset schedule)
 ; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
-; reduction loop, which reads its operands in place
+; reduction loop, which reads its operands in place: the reduced loops around the output row, or
+; each element's sum inside it
 (rule ((= k (Product sig dtype)) (CpuTarget) (LoopForm sig))
-      ((union k (ReductionLoops k))) :ruleset schedule)
+      ((union k (ReductionLoops k)) (union k (ReductionLoopsInside k))) :ruleset schedule)
 """
 
 # the most alternatives read back per kernel (the rules derive at most five today)
