@@ -27,11 +27,13 @@ def answers(url: str) -> bool:
 
 
 def worker_answers(settings: Settings) -> bool:
-    from worker.celery_app import make_celery
+    # a ping needs the broker alone: the worker's own app (worker.celery_app) would import the
+    # compiler, seconds of every check
+    from celery import Celery
 
     # a worker names itself compile-<targets>@<hostname>-<pid>; the hostname is this container's
     mine = f"@{socket.gethostname()}-"
-    replies = make_celery(settings).control.ping(timeout=TIMEOUT_S)
+    replies = Celery("luminal", broker=settings.redis_url).control.ping(timeout=TIMEOUT_S)
     return any(mine in name for reply in replies for name in reply)
 
 
