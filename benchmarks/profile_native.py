@@ -32,6 +32,7 @@ from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
 from compiler.render.c import GEMM_KINDS, LOOP_FORMS, prepack_weights, render
+from compiler.search.extract import search_graph
 from compiler.shape import evaluate
 
 
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="batch=1,seq=128", help="symbolic dims, e.g. batch=8,seq=128")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--searched-graph", action="store_true", help="lower the graph the compiler's e-graph search rewrote, as a compile does")
     parser.add_argument("--threads", type=int, default=0, help="threads for both runtimes (0: their defaults)")
     parser.add_argument("--gemm", choices=GEMM_KINDS, default="blas", help="how float32 GEMMs run")
     args = parser.parse_args()
@@ -72,6 +74,8 @@ def main() -> None:
         parser.error(f"{args.model!r} is neither a model of benchmarks/models.py nor an .onnx file")
     graph = load_graph(data)
     inputs = models.sample_inputs(data, sizes)
+    if args.searched_graph:
+        graph, _ = search_graph(graph, True)
     program = fuse(lower(graph))  # as the compiler's candidates are
     if args.gemm not in ("blas", *LOOP_FORMS):  # as the compiler's generated candidates do
         program = prepack_weights(program)

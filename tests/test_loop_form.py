@@ -14,7 +14,7 @@ from onnx import helper
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.epilogue import fuse_epilogues
 from compiler.kernels.fusion import fuse
-from compiler.kernels.ir import GemmCall
+from compiler.kernels.ir import GemmCall, Ix
 from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.lower import lower
 from compiler.kernels.schedule import KernelSchedule
@@ -81,7 +81,7 @@ def test_both_forms_of_a_matrix_vector_product_match_onnxruntime(model):
     (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
     call = program.kernels[number]
     assert call.loops is not None
-    if model.startswith("dense"):
+    if model != "depthwise":
         assert call.epilogue is not None and call.loops.out == call.c  # the loop writes what the epilogue rewrites
     for batch in (1, 3):
         inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
@@ -173,3 +173,20 @@ def test_a_cpu_compile_keeps_the_loop_form_where_it_measured_faster(monkeypatch)
     source = artifact.kernels[0]["source"]
     assert "scipy_cblas_sgemm(101" not in source and "scipy_cblas_sgemv(101" not in source
     assert "its product runs as its loop form" in source
+
+
+def test_a_channels_bias_runs_inside_the_product_whose_batch_runs_over_images_and_channels():
+    """The depthwise product's batch index t is (image, channel): the bias reads bias[t % 6], a
+    digit of t, in the epilogue, on the CPU and in the GPU's code (run by its emulation)."""
+    from compiler import compile_onnx
+    from compiler.kernels.ir import Atom, Load
+    from compiler.kernels.ir_walk import walk
+
+    _, program = _programs(_depthwise(relu=True))
+    (call,) = [k for k in program.kernels if isinstance(k, GemmCall)]
+    assert len(program.kernels) == 2  # the windows and the product: the bias and relu are inside
+    bias_loads = [e for e in walk(call.epilogue.value) if isinstance(e, Load) and e.buffer != call.c]
+    assert [var for load in bias_loads for var, _ in load.index.terms] == [Atom("mod", (Ix.var("t"), 6))]
+    artifact = compile_onnx(_depthwise(relu=True), "h100")
+    assert artifact.report["verified_on"] == "cpu emulation" and artifact.report["verify_max_abs_error"] < 1e-4
+    assert "((t) % 6LL)" in artifact.kernels[0]["source"]

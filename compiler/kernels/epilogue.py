@@ -4,7 +4,8 @@ written, while the block is still in cache, instead of as a separate pass over t
 
 The loop's element space must be C's, read back at its own element, and every other load must be
 a linear function of C's flat batch index `t`, row `i` and column `j` (a bias reads a row's or a
-column's value, a residual the same element of another buffer). The loop's output then takes C's
+column's value, a residual the same element of another buffer), or of the axes `t` and `i` are
+flattened from (a channel's bias where t runs over images and channels). The loop's output then takes C's
 place: the product writes its sums there and the epilogue rewrites them in place; C's buffer is
 left unused. Device-neutral: renderers decide where in their tiling the epilogue runs.
 
@@ -161,13 +162,25 @@ def _regroup(ix: Ix, shape, groups, c: int, identity: Ix) -> Ix | None:
         if not live:
             continue
         factor = coefs.get(f"o{live[-1]}", 0)  # the innermost live axis's stride is 1
+        if all(coefs.get(f"o{d}", 0) == (dim_mul(factor, strides[d - lo]) if factor != 0 else 0) for d in live):
+            if factor != 0:
+                terms.append((name, factor))
+            continue
+        if name == J:
+            return None  # (the row's vector loop: its digits would cost a division per element)
+        # part of the batch or row index (a channel's bias where t runs over image and channel):
+        # each axis read as a digit of the group's flat index, computed once per row
         for d in live:
-            expected = dim_mul(factor, strides[d - lo]) if factor != 0 else 0
-            if coefs.get(f"o{d}", 0) != expected:
-                return None
-        if factor != 0:
-            terms.append((name, factor))
+            if coefs.get(f"o{d}", 0) != 0:
+                terms.append((_digit(name, strides[d - lo], shape[d], outermost=d == live[0]), coefs[f"o{d}"]))
     return _canonical(Ix(tuple(terms), ix.const))
+
+
+def _digit(name: str, stride: Dim, extent: Dim, outermost: bool) -> str | Atom:
+    """The axis of a row-major group whose flat index is `name`: (name / stride) % extent (the
+    outermost axis needs no remainder)."""
+    quotient: str | Atom = name if stride == 1 else Atom("floordiv", (Ix.var(name), stride))
+    return quotient if outermost else Atom("mod", (Ix.var(quotient), extent))
 
 
 def _canonical(ix: Ix) -> Ix:
