@@ -52,7 +52,23 @@ def register(commands: argparse._SubParsersAction) -> None:
     stack.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
     stack.add_argument("--workers", type=int, default=1, help="Celery compile workers")
-    stack.add_argument("--runtimes", type=int, default=2, help="runtime processes (device cpu)")
+    stack.add_argument(
+        "--runtimes", type=_runtime_count, default=2, metavar="N|auto",
+        help="runtime processes (device cpu), or auto: as many as requests waiting for one call for, "
+        "from --runtime-min to --runtime-max, each stopped after --runtime-idle seconds idle (default: 2)",
+    )
+    stack.add_argument(
+        "--runtime-min", type=int, default=0, help="with --runtimes auto: runtimes kept however idle (default: 0)"
+    )
+    stack.add_argument("--runtime-max", type=int, default=2, help="with --runtimes auto: at most this many (default: 2)")
+    stack.add_argument(
+        "--runtime-idle", type=float, default=30.0, metavar="SECONDS",
+        help="with --runtimes auto: a runtime idle this long is stopped; the pool goes to zero (default: 30)",
+    )
+    stack.add_argument(
+        "--runtime-target", type=int, default=None, metavar="REQUESTS",
+        help="with --runtimes auto: requests waiting per runtime started (default: LUMINAL_MAX_BATCH_ROWS)",
+    )
     stack.add_argument("--redis-url", help="default: LUMINAL_REDIS_URL")
     stack.add_argument(
         "--database-url", help="created when missing (default: LUMINAL_DATABASE_URL, else the local PostgreSQL's "
@@ -115,6 +131,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         "deploy and predict commands with (default: the current directory)",
     )
     demo.set_defaults(run=_demo)
+
+
+def _runtime_count(value: str) -> int | None:
+    """--runtimes: a count, or "auto" (None)."""
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of runtimes or auto, not {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a number of runtimes is not negative: {count}")
+    return count
 
 
 def _data_dir_option(parser: argparse.ArgumentParser) -> None:
@@ -203,11 +232,18 @@ def _runtime(args: argparse.Namespace) -> None:
 
 def _stack(args: argparse.Namespace) -> None:
     from api.stack import StackOptions, run_stack
+    from scheduler.autoscale import ScalePolicy
 
+    if args.runtimes is None:
+        try:  # the autoscaler's options, checked before anything starts
+            ScalePolicy(args.runtime_min, args.runtime_max, args.runtime_target or 1, args.runtime_idle)
+        except ValueError as exc:
+            sys.exit(f"luminal-cloud stack: --runtimes auto: {exc}")
     options = StackOptions(
         host=args.host, port=args.port, workers=args.workers, runtimes=args.runtimes, redis_url=args.redis_url,
         database_url=args.database_url, s3_endpoint=args.s3_endpoint, runtime_metrics_port=args.runtime_metrics_port,
-        log_dir=args.log_dir, tenant=args.tenant, start_timeout_s=args.start_timeout,
+        log_dir=args.log_dir, tenant=args.tenant, start_timeout_s=args.start_timeout, runtime_min=args.runtime_min,
+        runtime_max=args.runtime_max, runtime_idle_s=args.runtime_idle, runtime_target=args.runtime_target,
     )
     sys.exit(run_stack(options))
 

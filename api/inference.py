@@ -46,6 +46,7 @@ class Served[Decoded: DecodedInputs]:
             batch_size=self.result.batch_size,
             batch_rows=self.result.batch_rows,
             queue_ms=self.result.queue_seconds * 1000,
+            cold_start_ms=self.result.cold_start_seconds * 1000,
         )
 
 

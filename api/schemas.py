@@ -158,6 +158,9 @@ class InferUsage(BaseModel):
     batch_rows: int
     # waiting time, reported but not billed
     queue_ms: float
+    # cold start, reported but not billed: waiting for a runtime to start (its pool was at zero)
+    # and loading the model; 0 when warm
+    cold_start_ms: float = 0.0
 
 
 class InferResponse(BaseModel):

@@ -6,7 +6,12 @@ given). Once the stack runs it supervises its children as systemd or Kubernetes 
 that dies is restarted with the same command, environment and ports after a backoff
 (RestartPolicy decides when; the supervisor only acts), each death and restart one line on
 stdout; a child in a crash loop stops the stack. Ctrl-C or SIGTERM stops them all: the gateway
-first, so nothing new arrives, then the runtimes and workers, then the S3 server."""
+first, so nothing new arrives, then the runtimes and workers, then the S3 server.
+
+With `--runtimes auto` the runtimes are autoscaled as KEDA scales them in Kubernetes
+(RuntimeAutoscaler: the rule is scheduler/autoscale.py's): none, or --runtime-min, at first; more
+when requests wait in the pool stream for a runtime (up to --runtime-max); one stopped with
+SIGTERM, which drains it, once it has been idle --runtime-idle seconds."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,6 +36,8 @@ from api.server import free_port
 from cloud.db import masked_url
 from cloud.errors import LuminalError, Unreachable
 from cloud.settings import Settings
+from scheduler import wire
+from scheduler.autoscale import RuntimeState, ScalePolicy, scale
 
 # the local PostgreSQL, used when neither --database-url nor LUMINAL_DATABASE_URL names one
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/luminal"
@@ -68,7 +76,11 @@ class StackOptions:
     host: str = "127.0.0.1"  # the gateway's address
     port: int = 8000  # the gateway's port
     workers: int = 1  # Celery compile workers
-    runtimes: int = 2  # runtime processes (device cpu)
+    runtimes: int | None = 2  # runtime processes (device cpu); None: autoscaled (--runtimes auto)
+    runtime_min: int = 0  # autoscaled: runtimes kept however idle the pool is
+    runtime_max: int = 2  # autoscaled: at most this many
+    runtime_idle_s: float = 30.0  # autoscaled: a runtime idle this long is stopped (scale to zero)
+    runtime_target: int | None = None  # autoscaled: waiting requests per runtime; None: LUMINAL_MAX_BATCH_ROWS
     redis_url: str | None = None
     database_url: str | None = None  # DEFAULT_DATABASE_URL when the setting is empty too
     s3_endpoint: str | None = None  # empty starts moto's server
@@ -225,6 +237,7 @@ class Stack:
     def __init__(self, start_timeout_s: float) -> None:
         self.start_timeout_s = start_timeout_s
         self.waves: list[list[Child]] = []
+        self.autoscalers: list[RuntimeAutoscaler] = []
         self.stop_requested = False
 
     def request_stop(self, *_: object) -> None:
@@ -250,13 +263,22 @@ class Stack:
                 raise waiting[0].failure(f"was not ready within {self.start_timeout_s:.0f} s")
             time.sleep(POLL_S)
 
+    def adopt(self, autoscaler: RuntimeAutoscaler) -> None:
+        """Supervises the runtimes an autoscaler starts (a wave that grows and shrinks), and lets it
+        scale them while the stack runs."""
+        self.autoscalers.append(autoscaler)
+        self.waves.append(autoscaler.children)
+
     def watch(self) -> None:
         """Supervises the children until a stop is requested (then StopRequested): one that dies is
-        restarted after its policy's backoff; StackError when one is in a crash loop."""
+        restarted after its policy's backoff; StackError when one is in a crash loop. Autoscalers
+        scale their pools on each turn."""
         while True:
             self._check_stop()
             for child in self.children():
                 self._tend(child, time.monotonic())
+            for autoscaler in self.autoscalers:
+                autoscaler.tend(time.time())
             time.sleep(POLL_S)
 
     def _tend(self, child: Child, now: float) -> None:
@@ -267,6 +289,9 @@ class Stack:
             self._died(child, exit_reason(code), now)
         elif not child.ready and child.is_ready(child):
             child.ready = True
+            if not child.last_exit:  # its first run: an autoscaler started it while the stack ran
+                print(f"{child.name:<10} ready, {now - child.started_at:.1f} s after its start", flush=True)
+                return
             did = child.after_restart(child) if child.after_restart else ""
             print(f"{child.name:<10} ready again, {now - child.started_at:.1f} s after its restart{did}", flush=True)
 
@@ -306,6 +331,9 @@ class Stack:
                 if child.process is not None:
                     child.process.wait()
         self.waves.clear()
+        for autoscaler in self.autoscalers:
+            autoscaler.close()  # the runtimes it was stopping already
+        self.autoscalers.clear()
 
     def children(self) -> list[Child]:
         return [child for wave in self.waves for child in wave]
@@ -313,6 +341,127 @@ class Stack:
     def _check_stop(self) -> None:
         if self.stop_requested:
             raise StopRequested
+
+
+def pool_lag(client: redis.Redis, device: str) -> int:
+    """Requests waiting for a runtime of the device type, read as KEDA's redis-streams trigger
+    reads them (lagCount): the lag of the pool stream's consumer group; 0 without the stream, its
+    length without the group; an unknown lag (Redis says null) is 0, as KEDA reads it."""
+    stream = wire.pool_stream(device)
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError as exc:
+        if "no such key" in str(exc):
+            return 0
+        raise
+    for group in groups:
+        if group["name"].decode() == wire.RUNTIME_GROUP:
+            return int(group["lag"] or 0)
+    return int(client.xlen(stream))
+
+
+class RuntimeAutoscaler:
+    """`--runtimes auto`: the runtime processes of one device type, scaled by scheduler.autoscale's
+    rule on the pool stream's lag and the runtimes' heartbeats (held requests, last activity),
+    read on each turn of the stack's watch. Its children are a wave of the stack: one that dies is
+    restarted like any other (a Deployment's pod); one it stops gets SIGTERM (it drains: what it
+    took runs first) and leaves the wave."""
+
+    def __init__(
+        self, device: str, policy: ScalePolicy, redis_url: str, env: dict[str, str], log_dir: Path,
+        first_metrics_port: int = 0,
+    ) -> None:
+        self.device = device
+        self.policy = policy
+        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        self.env = env
+        self.log_dir = log_dir
+        self.first_metrics_port = first_metrics_port
+        self.children: list[Child] = []  # the pool's runtimes, a wave of the stack
+        self._stopping: list[tuple[Child, float]] = []  # given SIGTERM (and when), until they exit
+        self._started = 0  # runtimes started so far: names and metrics ports follow it
+        self._redis_failing = False
+
+    def tend(self, now: float) -> None:
+        """One turn at wall-clock time `now`: reap the runtimes stopped before, then scale."""
+        self._reap()
+        try:
+            lag = pool_lag(self.redis, self.device)
+            runtimes = self._states()
+        except redis.RedisError as exc:
+            if not self._redis_failing:
+                print(f"autoscaler cannot read the {self.device} pool from Redis ({exc}); it keeps "
+                      f"{len(self.children)} runtimes until it can", flush=True)
+            self._redis_failing = True
+            return
+        self._redis_failing = False
+        step = scale(lag, runtimes, self.policy, now)
+        for _ in range(step.start):
+            self._start(f"{lag} requests wait for a {self.device} runtime" if lag else
+                        f"--runtime-min {self.policy.min_runtimes}")
+        for name in step.stop:
+            (state,) = [r for r in runtimes if r.name == name]
+            self._stop(name, f"idle for {now - state.last_active:.1f} s")
+
+    def _states(self) -> list[RuntimeState]:
+        """Each runtime as the rule sees it, from the heartbeats (matched by process id)."""
+        ids = [m.decode() for m in self.redis.smembers(wire.RUNTIMES)]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for runtime_id in ids:
+                pipe.hgetall(wire.heartbeat_key(runtime_id))
+            beats = [b for b in pipe.execute() if b and b.get(b"device", b"").decode() == self.device]
+        by_pid = {int(b[b"pid"]): b for b in beats if b"pid" in b}
+        states = []
+        for child in self.children:
+            beat = by_pid.get(child.process.pid) if child.process is not None and child.exited() is None else None
+            if beat is None:  # starting, restarting, or not yet announced: never idle
+                states.append(RuntimeState(child.name, False, 0, time.time()))
+            else:
+                states.append(RuntimeState(child.name, True, int(beat[b"held"]), float(beat[b"last_active"])))
+        return states
+
+    def _start(self, why: str) -> None:
+        self._started += 1
+        port = self.first_metrics_port + self._started - 1 if self.first_metrics_port else free_port()
+        child = Child(
+            f"runtime-{self._started}", f"device {self.device}, metrics http://127.0.0.1:{port}/metrics",
+            _command("runtime", "--device", self.device), {**self.env, "LUMINAL_RUNTIME_METRICS_PORT": str(port)},
+            self.log_dir / f"runtime-{self._started}.log", log_says(f"serving device {self.device}"),
+        )
+        child.start()
+        self.children.append(child)
+        assert child.process is not None
+        print(f"{child.name:<10} pid {child.process.pid:<8} {child.where}\n{'':<10} log {child.log}\n"
+              f"{'':<10} started: {why} ({self._count()})", flush=True)
+
+    def _stop(self, name: str, why: str) -> None:
+        (child,) = [c for c in self.children if c.name == name]
+        self.children.remove(child)  # no longer supervised: its exit is no death to restart
+        child.signal_group(signal.SIGTERM)
+        self._stopping.append((child, time.monotonic()))
+        print(f"{child.name:<10} stopping: {why}, SIGTERM drains it ({self._count()})", flush=True)
+
+    def _count(self) -> str:
+        return f"pool {self.device}: {len(self.children)} runtimes, {self.policy.min_runtimes} to {self.policy.max_runtimes}"
+
+    def _reap(self, grace_s: float = STOP_GRACE_S) -> None:
+        for child, asked in list(self._stopping):
+            if (code := child.exited()) is None and time.monotonic() - asked < grace_s:
+                continue
+            if code is None:
+                print(f"{child.name} did not stop within {grace_s:.0f} s; killed", file=sys.stderr, flush=True)
+            child.signal_group(signal.SIGKILL)  # what it left behind goes with it
+            assert child.process is not None
+            code = child.process.wait()
+            self._stopping.remove((child, asked))
+            print(f"{child.name:<10} stopped, {exit_reason(code)}", flush=True)
+
+    def close(self) -> None:
+        """Waits for the runtimes it was stopping (the stack stops the others)."""
+        while self._stopping:
+            self._reap()
+            time.sleep(POLL_S)
+        self.redis.close()
 
 
 def ensure_database(url: str) -> None:
@@ -428,9 +577,17 @@ def _start(stack: Stack, options: StackOptions, env: dict[str, str], s3_endpoint
         Child(f"runtime-{i}", f"device cpu, metrics http://127.0.0.1:{port}/metrics",
               _command("runtime", "--device", "cpu"), {**env, "LUMINAL_RUNTIME_METRICS_PORT": str(port)},
               log_dir / f"runtime-{i}.log", log_says("serving device cpu"))
-        for i, port in enumerate(_runtime_metrics_ports(options.runtime_metrics_port, options.runtimes), start=1)
+        for i, port in enumerate(_runtime_metrics_ports(options.runtime_metrics_port, options.runtimes or 0), start=1)
     ]
     stack.start(*workers, *runtimes)
+    if options.runtimes is None:
+        policy = ScalePolicy(
+            options.runtime_min, options.runtime_max, options.runtime_target or Settings().max_batch_rows,
+            options.runtime_idle_s,
+        )
+        stack.adopt(RuntimeAutoscaler("cpu", policy, env["LUMINAL_REDIS_URL"], env, log_dir, options.runtime_metrics_port))
+        print(f"runtimes autoscaled: {policy.min_runtimes} to {policy.max_runtimes} on device cpu, one per "
+              f"{policy.target_lag} requests waiting, stopped after {policy.idle_s:g} s idle", flush=True)
 
     # loopback reaches a gateway bound to every address
     probe_host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host

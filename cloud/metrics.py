@@ -69,6 +69,14 @@ MODEL_LOAD_SECONDS = Histogram(
     ["target"],
     registry=REGISTRY,
 )
+COLD_START_SECONDS = Histogram(
+    "luminal_cold_start_seconds",
+    "Cold start of an answered request (never billed): waiting for a runtime of its device type to "
+    "start when its pool was at zero, and loading its model",
+    ["tenant", "model", "target"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
 LOADED_MODELS = Gauge(
     "luminal_loaded_models", "Artifacts loaded on devices", ["target"], registry=REGISTRY
 )
@@ -110,6 +118,9 @@ class PrometheusObserver:
 
     def request_rejected(self, tenant: str, model: str) -> None:
         QUEUE_REJECTIONS.labels(tenant, model).inc()
+
+    def cold_started(self, tenant: str, model: str, target: str, seconds: float) -> None:
+        COLD_START_SECONDS.labels(tenant, model, target).observe(seconds)
 
     def compile_finished(self, status: str, seconds: float) -> None:
         COMPILES.labels(status).inc()

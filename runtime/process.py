@@ -1,13 +1,15 @@
 """A runtime process (`luminal-cloud runtime --device cpu`): serves the requests queued on the
-Redis streams of the model versions placed on it.
+Redis streams of the model versions placed on it, and on its device type's pool stream.
 
-It announces itself and its capacity with heartbeats; reads its versions' streams in a consumer
-group shared with the other runtimes, batching with the one policy (scheduler.policy); loads
-artifacts from the object store on first use; answers each request on its gateway's reply
-stream; and emits one usage event per executed request. A request's message is acknowledged in
-the same transaction as its usage event and reply, so a runtime killed before that leaves the
-message to another runtime, which claims it: nothing is lost, and the ledger, idempotent by
-request id, never bills twice.
+It announces itself and its capacity with heartbeats; reads its versions' streams and the pool
+stream (requests that arrived while no runtime of its type lived: any version, loaded on demand)
+in consumer groups shared with the other runtimes, batching with the one policy
+(scheduler.policy); loads artifacts from the object store on first use; answers each request on
+its gateway's reply stream; and emits one usage event per executed request. A request's message
+is acknowledged in the same transaction as its usage event and reply, so a runtime killed before
+that leaves the message to another runtime, which claims it: nothing is lost, and the ledger,
+idempotent by request id, never bills twice. On SIGTERM it withdraws its announcement first (no
+new request is sent its way), runs what it has taken, and exits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ ASSIGNMENT_CHECK_S = 0.2
 STARTED_NOTICE_S = 2.0
 
 
+# acknowledges the answered entries ARGV[2..] of a pool stream (KEYS[1]) in its group (ARGV[1]),
+# then trims what is answered from its head rather than deleting them one by one: XDEL's
+# tombstones make Redis report the group's lag as unknown, and that lag is what autoscalers
+# (KEDA's redis-streams trigger) start runtimes on
+ACK_AND_TRIM = """
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+local oldest = redis.call('XPENDING', KEYS[1], ARGV[1])[2]
+if not oldest then
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local info = {}
+    for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+    if info['name'] == ARGV[1] then
+      local ms, seq = string.match(info['last-delivered-id'], '(%d+)-(%d+)')
+      oldest = ms .. '-' .. (tonumber(seq) + 1)
+    end
+  end
+end
+if oldest then redis.call('XTRIM', KEYS[1], 'MINID', oldest) end
+return 1
+"""
+
+
 @dataclass
 class Taken:
     """A request read from a stream and waiting in this runtime's batch queue."""
@@ -50,6 +74,8 @@ class Taken:
     stream: str
     message_id: bytes
     message: wire.RequestMessage
+    # seconds it waited in its pool stream for a runtime to start (0 from a version's stream)
+    waited_for_runtime: float = 0.0
 
     @property
     def inputs(self):
@@ -82,11 +108,20 @@ class RuntimeProcess:
         self.config = config
         self.observer = observer
         self.runtime_id = f"{config.device}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._queues: dict[str, BatchQueue] = {}  # stream -> the requests taken from it
+        self.pool = wire.pool_stream(config.device)
+        # (stream, version id) -> the requests taken from it: a pool stream holds many versions
+        self._queues: dict[tuple[str, int], BatchQueue] = {}
         self._streams: list[str] = []
         self._stopping = threading.Event()
         self._last_claim = 0.0
         self._last_assignment_check = 0.0
+        # what autoscalers read in the heartbeat: requests taken and not yet answered, and when
+        # one was last taken or answered (wall clock)
+        self._running = 0
+        self._last_active = time.time()
+        # when it began serving (wall clock)
+        self._serving_since = float("inf")
+        self._ack_and_trim = self.redis.register_script(ACK_AND_TRIM)
 
     # -- announcing --
     def announce(self) -> None:
@@ -97,6 +132,9 @@ class RuntimeProcess:
             "loaded_bytes": self.runtime.loaded_bytes,
             "loaded": json.dumps(self.runtime.loaded_keys),
             "streams": len(self._streams),
+            "pid": os.getpid(),
+            "held": self.held,
+            "last_active": self._last_active,
         }
         key = wire.heartbeat_key(self.runtime_id)
         with self.redis.pipeline() as pipe:
@@ -104,6 +142,11 @@ class RuntimeProcess:
             pipe.expire(key, max(1, round(3 * self.config.heartbeat_s)))
             pipe.sadd(wire.RUNTIMES, self.runtime_id)
             pipe.execute()
+
+    @property
+    def held(self) -> int:
+        """Requests taken and not yet answered."""
+        return sum(len(queue) for queue in list(self._queues.values())) + self._running
 
     def beat(self) -> None:
         """Scale to zero, then announce: models idle past the runtime's idle_unload_s leave device
@@ -131,16 +174,17 @@ class RuntimeProcess:
     # -- reading --
     def refresh_streams(self) -> None:
         versions = sorted(int(v) for v in self.redis.smembers(wire.assigned_key(self.runtime_id)))
-        streams = [wire.request_stream(v) for v in versions]
+        streams = [self.pool, *(wire.request_stream(v) for v in versions)]
         for stream in set(streams) - set(self._streams):
             try:
                 self.redis.xgroup_create(stream, wire.RUNTIME_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        for stream in set(self._streams) - set(streams):
+        gone = set(self._streams) - set(streams)
+        for key in [key for key in self._queues if key[0] in gone]:
             # unplaced (its model was deleted): what it still holds is answered, not dropped
-            for pending in self._queues.pop(stream, BatchQueue(self._policy())).expired(float("inf")):
+            for pending in self._queues.pop(key).expired(float("inf")):
                 self._answer_error(pending.payload, "unavailable", "the model was removed while the request was queued")
         self._streams = streams
 
@@ -185,9 +229,12 @@ class RuntimeProcess:
 
     def _accept(self, stream: str, message_id: bytes, fields: dict) -> None:
         message = wire.RequestMessage.from_fields(fields)
-        taken = Taken(stream, message_id, message)
+        wall = self._last_active = time.time()
+        # a request queued before this runtime served waited for a runtime to start: its cold start
+        waited = wall - message.enqueued_at if stream == self.pool and 0 < message.enqueued_at < self._serving_since else 0.0
+        taken = Taken(stream, message_id, message, waited)
         now = time.monotonic()
-        remaining = message.deadline - time.time()
+        remaining = message.deadline - wall
         pending = Pending(
             message.request_id,
             message.rows,
@@ -196,7 +243,8 @@ class RuntimeProcess:
             taken,
             shape_key=tuple((name, x.shape[1:]) for name, x in sorted(message.inputs.items())),
         )
-        self._queues.setdefault(stream, BatchQueue(self._policy())).submit(pending, now)
+        key = (stream, int(message.route["version_id"]))
+        self._queues.setdefault(key, BatchQueue(self._policy())).submit(pending, now)
 
     # -- executing --
     def step(self) -> None:
@@ -222,9 +270,17 @@ class RuntimeProcess:
                 self._execute(batch, busy=len(queue) > 0)
 
     def _execute(self, batch: list[Pending], busy: bool = False) -> None:
+        self._running = len(batch)
+        try:
+            self._execute_batch(batch, busy)
+        finally:
+            self._running = 0
+            self._last_active = time.time()
+
+    def _execute_batch(self, batch: list[Pending], busy: bool) -> None:
         started = time.monotonic()
         route = Route(**batch[0].payload.message.route)
-        queue = self._queues[batch[0].payload.stream]
+        queue = self._queues[(batch[0].payload.stream, route.version_id)]
         if queue.batch_seconds is None or route.artifact_key not in self.runtime.loaded_keys:
             notify = batch
         else:
@@ -253,6 +309,11 @@ class RuntimeProcess:
                 answers.append((taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None))
                 continue
             result, usage = outcome
+            cold_start = taken.waited_for_runtime + result.cold_start_seconds
+            if cold_start:
+                log.info("cold start of %s v%s: %.3f s waiting for a runtime, %.3f s loading; ran in %.4f s",
+                         route.model_name, route.version, taken.waited_for_runtime, result.cold_start_seconds,
+                         result.batch_exec_seconds)
             reply = wire.ReplyMessage(
                 pending.request_id,
                 "ok",
@@ -261,6 +322,7 @@ class RuntimeProcess:
                 exec_seconds=result.exec_seconds,
                 batch_exec_seconds=result.batch_exec_seconds,
                 queue_seconds=started - pending.enqueued_at,
+                cold_start_seconds=cold_start,
                 outputs=result.outputs,
             )
             answers.append((taken, reply, usage))
@@ -274,9 +336,13 @@ class RuntimeProcess:
                 if usage is not None:
                     pipe.xadd(wire.USAGE_STREAM, {"usage": json.dumps(asdict(usage))})
                 pipe.xadd(taken.message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
-                pipe.xack(taken.stream, wire.RUNTIME_GROUP, taken.message_id)
-                pipe.xdel(taken.stream, taken.message_id)
+                if taken.stream == self.pool:
+                    self._ack_and_trim(keys=[self.pool], args=[wire.RUNTIME_GROUP, taken.message_id], client=pipe)
+                else:
+                    pipe.xack(taken.stream, wire.RUNTIME_GROUP, taken.message_id)
+                    pipe.xdel(taken.stream, taken.message_id)
             pipe.execute()
+        self._last_active = time.time()
 
     def _answer_error(self, taken: Taken, code: str, message: str) -> None:
         self._finish([(taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None)])
@@ -287,6 +353,7 @@ class RuntimeProcess:
         self.refresh_streams()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
+        self._serving_since = time.time()
         log.info("runtime %s serving device %s", self.runtime_id, self.config.device)
         try:
             while not self._stopping.is_set():
@@ -295,13 +362,20 @@ class RuntimeProcess:
                 except redis.RedisError as exc:
                     log.warning("Redis unreachable (%s); retrying", exc)
                     self._stopping.wait(1.0)
+            # gone from the placements first, so that gateways send nothing more this way while
+            # what was taken runs
+            heartbeat.join(timeout=5.0)
+            self._withdraw_quietly()
             self._drain()
         finally:
             self._stopping.set()
-            try:
-                self.withdraw()
-            except redis.RedisError:
-                pass  # the heartbeat expires on its own
+            self._withdraw_quietly()
+
+    def _withdraw_quietly(self) -> None:
+        try:
+            self.withdraw()
+        except redis.RedisError:
+            pass  # the heartbeat expires on its own
 
     def _drain(self) -> None:
         """On a stop: what this runtime took runs now, rather than waiting to be claimed."""

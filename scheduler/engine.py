@@ -68,6 +68,9 @@ class InferenceResult:
     batch_exec_seconds: float
     # time spent waiting in the queue (not billed)
     queue_seconds: float
+    # cold start (not billed): waiting for a runtime to start when its pool was at zero, and
+    # loading the model when its batch had to
+    cold_start_seconds: float = 0.0
 
 
 class Engine(Protocol):
@@ -209,7 +212,7 @@ def run_priced(
         route.tenant_name, route.model_name, route.target, len(batch), result.exec_seconds, sum(shares)
     )
     results = [
-        InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0)
+        InferenceResult(out, len(batch), sum(rows), share, result.exec_seconds, 0.0, result.load_seconds)
         for out, share in zip(result.outputs, shares)
     ]
     return results, usages

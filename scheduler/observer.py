@@ -21,6 +21,10 @@ class SchedulerObserver(Protocol):
     def request_rejected(self, tenant: str, model: str) -> None:
         """A request was refused because its queue was full."""
 
+    def cold_started(self, tenant: str, model: str, target: str, seconds: float) -> None:
+        """A request was answered after a cold start this long: waiting for a runtime of its
+        device type to start (its pool was at zero) and loading its model (never billed)."""
+
 
 class _NoObserver:
     def batch_executed(
@@ -32,6 +36,9 @@ class _NoObserver:
         pass
 
     def request_rejected(self, tenant: str, model: str) -> None:
+        pass
+
+    def cold_started(self, tenant: str, model: str, target: str, seconds: float) -> None:
         pass
 
 

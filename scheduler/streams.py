@@ -40,6 +40,20 @@ APPEND_BOUNDED = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return nil end
 return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
 """
+# every entry of a version's stream (KEYS[1]) to its device type's pool stream (KEYS[2]), taken
+# or not, acknowledged in the version's group (ARGV[1]) as it leaves; the count moved
+MOVE_TO_POOL = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return 0 end
+local ids = {}
+for i, entry in ipairs(entries) do
+  redis.call('XADD', KEYS[2], '*', unpack(entry[2]))
+  ids[i] = entry[1]
+end
+redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
+redis.call('XDEL', KEYS[1], unpack(ids))
+return #entries
+"""
 
 
 @dataclass
@@ -52,15 +66,14 @@ class RuntimeInfo:
     streams: int
 
 
-def choose_runtime(route: Route, live: list[RuntimeInfo], exclude: set[str]) -> RuntimeInfo:
+def choose_runtime(route: Route, live: list[RuntimeInfo], exclude: set[str]) -> RuntimeInfo | None:
     """Where a version goes next: a runtime of its device type with room for it, one that has it
-    loaded first, then the least busy. Raises Unavailable naming why there is none."""
+    loaded first, then the least busy. None when no runtime of its device type lives (a pool at
+    zero: the request waits in the pool stream while one starts); Unavailable when none of those
+    that live can hold it."""
     of_device = [r for r in live if r.device == route.target]
     if not of_device:
-        raise Unavailable(
-            f"no runtime process serves device type {route.target!r}; start one with "
-            f"`luminal-cloud runtime --device {route.target}`"
-        )
+        return None
     fits = [r for r in of_device if r.memory_budget_bytes >= route.model_bytes]
     if not fits:
         largest = max(r.memory_budget_bytes for r in of_device)
@@ -74,7 +87,8 @@ def choose_runtime(route: Route, live: list[RuntimeInfo], exclude: set[str]) -> 
 
 class Placement:
     """Keeps every version with waiting requests on at least one live runtime, and on one more
-    while its backlog is longer than `spread_backlog` requests."""
+    while its backlog is longer than `spread_backlog` requests; says when its device type has
+    no live runtime at all (a pool at zero)."""
 
     def __init__(self, client: aioredis.Redis, spread_backlog: int, cache_s: float = 0.5) -> None:
         self.redis = client
@@ -112,7 +126,9 @@ class Placement:
         self._live, self._live_at = live, now
         return live
 
-    async def ensure(self, route: Route, backlog: int) -> None:
+    async def ensure(self, route: Route, backlog: int) -> bool:
+        """True once the version is placed on a live runtime; False when no runtime of its device
+        type lives (its requests go to the pool stream)."""
         live = await self.live_runtimes()
         live_ids = {r.runtime_id for r in live}
         placed = {m.decode() for m in await self.redis.smembers(wire.placement_key(route.version_id))}
@@ -122,15 +138,18 @@ class Placement:
         serving = placed & live_ids
         of_device = {r.runtime_id for r in live if r.device == route.target}
         if serving and (backlog <= self.spread_backlog or not (of_device - serving)):
-            return
+            return True
         chosen = choose_runtime(route, live, exclude=serving)
+        if chosen is None:
+            return False
         if chosen.runtime_id in serving:
-            return
+            return True
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(wire.placement_key(route.version_id), chosen.runtime_id)
             pipe.sadd(wire.assigned_key(chosen.runtime_id), route.version_id)
             await pipe.execute()
         log.info("placed %s v%s on %s", route.model_name, route.version, chosen.runtime_id)
+        return True
 
     async def remove(self, version_id: int) -> None:
         placed = await self.redis.smembers(wire.placement_key(version_id))
@@ -146,10 +165,18 @@ class _Waiter:
     future: asyncio.Future
     # when a runtime said its batch started (loop time), or None while queued
     started: float | None = None
+    # where it was queued: its stream and entry id
+    stream: str = ""
+    message_id: bytes = b""
 
 
 class StreamEngine:
-    """Engine over Redis Streams. Needs a running event loop (it starts its reader tasks)."""
+    """Engine over Redis Streams. Needs a running event loop (it starts its reader tasks).
+
+    A request for a version placed on a live runtime goes to the version's stream; one for a
+    device type with no live runtime (a pool at zero) goes to the type's pool stream, where it
+    waits, bounded by its deadline, while an autoscaler starts a runtime (the activator pattern):
+    that wait is its cold start, reported and never billed."""
 
     def __init__(
         self,
@@ -180,10 +207,13 @@ class StreamEngine:
         # version id -> (its route, requests waiting), and the task keeping each placed
         self._watched: dict[int, tuple[Route, int]] = {}
         self._watchers: dict[int, asyncio.Task] = {}
-        # version id -> when this gateway last placed it (loop time)
-        self._placed_at: dict[int, float] = {}
+        # version id -> the stream its requests go to and when that was decided (loop time)
+        self._decided: dict[int, tuple[str, float]] = {}
+        # device types whose pool stream's consumer group this gateway has made sure of
+        self._pools: set[str] = set()
         self._loop = asyncio.get_running_loop()
         self._append_bounded = self.redis.register_script(APPEND_BOUNDED)
+        self._move_to_pool = self.redis.register_script(MOVE_TO_POOL)
         self._tasks = [
             self._loop.create_task(self._read_replies(), name="replies"),
             self._loop.create_task(self._consume_usage(), name="ledger"),
@@ -195,40 +225,66 @@ class StreamEngine:
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
     ) -> InferenceResult:
-        stream = wire.request_stream(route.version_id)
         waiter = _Waiter(self._loop.create_future())
-        deadline = time.time() + self.request_timeout_s
+        now = time.time()
+        deadline = now + self.request_timeout_s
         try:
-            await self._ensure_placed(route, stream)
-            message = wire.RequestMessage(request_id, self.reply_to, deadline, rows, route_fields(route), dict(inputs))
+            stream = await self._stream_for(route)
+            message = wire.RequestMessage(
+                request_id, self.reply_to, deadline, rows, route_fields(route), dict(inputs), enqueued_at=now
+            )
             self._waiting[request_id] = waiter
             fields = [part for pair in message.to_fields().items() for part in pair]
             # the bound holds across gateways: the length check and the append are one step
-            if await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields]) is None:
+            message_id = await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields])
+            if message_id is None:
                 self._waiting.pop(request_id, None)
                 self.observer.request_rejected(route.tenant_name, route.model_name)
+                queue = (
+                    f"for {route.model_name} v{route.version}" if stream == wire.request_stream(route.version_id)
+                    else f"of requests waiting for a {route.target} runtime to start"
+                )
                 raise Overloaded(
-                    f"the queue for {route.model_name} v{route.version} is full ({self.max_queue_requests} requests)",
-                    retry_after=self.retry_after_s,
+                    f"the queue {queue} is full ({self.max_queue_requests} requests)", retry_after=self.retry_after_s
                 )
         except redis.RedisError as exc:
             self._waiting.pop(request_id, None)
             raise self._unreachable(exc) from None
+        waiter.stream, waiter.message_id = stream, message_id
         self._watch(route, +1)
         try:
-            return await self._wait(waiter, deadline)
+            result = await self._wait(waiter, deadline, route)
         finally:
             self._waiting.pop(request_id, None)
             self._watch(route, -1)
+        if result.cold_start_seconds > 0:
+            self.observer.cold_started(route.tenant_name, route.model_name, route.target, result.cold_start_seconds)
+        return result
 
-    async def _ensure_placed(self, route: Route, stream: str) -> None:
-        """Places the version unless that was done moments ago, or its watcher keeps it placed
-        while requests wait: two Redis round trips saved on most requests."""
-        placed_at = self._placed_at.get(route.version_id, float("-inf"))
-        if route.version_id in self._watchers or self._loop.time() - placed_at < WATCH_S:
-            return
-        await self.placement.ensure(route, await self.redis.xlen(stream))
-        self._placed_at[route.version_id] = self._loop.time()
+    async def _stream_for(self, route: Route) -> str:
+        """Where the version's requests go now, decided again at most every WATCH_S (and by its
+        watcher while requests wait): two Redis round trips saved on most requests."""
+        decided = self._decided.get(route.version_id)
+        if decided is not None and (
+            route.version_id in self._watchers or self._loop.time() - decided[1] < WATCH_S
+        ):
+            return decided[0]
+        return await self._place(route)
+
+    async def _place(self, route: Route) -> str:
+        """The version's stream once it is placed on a live runtime; its device type's pool
+        stream while no runtime of that type lives."""
+        own = wire.request_stream(route.version_id)
+        if await self.placement.ensure(route, await self.redis.xlen(own)):
+            stream = own
+        else:
+            stream = wire.pool_stream(route.target)
+            if route.target not in self._pools:
+                # the group from the first request on: its lag then counts every waiting request
+                await _create_group(self.redis, stream)
+                self._pools.add(route.target)
+        self._decided[route.version_id] = (stream, self._loop.time())
+        return stream
 
     def _watch(self, route: Route, change: int) -> None:
         """Counts a version's waiting requests; while there are any, a task keeps it placed."""
@@ -239,8 +295,10 @@ class StreamEngine:
             self._watchers[route.version_id] = task
 
     async def _keep_placed(self, version_id: int) -> None:
-        """Every WATCH_S while requests wait: a dead runtime's versions go to a live one, and a
-        growing backlog spreads to one more runtime."""
+        """Every WATCH_S while requests wait: a dead runtime's versions go to a live one, a growing
+        backlog spreads to one more runtime, and when no runtime of the version's device type lives
+        any more (its pool went to zero), what waits in the version's stream moves to the pool
+        stream, where a runtime that starts finds it."""
         try:
             while True:
                 await asyncio.sleep(WATCH_S)
@@ -248,8 +306,11 @@ class StreamEngine:
                 if waiting <= 0:
                     return
                 try:
-                    backlog = await self.redis.xlen(wire.request_stream(version_id))
-                    await self.placement.ensure(route, backlog)
+                    own = wire.request_stream(version_id)
+                    stream = await self._place(route)
+                    if stream != own and (moved := await self._move_to_pool(keys=[own, stream], args=[wire.RUNTIME_GROUP])):
+                        log.warning("%s v%s: no %s runtime lives; %d queued requests moved to %s",
+                                    route.model_name, route.version, route.target, moved, stream)
                 except (redis.RedisError, LuminalError) as exc:
                     log.warning("placing %s v%s again failed: %s", route.model_name, route.version, exc)
         finally:
@@ -257,7 +318,7 @@ class StreamEngine:
             if self._watched.get(version_id, (None, 0))[1] <= 0:
                 self._watched.pop(version_id, None)
 
-    async def _wait(self, waiter: _Waiter, deadline: float) -> InferenceResult:
+    async def _wait(self, waiter: _Waiter, deadline: float, route: Route) -> InferenceResult:
         """The reply. Queued, the request gets 504 at its deadline; once its batch started, it
         waits for the run, and for a takeover if its runtime dies meanwhile."""
         while True:
@@ -267,15 +328,31 @@ class StreamEngine:
             else:
                 remaining = waiter.started + self.request_timeout_s + self.claim_idle_s - now
             if remaining <= 0:
-                raise DeadlineExceeded(
-                    "the request waited in the queue past its deadline"
-                    if waiter.started is None
-                    else "the runtime running this request stopped answering"
-                )
+                if waiter.started is not None:
+                    raise DeadlineExceeded("the runtime running this request stopped answering")
+                if waiter.stream == wire.pool_stream(route.target):
+                    raise await self._gave_up_waiting_for_a_runtime(waiter, route)
+                raise DeadlineExceeded("the request waited in the queue past its deadline")
             try:
                 return await asyncio.wait_for(asyncio.shield(waiter.future), remaining)
             except TimeoutError:
                 pass
+
+    async def _gave_up_waiting_for_a_runtime(self, waiter: _Waiter, route: Route) -> DeadlineExceeded:
+        """A request that waited in the pool stream past its deadline leaves it, so that no runtime
+        runs it later and no autoscaler starts one for it (a runtime that took it already drops
+        it unrun: its deadline passed)."""
+        try:
+            await self.redis.xdel(waiter.stream, waiter.message_id)
+        except redis.RedisError as exc:
+            log.warning("removing an expired request from %s failed: %s", waiter.stream, exc)
+        return DeadlineExceeded(
+            f"the request waited {self.request_timeout_s:g} s for a {route.target} runtime to start (the pool "
+            f"had none running when it arrived) and passed its deadline",
+            waited_for="runtime_start",
+            device_type=route.target,
+            waited_seconds=self.request_timeout_s,
+        )
 
     async def _read_replies(self) -> None:
         last, trimmed = "$", "$"
@@ -316,6 +393,7 @@ class StreamEngine:
                     reply.exec_seconds,
                     reply.batch_exec_seconds,
                     reply.queue_seconds,
+                    reply.cold_start_seconds,
                 )
             )
         else:
@@ -365,7 +443,7 @@ class StreamEngine:
                 await asyncio.sleep(1.0)
 
     def forget(self, version_id: int) -> None:
-        self._placed_at.pop(version_id, None)
+        self._decided.pop(version_id, None)
         self._loop.create_task(self._forget(version_id))
 
     async def _forget(self, version_id: int) -> None:
@@ -384,6 +462,14 @@ class StreamEngine:
         except redis.RedisError:
             pass
         await self.redis.aclose()
+
+
+async def _create_group(client: aioredis.Redis, stream: str) -> None:
+    try:
+        await client.xgroup_create(stream, wire.RUNTIME_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 def route_fields(route: Route) -> dict:

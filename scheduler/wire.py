@@ -16,13 +16,22 @@ PREFIX = "luminal:"
 RUNTIMES = PREFIX + "runtimes"
 # usage events of executed requests, read by the ledger consumers of the gateways
 USAGE_STREAM = PREFIX + "usage"
-# the consumer groups: runtimes share a version's requests, gateways share the usage events
+# the consumer groups: runtimes share a version's requests (and their device type's pool
+# stream), gateways share the usage events
 RUNTIME_GROUP = "runtimes"
 LEDGER_GROUP = "ledger"
 
 
 def request_stream(version_id: int) -> str:
+    """A version's requests while it is placed on a live runtime (warm)."""
     return f"{PREFIX}requests:{version_id}"
+
+
+def pool_stream(device: str) -> str:
+    """Requests, of any version, for a device type with no live runtime (a pool at zero): every
+    runtime of that type reads it, and its consumer group's lag is the backlog an autoscaler
+    (KEDA's redis-streams trigger, the stack's --runtimes auto) starts runtimes on."""
+    return f"{PREFIX}pool:{device}"
 
 
 def reply_stream(gateway_id: str) -> str:
@@ -30,7 +39,10 @@ def reply_stream(gateway_id: str) -> str:
 
 
 def heartbeat_key(runtime_id: str) -> str:
-    """A runtime's announcement (a hash that expires unless renewed): alive while it exists."""
+    """A runtime's announcement (a hash that expires unless renewed): alive while it exists. Its
+    fields: device, memory_budget_bytes, loaded_bytes, loaded (JSON list of artifact keys),
+    streams, pid, held (requests taken and not yet answered), last_active (wall-clock time it last
+    took or answered a request; its start before the first), for placement and autoscalers."""
     return f"{PREFIX}runtime:{runtime_id}"
 
 
@@ -77,6 +89,9 @@ class RequestMessage:
     # the Route, as a dict (scheduler.engine.Route's fields)
     route: dict[str, Any]
     inputs: dict[str, np.ndarray] = field(repr=False)
+    # wall-clock time the gateway queued it: a request taken from a pool stream waited from then
+    # for a runtime to start (its cold start)
+    enqueued_at: float = 0.0
 
     def to_fields(self) -> dict[str, bytes | str]:
         return {"meta": json.dumps(_meta(self, "inputs")), "inputs": pack_tensors(self.inputs)}
@@ -102,6 +117,8 @@ class ReplyMessage:
     exec_seconds: float = 0.0
     batch_exec_seconds: float = 0.0
     queue_seconds: float = 0.0
+    # waiting for a runtime to start (a pool at zero) and loading the model: reported, never billed
+    cold_start_seconds: float = 0.0
     outputs: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def to_fields(self) -> dict[str, bytes | str]:

@@ -10,8 +10,9 @@ CRDs' OpenAPI schemas (vendored in tests/data, made strict the same way).
 Then what no schema knows, against the code: the containers run real `luminal-cloud` verbs with
 LUMINAL_* settings that exist and validate; each worker's KEDA triggers count exactly the Celery
 lists of the queues that worker takes, in the database and at the address of LUMINAL_REDIS_URL;
-each runtime pool scales on its own device type's metric, and keeps a replica while the gateway
-refuses a pool at zero; GPU pods ask for a GPU of the type their command names; probes, Services,
+each runtime pool scales from zero on the consumer-group lag of its own device type's pool stream
+(named by scheduler/wire.py, which the gateway queues on while the pool has no runtime) and stays
+up on its own device type's metric; GPU pods ask for a GPU of the type their command names; probes, Services,
 ServiceMonitors and deploy/prometheus.yml point at what the roles serve; grace periods cover the
 drains; every pod has a disruption budget.
 
@@ -43,7 +44,6 @@ import yaml
 from kombu.transport.redis import Channel
 
 from api.main import create_app
-from cloud.errors import Unavailable
 from cloud.metrics import EXECUTION_SECONDS
 from cloud.settings import Settings
 from compiler.targets import GPU_TYPES, KNOWN_TARGETS
@@ -515,6 +515,8 @@ def test_keda_scales_every_pool_and_owns_its_count(name: str) -> None:
             assert scaled["spec"]["minReplicaCount"] >= 1
         elif component(deployment) == "worker":
             assert scaled["spec"]["minReplicaCount"] == 0, "an idle compile pool is none"
+        else:
+            assert scaled["spec"]["minReplicaCount"] == 0, "an idle runtime pool is none"
         assert scaled["spec"]["maxReplicaCount"] >= max(1, scaled["spec"]["minReplicaCount"])
 
 
@@ -570,14 +572,21 @@ EXECUTION_QUERY = re.compile(
 )
 
 
+def runtime_triggers(deployment: dict, objects: list[dict]) -> dict[str, dict]:
+    """A runtime pool's KEDA triggers by type, one of each."""
+    triggers = scaled_object_of(deployment, objects)["spec"]["triggers"]
+    by_type = {t["type"]: t for t in triggers}
+    assert len(by_type) == len(triggers), f"{deployment['metadata']['name']}: one trigger of each type"
+    return by_type
+
+
 @pytest.mark.parametrize("name", APPS)
-def test_runtime_pools_scale_on_their_own_device_time(name: str) -> None:
+def test_runtime_pools_stay_up_and_grow_on_their_own_device_time(name: str) -> None:
     objects = app_objects(name)
     (metric,) = EXECUTION_SECONDS.describe()
     for deployment in [d for d in of_kind(objects, "Deployment") if component(d) == "runtime"]:
         device_type = parse_device(command_args(deployment).device)[0]
-        (trigger,) = scaled_object_of(deployment, objects)["spec"]["triggers"]
-        assert trigger["type"] == "prometheus"
+        trigger = runtime_triggers(deployment, objects)["prometheus"]
         query = EXECUTION_QUERY.match(trigger["metadata"]["query"])
         assert query, trigger["metadata"]["query"]
         assert query["metric"] == f"{metric.name}_total" and query["label"] in EXECUTION_SECONDS._labelnames
@@ -586,24 +595,37 @@ def test_runtime_pools_scale_on_their_own_device_time(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", APPS)
-def test_runtime_pools_keep_a_replica_while_the_gateway_refuses_an_empty_pool(name: str) -> None:
+def test_runtime_pools_scale_from_zero_on_the_lag_of_their_device_types_pool_stream(name: str) -> None:
+    objects = app_objects(name)
+    for deployment in [d for d in of_kind(objects, "Deployment") if component(d) == "runtime"]:
+        device_type = parse_device(command_args(deployment).device)[0]
+        trigger = runtime_triggers(deployment, objects)["redis-streams"]
+        metadata = trigger["metadata"]
+        # the stream and group the gateway queues on for a pool with no runtime, and runtimes read
+        assert metadata["stream"] == wire.pool_stream(device_type), deployment["metadata"]["name"]
+        assert metadata["consumerGroup"] == wire.RUNTIME_GROUP
+        # lagCount: KEDA scales on the group's lag (not its pending entries, nor the stream's
+        # length); a batch's worth of waiting requests per runtime, and the first one starts one
+        settings = pod_settings(deployment, objects)
+        assert set(metadata) >= {"lagCount", "databaseIndex"} and not {"pendingEntriesCount", "streamLength"} & set(metadata)
+        assert int(metadata["lagCount"]) == settings.max_batch_rows
+        assert int(metadata.get("activationLagCount", "0")) == 0
+        assert trigger["authenticationRef"]["name"] == "luminal-redis"
+
+
+@pytest.mark.parametrize("name", APPS)
+def test_runtime_pools_go_to_zero_only_because_the_gateway_queues_for_an_empty_pool(name: str) -> None:
     objects = rendered(name)
     for deployment in [d for d in of_kind(objects, "Deployment") if component(d) == "runtime"]:
         device_type = parse_device(command_args(deployment).device)[0]
         route = Route(1, 1, "tenant", "model", 1, device_type, "artifact", batchable=True)
-        try:
-            choose_runtime(route, [], set())
-        except Unavailable:
-            assert scaled_object_of(deployment, objects)["spec"]["minReplicaCount"] >= 1, (
-                "the gateway answers 503 when no runtime serves a device type, so a pool at zero never starts"
-            )
-        else:
-            pytest.fail(
-                "the scheduler no longer refuses a device type without runtimes: if a request now "
-                f"waits for the pool (streams such as {wire.request_stream(1)}, group "
-                f"{wire.RUNTIME_GROUP}), scale the runtimes on that wait with a redis-streams "
-                "trigger, from minReplicaCount 0"
-            )
+        # no runtime of the type: the gateway queues on the pool stream rather than refusing
+        # (were it Unavailable, a pool at zero would answer 503 and never start)
+        assert choose_runtime(route, [], set()) is None
+        assert scaled_object_of(deployment, objects)["spec"]["minReplicaCount"] == 0
+        # a request waits for the pool within its deadline; the lag is read several times meanwhile
+        scaled = scaled_object_of(deployment, objects)["spec"]
+        assert scaled["pollingInterval"] * 5 <= pod_settings(deployment, app_objects(name)).request_timeout_s
 
 
 def gpu_requests(deployment: dict) -> tuple[object, object]:
