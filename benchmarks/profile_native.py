@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("model", help=f"one of {sorted(models.BUILDERS)}, or the path of an .onnx file")
     parser.add_argument("--sizes", default="batch=1,seq=128", help="symbolic dims, e.g. batch=8,seq=128")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--searched-graph", action="store_true", help="lower the graph the compiler's e-graph search rewrote, as a compile does")
     parser.add_argument("--threads", type=int, default=0, help="threads for both runtimes (0: their defaults)")
@@ -73,7 +74,7 @@ def main() -> None:
     else:
         parser.error(f"{args.model!r} is neither a model of benchmarks/models.py nor an .onnx file")
     graph = load_graph(data)
-    inputs = models.sample_inputs(data, sizes)
+    inputs = models.sample_inputs(data, sizes, int_high=args.vocab)
     if args.searched_graph:
         graph, _ = search_graph(graph, True)
     program = fuse(lower(graph))  # as the compiler's candidates are

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from compiler.kernels.delinearize import delinearize
 from compiler.kernels.epilogue import fuse_epilogues
 from compiler.kernels.ir import (
     Atom,
@@ -46,9 +47,10 @@ class _Group:
 
 
 def fuse(program: Program) -> Program:
-    """Chains of elementwise loops as one loop, then a product's elementwise consumer (bias,
-    activation, residual) run on its blocks of C as they are written: what native programs get."""
-    return fuse_epilogues(fuse_elementwise(program))
+    """Chains of elementwise loops as one loop, flat loops that divide their index given back
+    their axes, then a product's elementwise consumer (bias, activation, residual) run on its
+    blocks of C as they are written: what native programs get."""
+    return fuse_epilogues(delinearize(fuse_elementwise(program)))
 
 
 def fuse_elementwise(program: Program) -> Program:
