@@ -26,6 +26,9 @@ SEARCH_BUDGET = SearchBudget(max_seconds=10.0)
 # program's forms) and the seed that orders each kernel's alternatives after its default
 SCHEDULE_SEARCH_SECONDS = 30.0
 SCHEDULE_SEARCH_SEED = 0
+# how many times the CPU's schedule search measures every round, in turn (each kernel keeps its
+# least time: a slow spell of the shared machine during one round must not decide its schedules)
+SCHEDULE_MEASURE_PASSES = 3
 # every symbol's size in the verification case (each symbol its own: this one, the next, ...)
 VERIFY_SYMBOL_SIZE = 3
 # candidates are timed with every symbol at the small size, then at the large one (a full batch)
@@ -64,6 +67,7 @@ __all__ = [
     "MEASURE_REQUEST_SEQUENCE",
     "MEASURE_SYMBOL_SIZE",
     "NUMPY_MARGIN",
+    "SCHEDULE_MEASURE_PASSES",
     "SCHEDULE_SEARCH_SECONDS",
     "SCHEDULE_SEARCH_SEED",
     "SEARCH",

@@ -126,6 +126,29 @@ def test_a_spent_budget_stops_after_the_default_round():
     assert found.report["rounds"][-1]["skipped"] == "the search's budget was spent"
 
 
+def test_passes_measure_every_round_again_and_each_kernel_keeps_its_least_time():
+    """A slow spell falls on tile128's round in the first pass only: with one pass cuBLAS wins,
+    with three tile128 does, measured at its least time."""
+    space = schedule_space([_product(0)], tensor_cores=None)
+    calls: list = []
+
+    def measure_round(choices):
+        calls.append(choices[0])
+        spell = 10.0 if choices[0] == TILE128 and calls.count(TILE128) == 1 else 1.0
+        return {0: {"b1": spell * {TILE64: 0.3, TILE128: 0.1, CUBLAS: 0.2}[choices[0]]}}
+
+    assert extract_by_measurement(space, measure_round, 60).choices[0] == CUBLAS
+    calls.clear()
+    found = extract_by_measurement(space, measure_round, 60, passes=3)
+    assert found.choices[0] == TILE128 and len(calls) == 9
+    assert found.report["kernels"]["0"]["measured"]["tile128"] == {"b1": 0.1}
+    assert [r["pass"] for r in found.report["rounds"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # a spent budget ends the passes (round 0 of the first still runs)
+    calls.clear()
+    extract_by_measurement(space, measure_round, 0, passes=3)
+    assert len(calls) == 1
+
+
 def test_the_order_of_alternatives_is_deterministic_under_a_seed():
     kernels = [KernelTerm(0, "elementwise", "e"), _product(1)]
     assert schedule_space(kernels, None, seed=3).alternatives == schedule_space(kernels, None, seed=3).alternatives
@@ -263,7 +286,9 @@ def test_the_search_budget_bounds_the_rounds_of_a_compile():
     assert [r["round"] for r in spent["rounds"]] == [0, 1] and spent["rounds"][1]["skipped"] == "the search's budget was spent"
     assert all(k["chosen"] == "openblas" for k in spent["kernels"].values())  # every product's first alternative
     full = compile_onnx(data, "cpu", ("native-searched",), search_seconds=60).report["search"]["schedule"]
-    assert [r["round"] for r in full["rounds"]] == [0, 1] and "kernel_ms" in full["rounds"][1]
+    # every round measured SCHEDULE_MEASURE_PASSES times, in turn
+    assert [(r["pass"], r["round"]) for r in full["rounds"]] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all("kernel_ms" in r for r in full["rounds"])
 
 
 def test_the_budget_is_a_setting():

@@ -41,7 +41,12 @@ from compiler.search.schedule import (
     extract_by_measurement,
     schedule_space,
 )
-from compiler.tuning import MAX_LARGE_RUN_S, SCHEDULE_SEARCH_SECONDS, SCHEDULE_SEARCH_SEED
+from compiler.tuning import (
+    MAX_LARGE_RUN_S,
+    SCHEDULE_MEASURE_PASSES,
+    SCHEDULE_SEARCH_SECONDS,
+    SCHEDULE_SEARCH_SEED,
+)
 from compiler.verify import VerificationFailed, max_error
 
 NAME = "native-searched"
@@ -144,7 +149,7 @@ def search_native(
     try:
         extraction = extract_by_measurement(
             space, measure_round, seconds, cache, device.fingerprint, [label for label, _ in timed_cases], version,
-            prebuild,
+            prebuild, SCHEDULE_MEASURE_PASSES,
         )
     except RoundFailed as exc:
         return None, {"space": space.report(), "error": str(exc)}
