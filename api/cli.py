@@ -215,16 +215,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _runtime(args: argparse.Namespace) -> None:
-    from api.services import run_runtime_process
+    # the runtime role's own wiring, not api.services (the gateway's): a runtime that requests at
+    # zero wait for starts without the database layer, the registry, Celery or the codecs
+    from api.runtime_role import run_runtime_process
     from cloud.errors import LuminalError
-    from cloud.storage import make_object_store
-    from worker.celery_app import wait_for_broker
 
     logging.basicConfig(level=args.loglevel.upper())
     settings = Settings()
     try:  # fail at start, with a message, when Redis or the object store is missing
-        wait_for_broker(settings)
-        make_object_store(settings)
         run_runtime_process(settings, args.device)
     except LuminalError as exc:
         sys.exit(f"luminal-cloud runtime: {exc.message}")

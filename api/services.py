@@ -4,32 +4,31 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import signal
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import start_http_server
-
 from api.codec import Codec
+from api.runtime_role import GPU_WEIGHTS_FRACTION, build_runtime, run_runtime_process
 from cloud.auth import Authenticator
 from cloud.db import Database, masked_url, open_database
 from cloud.errors import LuminalError
 from cloud.metering import Ledger
-from cloud.metrics import REGISTRY, PrometheusObserver
+from cloud.metrics import PrometheusObserver
 from cloud.settings import Settings
-from cloud.storage import ObjectStore, load_artifact, make_object_store
-from compiler import Artifact
-from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+from cloud.storage import ObjectStore, make_object_store
 from compiler.targets import GPU_TYPES
 from registry import Registry
 from registry.checks import CheckInChild
-from runtime import CpuDevice, CudaDevice, Runtime
-from runtime.cuda import parse_device
+from runtime import Runtime
 from scheduler.engine import Engine, InProcessEngine
 from worker.queue import CompileQueue, compile_check, make_compile_queue
 
 log = logging.getLogger(__name__)
+
+# the runtime role's wiring lives apart (a runtime process starts without the gateway's imports);
+# its names stay importable from here
+__all__ = ["GPU_WEIGHTS_FRACTION", "build_runtime", "run_runtime_process"]
 
 
 class DataDirInUse(RuntimeError):
@@ -155,65 +154,3 @@ def _embedded_runtimes(settings: Settings, store: ObjectStore) -> dict[str, Runt
             except LuminalError as exc:
                 log.warning("no %s runtime in this gateway: %s", target, exc)
     return runtimes
-
-
-# the share of a GPU's memory loaded programs' weights may take (the rest: arenas, CUDA graphs)
-GPU_WEIGHTS_FRACTION = 0.8
-
-
-def build_runtime(settings: Settings, store: ObjectStore, device: str = "cpu") -> Runtime:
-    """The runtime of a device ("cpu", or a GPU type and ordinal: "cuda:0", "h100:1"), in the
-    gateway (embedded) or a runtime process: artifacts from the object store, at most
-    max_loaded_models within its memory budget (runtime_memory_bytes on a CPU, a share of the
-    GPU's memory on a GPU), idle ones gone after idle_unload_s (the engine's janitor or the
-    runtime process's heartbeat calls unload_idle). A GPU that cannot be used is a LuminalError
-    naming why."""
-
-    def fetch(key: str) -> Artifact:
-        return load_artifact(store, key, Artifact.from_files)
-
-    target, ordinal = parse_device(device)
-    if target == "cpu":
-        device_object, budget = CpuDevice(), settings.runtime_memory_bytes
-    elif target in GPU_TYPES:
-        try:
-            driver = CudaDriver(ordinal)
-        except CudaUnavailable as exc:
-            raise LuminalError(f"device {device!r} cannot be used: {exc}") from None
-        device_object, budget = CudaDevice(target, driver), int(driver.memory_bytes * GPU_WEIGHTS_FRACTION)
-    else:
-        raise LuminalError(f"device {device!r} is not known; use cpu or a GPU type ({', '.join(GPU_TYPES)}) and ordinal")
-    return Runtime(
-        device_object,
-        fetch,
-        settings.max_loaded_models,
-        settings.idle_unload_s,
-        budget,
-        observer=PrometheusObserver(),
-    )
-
-
-def run_runtime_process(settings: Settings, device: str) -> None:
-    """`luminal-cloud runtime`: a runtime process built from settings, serving until SIGTERM or
-    SIGINT; its /metrics on runtime_metrics_port when one is set."""
-    # Redis's client only where the distributed mode runs (as StreamEngine in build_engine)
-    import redis
-
-    from runtime.process import RuntimeConfig, RuntimeProcess
-
-    runtime = build_runtime(settings, make_object_store(settings), device)
-    config = RuntimeConfig(
-        device=parse_device(device)[0],  # the device type requests are placed by
-        heartbeat_s=settings.runtime_heartbeat_s,
-        claim_idle_s=settings.runtime_claim_idle_s,
-        max_batch_rows=settings.max_batch_rows,
-        max_delay_s=settings.max_queue_delay_ms / 1000.0,
-        adaptive_batching=settings.adaptive_batching,
-        prices=dict(settings.price_per_second),
-    )
-    process = RuntimeProcess(redis.Redis.from_url(settings.redis_url), runtime, config, PrometheusObserver())
-    signal.signal(signal.SIGTERM, process.stop)
-    signal.signal(signal.SIGINT, process.stop)
-    if settings.runtime_metrics_port:
-        start_http_server(settings.runtime_metrics_port, registry=REGISTRY)
-    process.serve()

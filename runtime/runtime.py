@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -13,6 +14,8 @@ import numpy as np
 
 from compiler import Artifact, Signature
 from runtime.batching import concat_requests, split_outputs
+
+log = logging.getLogger(__name__)
 
 
 class DoesNotFit(Exception):
@@ -140,6 +143,7 @@ class Runtime:
             return program, 0.0
         started = time.perf_counter()
         artifact = self._fetch(key)
+        fetched = time.perf_counter()
         while True:
             try:
                 program = self.device.load(artifact)
@@ -149,6 +153,8 @@ class Runtime:
                 if not self._drop_unused(keep=key):
                     raise DoesNotFit(f"model {key!r} does not fit in this device's free memory: {exc}") from None
         load_seconds = time.perf_counter() - started
+        log.info("loaded %s: fetched in %.3f s, loaded onto %s in %.3f s", key, fetched - started,
+                 self.device.target, load_seconds - (fetched - started))
         self._loaded[key] = (program, time.monotonic())
         self._sizes[key] = program.resident_bytes
         while len(self._loaded) > 1 and (
