@@ -7,6 +7,9 @@
     observer.py         what the engines report for metrics (the Prometheus one is cloud/metrics.py)
     engine.py           the engine the API talks to, and the in-process one that drives the policy
     streams.py          the distributed engine: Redis Streams, placement on runtime processes,
+                        the pool streams requests wait in while their device type has no runtime,
                         the ledger consumer
+    autoscale.py        the pure autoscaling rule (KEDA's): runtimes per pool from its backlog,
+                        scale-in of idle ones to zero; api/stack.py applies it
     wire.py             what gateways and runtime processes (runtime/process.py) say to each other
 """

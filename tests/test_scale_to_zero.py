@@ -10,6 +10,7 @@ once for the module; each test has its own gateway, autoscaler and flushed Redis
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -33,9 +34,14 @@ from api.stack import RuntimeAutoscaler, Stack, StopRequested, pool_lag
 from cloud.auth import create_key
 from cloud.db import UsageRecord
 from cloud.metrics import REGISTRY
+from compiler import compile_onnx
 from luminal_cloud import Client
+from runtime import CpuDevice, Runtime
+from runtime.process import RuntimeConfig, RuntimeProcess
 from scheduler import wire
 from scheduler.autoscale import ScalePolicy
+from scheduler.engine import Route
+from scheduler.streams import route_fields
 from tests.conftest import POSTGRES_SERVER
 from tests.onnx_models import mlp
 from tests.processes import settings_env
@@ -291,3 +297,45 @@ def test_twenty_parallel_requests_to_a_pool_at_zero_all_succeed(deployed, redis_
         wait_until(lambda: all(usage_record(settings, i) is not None for i in ids), 10, "usage records missing")
     lines = (tmp_path / "runtime-1.log").read_text()
     assert re.search(r"cold start of mlp v1: [\d.]+ s waiting for a runtime", lines)
+
+
+def test_requests_a_runtime_took_from_the_pool_and_never_answered_are_claimed_and_answered_once(
+    redis_client,
+) -> None:
+    """In process, step by step: runtime A takes requests from the pool stream and dies before
+    answering; runtime B claims them once idle past claim_idle_s, answers each once, and leaves
+    the stream empty and its group's lag exact (trimmed, not deleted entry by entry)."""
+    artifact = compile_onnx(MODEL.SerializeToString(), "cpu", ("numpy",))
+
+    def runtime_process() -> RuntimeProcess:
+        runtime = Runtime(CpuDevice(), {"mlp": artifact}.__getitem__, memory_budget_bytes=1 << 30)
+        config = RuntimeConfig("cpu", 1.0, 0.3, max_batch_rows=4, max_delay_s=0.0, adaptive_batching=True,
+                               prices={"cpu": 1e-5})
+        return RuntimeProcess(redis_client, runtime, config)
+
+    route = Route(1, 1, "alice", "mlp", 1, "cpu", "mlp", batchable=True)
+    reply_to, pool = wire.reply_stream("test-gateway"), wire.pool_stream("cpu")
+    dying = runtime_process()
+    dying.refresh_streams()
+    for i in range(3):
+        message = wire.RequestMessage(f"r{i}", reply_to, time.time() + 30, 2, route_fields(route), {"x": X},
+                                      enqueued_at=time.time())
+        redis_client.xadd(pool, message.to_fields())
+    assert pool_lag(redis_client, "cpu") == 3
+    assert len(dying._read(0.1)) == 3  # taken, then the process dies
+    assert pool_lag(redis_client, "cpu") == 0 and redis_client.xpending(pool, wire.RUNTIME_GROUP)["pending"] == 3
+    time.sleep(0.4)
+    survivor = runtime_process()
+    survivor.refresh_streams()
+    deadline = time.monotonic() + 10
+    while len(done := [r for _, f in redis_client.xrange(reply_to) if (r := wire.ReplyMessage.from_fields(f)).kind != "started"]) < 3:
+        assert time.monotonic() < deadline, done
+        survivor.step()
+    assert sorted(a.request_id for a in done) == ["r0", "r1", "r2"]
+    for answer in done:
+        np.testing.assert_allclose(answer.outputs["y"], reference(X), rtol=1e-5, atol=1e-6)
+        assert answer.cold_start_seconds > 0  # queued before this runtime served: it waited for one
+    assert redis_client.xlen(pool) == 0 and redis_client.xpending(pool, wire.RUNTIME_GROUP)["pending"] == 0
+    assert pool_lag(redis_client, "cpu") == 0
+    usages = [json.loads(f[b"usage"])["request_id"] for _, f in redis_client.xrange(wire.USAGE_STREAM)]
+    assert sorted(usages) == ["r0", "r1", "r2"]
