@@ -15,7 +15,7 @@ from api.routes import admin, health, infer, kserve_v2, models, usage, versions
 from api.services import build_engine, build_services
 from api.uploads import UploadSlots
 from cloud import metrics
-from cloud.errors import BodyReadTimeout, ClientDisconnected, Forbidden, PayloadTooLarge, Unauthorized
+from cloud.errors import BodyReadTimeout, ClientDisconnected, LuminalError, PayloadTooLarge
 from cloud.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class GuardedBody:
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             try:
                 tenant = services.auth.cached(authorization) or await run_in_threadpool(services.auth, authorization)
-            except (Unauthorized, Forbidden) as exc:
+            except LuminalError as exc:
+                # a wrong key, or the database holding the keys unreachable (503): answered here,
+                # outside the app's error handlers
                 challenge = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
                 await error_response(path, exc.status, exc.code, exc.message, challenge)(scope, receive, send)
                 return

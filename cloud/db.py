@@ -20,7 +20,8 @@ from sqlalchemy import (
     event,
     make_url,
 )
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import ArgumentError, InterfaceError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from cloud.errors import Unreachable
@@ -188,16 +189,26 @@ class Database:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        """A unit of work: commits on success, rolls back on any error."""
+        """A unit of work: commits on success, rolls back on any error. A database that cannot be
+        reached (down, restarting, a connection cut) is Unreachable, naming it: a 503 the client
+        may retry, never an unexpected 500."""
         session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+        with unreachable_as_ours(self.engine.url):
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                session.close()
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A connection in a transaction, for bulk statements (the ledger's inserts); Unreachable
+        as session() says."""
+        with unreachable_as_ours(self.engine.url), self.engine.begin() as connection:
+            yield connection
 
     @contextmanager
     def serialized(self) -> Iterator[Session]:
@@ -230,6 +241,17 @@ def _add_missing_columns(engine: Any) -> None:
                     raise RuntimeError(f"the embedded database's {table.name} lacks {column.name}, which has no default to fill")
                 ddl = CreateColumn(column).compile(dialect=engine.dialect)
                 connection.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {ddl}")
+
+
+@contextmanager
+def unreachable_as_ours(url: Any) -> Iterator[None]:
+    """The driver's errors for a database that cannot be used now (connection refused or cut,
+    the server shutting down or still recovering) as Unreachable, naming the database."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        raise Unreachable(f"the database at {masked_url(str(url))} is unavailable: {reason}") from exc
 
 
 def masked_url(url: str) -> str:

@@ -36,7 +36,7 @@ class Ledger:
             return
         stamp = utcnow() if at is None else at.astimezone(UTC)
         rows = [{**u.__dict__, "cost": u.cost, "created_at": stamp} for u in usages]
-        with self.db.engine.begin() as connection:
+        with self.db.begin() as connection:
             connection.execute(self._insert, rows)
 
     def summary(self, tenant_id: int) -> list[dict]:
