@@ -4,25 +4,29 @@ and the runtime process of `luminal-cloud runtime`.
 Apart from api/services.py, which wires the gateway, so that a runtime process starts without
 importing what only a gateway uses (the database layer, the registry, the compile queue and
 Celery, the request codecs): a runtime that a request at zero waits for starts that much sooner.
+For the same reason the compiler and the runtime are imported inside the functions, after a
+starting process has begun reading the artifacts of the requests already waiting for it
+(PrefetchingStore): the download and the imports overlap.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
+import threading
 import time
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import start_http_server
+import redis
 
 from cloud.errors import LuminalError, Unavailable
-from cloud.metrics import REGISTRY, PrometheusObserver
 from cloud.settings import Settings
 from cloud.storage import ObjectStore, load_artifact, make_object_store
-from compiler import Artifact
-from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
-from compiler.targets import GPU_TYPES
-from runtime import CpuDevice, CudaDevice, Runtime
-from runtime.cuda import parse_device
+from scheduler import wire
+
+if TYPE_CHECKING:
+    from runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,11 @@ def build_runtime(settings: Settings, store: ObjectStore, device: str = "cpu") -
     GPU's memory on a GPU), idle ones gone after idle_unload_s (the engine's janitor or the
     runtime process's heartbeat calls unload_idle). A GPU that cannot be used is a LuminalError
     naming why."""
+    from cloud.metrics import PrometheusObserver
+    from compiler import Artifact
+    from compiler.targets import GPU_TYPES
+    from runtime import CpuDevice, Runtime
+    from runtime.cuda import parse_device
 
     def fetch(key: str) -> Artifact:
         return load_artifact(store, key, Artifact.from_files)
@@ -47,6 +56,10 @@ def build_runtime(settings: Settings, store: ObjectStore, device: str = "cpu") -
     if target == "cpu":
         device_object, budget = CpuDevice(), settings.runtime_memory_bytes
     elif target in GPU_TYPES:
+        # the GPU's modules only where a GPU is used: they import the compiler's CUDA renderer
+        from compiler.backends.cuda_driver import CudaDriver, CudaUnavailable
+        from runtime import CudaDevice
+
         try:
             driver = CudaDriver(ordinal)
         except CudaUnavailable as exc:
@@ -68,16 +81,19 @@ def run_runtime_process(settings: Settings, device: str) -> None:
     """`luminal-cloud runtime`: a runtime process built from settings, serving until SIGTERM or
     SIGINT; its /metrics on runtime_metrics_port when one is set. Unavailable, naming it, when
     Redis or the object store cannot be reached at start."""
-    # Redis's client only where the distributed mode runs (as StreamEngine in build_engine)
-    import redis
-
-    from runtime.process import RuntimeConfig, RuntimeProcess
-
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
     _wait_for_redis(client, settings.redis_url)
-    runtime = build_runtime(settings, make_object_store(settings), device)
+    device_type = device.partition(":")[0]
+    store = PrefetchingStore(make_object_store(settings), waiting_artifacts(client, device_type))
+    # the heavy imports, while the artifacts of the requests waiting for this runtime download
+    from prometheus_client import start_http_server
+
+    from cloud.metrics import REGISTRY, PrometheusObserver
+    from runtime.process import RuntimeConfig, RuntimeProcess
+
+    runtime = build_runtime(settings, store, device)
     config = RuntimeConfig(
-        device=parse_device(device)[0],  # the device type requests are placed by
+        device=device_type,  # the device type requests are placed by
         heartbeat_s=settings.runtime_heartbeat_s,
         claim_idle_s=settings.runtime_claim_idle_s,
         max_batch_rows=settings.max_batch_rows,
@@ -93,9 +109,68 @@ def run_runtime_process(settings: Settings, device: str) -> None:
     process.serve()
 
 
-def _wait_for_redis(client, url: str) -> None:
-    import redis
+def waiting_artifacts(client: redis.Redis, device_type: str, most: int = 2) -> list[str]:
+    """The artifact keys of the oldest requests waiting in the device type's pool stream (a pool
+    at zero starting its first runtime), the first `most` distinct ones."""
+    keys: list[str] = []
+    try:
+        entries = client.xrange(wire.pool_stream(device_type), count=64)
+    except redis.RedisError:
+        return keys
+    for _, fields in entries:
+        try:
+            key = json.loads(fields[b"meta"])["route"]["artifact_key"]
+        except (KeyError, ValueError, TypeError):
+            continue
+        if key not in keys:
+            keys.append(key)
+        if len(keys) == most:
+            break
+    return keys
 
+
+class PrefetchingStore:
+    """A starting runtime process's object store: the files of the given artifacts are read in a
+    thread meanwhile (their manifest, then the files it lists), and handed out once each; every
+    other read, and any the thread failed, goes to the store itself."""
+
+    def __init__(self, store: ObjectStore, artifact_keys: list[str]) -> None:
+        self.store = store
+        self._keys = artifact_keys
+        self._files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._prefetch, name="prefetch", daemon=True)
+        if artifact_keys:
+            self._thread.start()
+
+    def _prefetch(self) -> None:
+        for key in self._keys:
+            try:
+                manifest = self.store.get(f"{key}/manifest.json")
+                self._keep(f"{key}/manifest.json", manifest)
+                for name in json.loads(manifest).get("files", []):
+                    if name != "manifest.json":
+                        self._keep(f"{key}/{name}", self.store.get(f"{key}/{name}"))
+            except Exception as exc:  # noqa: BLE001  a cache: the runtime reads it itself, with its errors
+                log.info("prefetching %s stopped (%s); it is read on first use", key, exc)
+                return
+
+    def _keep(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._files[key] = data
+
+    def get(self, key: str) -> bytes:
+        if any(key.startswith(f"{prefetched}/") for prefetched in self._keys):
+            self._thread.join()  # rather than reading it twice
+        with self._lock:
+            data = self._files.pop(key, None)
+        return self.store.get(key) if data is None else data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def _wait_for_redis(client: redis.Redis, url: str) -> None:
     deadline = time.monotonic() + REDIS_WAIT_S
     while True:
         try:

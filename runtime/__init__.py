@@ -10,7 +10,16 @@
 """
 
 from runtime.cpu import CpuDevice
-from runtime.cuda import CudaDevice
 from runtime.runtime import BatchResult, Runtime
 
 __all__ = ["BatchResult", "CpuDevice", "CudaDevice", "Runtime"]
+
+
+def __getattr__(name: str) -> object:
+    # the GPU device on first use: its CUDA programs import the compiler's CUDA renderer and,
+    # through it, the search and egglog, which a CPU runtime process has no use for at its start
+    if name == "CudaDevice":
+        from runtime.cuda import CudaDevice
+
+        return CudaDevice
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

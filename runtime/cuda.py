@@ -4,13 +4,16 @@ cuda:0`, or `h100:1`: a GPU type of compiler/targets.py and the GPU's ordinal)."
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler import Artifact
-from compiler.backends.cuda import CudaProgram, Driver
 from compiler.targets import GPU_TYPES
 from runtime.runtime import LoadedProgram
+
+if TYPE_CHECKING:
+    from compiler import Artifact
+    from compiler.backends.cuda import Driver
 
 
 class CudaDevice:
@@ -23,6 +26,10 @@ class CudaDevice:
     def load(self, artifact: Artifact) -> LoadedProgram:
         if artifact.target != self.target:
             raise ValueError(f"artifact for {artifact.target!r} cannot load on {self.target!r}")
+        # imported here: the CUDA backend brings the compiler's renderer, which a CPU runtime
+        # process (importing this module for parse_device) has no use for
+        from compiler.backends.cuda import CudaProgram
+
         program = CudaProgram(artifact.kernels[0], artifact.all_weights(), artifact.binaries, self.driver)
         return LoadedProgram(artifact.signature, program, program.resident_bytes())
 
