@@ -339,3 +339,19 @@ def test_requests_a_runtime_took_from_the_pool_and_never_answered_are_claimed_an
     assert pool_lag(redis_client, "cpu") == 0
     usages = [json.loads(f[b"usage"])["request_id"] for _, f in redis_client.xrange(wire.USAGE_STREAM)]
     assert sorted(usages) == ["r0", "r1", "r2"]
+
+
+def test_the_stack_takes_runtimes_auto_with_its_bounds_and_refuses_bounds_that_cannot_hold(capsys) -> None:
+    from luminal_cloud.cli import build_parser
+
+    parser = build_parser()
+    auto = parser.parse_args(["stack", "--runtimes", "auto", "--runtime-min", "0", "--runtime-max", "2",
+                              "--runtime-idle", "30"])
+    assert (auto.runtimes, auto.runtime_min, auto.runtime_max, auto.runtime_idle) == (None, 0, 2, 30.0)
+    assert parser.parse_args(["stack", "--runtimes", "3"]).runtimes == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["stack", "--runtimes", "some"])
+    assert "a number of runtimes or auto" in capsys.readouterr().err
+    backwards = parser.parse_args(["stack", "--runtimes", "auto", "--runtime-min", "3", "--runtime-max", "1"])
+    with pytest.raises(SystemExit, match="--runtimes auto: need 0 <= min <= max runtimes"):
+        backwards.run(backwards)
