@@ -17,6 +17,7 @@ from compiler.kernels.ir import (
     Atom,
     Const,
     Expr,
+    GemmCall,
     Guarded,
     IndexValue,
     Ix,
@@ -27,7 +28,7 @@ from compiler.kernels.ir import (
     ix_floordiv,
     ix_mod,
 )
-from compiler.kernels.ir_walk import walk
+from compiler.kernels.ir_walk import lets_reads, walk
 from compiler.shape import Dim, ShapeError, dim_div, dim_mul, evaluate
 
 FLAT = "o0"
@@ -36,8 +37,13 @@ _PROBES = (7, 13)
 
 
 def delinearize(program: Program) -> Program:
-    """The program with each flat elementwise loop that divides its index run over its axes."""
-    kernels = [_delinearized(k) if isinstance(k, LoopKernel) else k for k in program.kernels]
+    """The program with each flat elementwise loop that divides its index run over its axes,
+    except a loop over a product's output: that is the form the attention rules match (a causal
+    mask applied to the scores; compiler.search.kernel_rules)."""
+    products = {k.c for k in program.kernels if isinstance(k, GemmCall)}
+    kernels = [
+        _delinearized(k) if isinstance(k, LoopKernel) and not (lets_reads(k) & products) else k for k in program.kernels
+    ]
     if all(new is old for new, old in zip(kernels, program.kernels, strict=True)):
         return program
     return replace(program, kernels=kernels)

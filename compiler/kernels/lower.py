@@ -369,9 +369,13 @@ class _Lowering:
         for operand, letters, squeezed in zip(found.operands, (a_letters, b_letters), found.squeezes):
             kept = [d for axis, d in enumerate(self.nodes[operand].shape) if axis not in squeezed]
             sizes.update(zip(letters, kept))
-        # axes of extent 1 index nothing: left out of the call's batch, rows, columns and sum (an
-        # output pixel of a 1x1 image would otherwise make every channel a batch index of its own)
+        # axes of extent 1 index nothing: where keeping them would split the product into dot
+        # products (an output pixel of a 1x1 image makes every channel a batch index of its own)
+        # they are left out of the call's batch, rows, columns and sum; elsewhere they stay (the
+        # attention rules read a product's batch axis by axis)
         ones = {c for c, d in sizes.items() if isinstance(d, int) and d == 1}
+        if ones and not _splits_into_dot_products(out_axes, a_letters, b_letters, sizes):
+            ones = set()
         out_letters = "".join(c for c in out_axes if c not in ones)
         only_a = set(a_letters) - set(b_letters) - set(out_letters) - ones
         only_b = set(b_letters) - set(a_letters) - set(out_letters) - ones
@@ -568,6 +572,18 @@ class _Lowering:
             node = self.nodes[j]
             memo[j] = eval_node(node, [memo[s] for s in node.srcs], self.graph, {})
         return np.asarray(memo[i])
+
+
+def _splits_into_dot_products(out_letters: str, a_letters: str, b_letters: str, sizes: dict[str, Dim]) -> bool:
+    """Whether the product, its letters split as lower_contraction splits them, writing its output
+    in place, has one row and one column per batch index though its output has more."""
+    batch = [c for c in out_letters if c in a_letters and c in b_letters]
+    m_letters = [c for c in out_letters if c in a_letters and c not in b_letters]
+    n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
+    in_place = _in_place_split(out_letters, batch, m_letters, n_letters)
+    if in_place is not None:
+        batch, m_letters, n_letters, _ = in_place
+    return numel(sizes[c] for c in m_letters + n_letters) == 1 and numel(sizes[c] for c in batch) != 1
 
 
 def _axis_letters(letters: str, squeezed: Sequence[int], ones: set[str], rank: int) -> list[str | None]:
