@@ -310,3 +310,26 @@ def test_every_round_is_handed_to_prebuild_before_the_first_is_measured():
     found = extract_by_measurement(space, measure_round, 60, prebuild=planned.extend)
     assert len(planned) == 3 and planned[0] == space.default()
     assert [c for c, _ in found.rounds] == planned  # the rounds measured are the ones built
+
+
+def test_rounds_are_measured_as_their_builds_land_and_a_build_past_the_budget_costs_its_round():
+    import time
+
+    space = schedule_space([_product(0)], None)
+    waited: list = []
+    measured: list = []
+
+    def prebuild(planned):
+        def wait(r):
+            waited.append(r)
+            if r == 1:
+                time.sleep(0.3)  # a build that lands after the budget
+        return [lambda r=r: wait(r) for r in range(len(planned))]
+
+    def measure_round(choices):
+        measured.append(choices[0])
+        return {0: {"b1": 0.1}}
+
+    found = extract_by_measurement(space, measure_round, 0.2, prebuild=prebuild)
+    assert waited == [0, 1] and len(measured) == 1  # round 0 measured; round 1's build outlasted the budget
+    assert found.report["rounds"][-1] == {"round": 1, "skipped": "the search's budget was spent while it was built"}

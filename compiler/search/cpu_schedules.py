@@ -13,6 +13,7 @@ the timing), verified, and become the "native-searched" candidate that the whole
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -139,12 +140,20 @@ def search_native(
             rounds.append(name)
         return by_kernel
 
-    def prebuild(planned: list[dict[int, KernelSchedule]]) -> None:
-        # every round's C compiled at once, a build per core (each lands in native_cpu's cache)
-        sources = [_rendered(program, choices, profile=True)[1] for choices in planned]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
-            for _ in pool.map(_build_quietly, sources):
-                pass
+    builds = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="schedule-build")
+
+    def prebuild(planned: list[dict[int, KernelSchedule]]) -> list:
+        # every round's C compiled in round order, a build per core (each lands in native_cpu's
+        # cache); measuring waits for all of them, or for the budget (no compiler may share the
+        # cores with a round being timed), then for the round's own
+        deadline = time.perf_counter() + seconds
+        futures = [builds.submit(_build_quietly, _rendered(program, choices, profile=True)[1]) for choices in planned]
+
+        def wait_for(future) -> None:
+            concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.perf_counter()))
+            future.result()
+
+        return [lambda future=future: wait_for(future) for future in futures]
 
     try:
         extraction = extract_by_measurement(
@@ -153,6 +162,8 @@ def search_native(
         )
     except RoundFailed as exc:
         return None, {"space": space.report(), "error": str(exc)}
+    finally:
+        builds.shutdown(wait=False, cancel_futures=True)  # (rounds the budget left unmeasured)
     choices = extraction.choices
     try:
         loaded, built = _built(program, graph, choices, NAME, device, tracker, profile=False)

@@ -301,7 +301,7 @@ def extract_by_measurement(
     device: str = "",
     sizes: Sequence[str] = (),
     version: str = "",
-    prebuild: Callable[[list[dict[int, KernelSchedule]]], None] | None = None,
+    prebuild: Callable[[list[dict[int, KernelSchedule]]], Sequence[Callable[[], None]] | None] | None = None,
     passes: int = 1,
 ) -> Extraction:
     """Each kernel's fastest alternative (see the module's docstring). Round 0 (every kernel's
@@ -309,7 +309,9 @@ def extract_by_measurement(
     fails marks the alternatives it tried as failed; a kernel's winner is the alternative with the
     least normalized time among those measured; a kernel that was never timed keeps its default.
     `prebuild`, when given, is handed every round's choices before the first is measured (so the
-    caller can build them all at once, in parallel). With `passes` > 1 the rounds are measured
+    caller can build them all at once, in parallel); it may return, per round, a wait for its
+    build, called before the round is first measured and counted in the budget (so rounds are
+    measured as their builds land, and builds slower than the budget cost rounds, not the search). With `passes` > 1 the rounds are measured
     again in turn, while the budget lasts, and each kernel keeps its least time at each size (on a
     shared machine noise only ever adds time)."""
     began = time.perf_counter()
@@ -338,8 +340,7 @@ def extract_by_measurement(
          {n: a[r] for n, a in searched.items() if r < len(a)})
         for r in range(depth)
     ]
-    if prebuild is not None:
-        prebuild([choices for choices, _ in planned])
+    waits = prebuild([choices for choices, _ in planned]) if prebuild is not None else None
     failed_rounds: set[int] = set()
     totals: dict[int, float] = {}
     spent = False
@@ -353,6 +354,12 @@ def extract_by_measurement(
                 spent = True
                 break
             round_began = time.perf_counter()
+            if waits is not None and p == 0:
+                waits[r]()
+                if r > 0 and time.perf_counter() - began >= budget_seconds:
+                    rounds_report.append({"round": r, "skipped": "the search's budget was spent while it was built"})
+                    spent = True
+                    break
             try:
                 timings = measure_round(choices)
             except RoundFailed as exc:
