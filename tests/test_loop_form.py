@@ -147,22 +147,9 @@ def test_a_cpu_compile_keeps_the_loop_form_where_it_measured_faster(monkeypatch)
     """With a fake timer that makes the loop form fastest, the searched program runs the depthwise
     product as its loop and leaves the window matrix out; the compile verified its outputs."""
     from compiler import compile_onnx
-    from compiler.devices import CpuDevice
-    from compiler.search import cpu_schedules
+    from tests.test_schedule_search import fake_kernel_timer
 
-    chosen_by_name: dict[str, dict] = {}
-    built = cpu_schedules._built
-
-    def recording(program, graph, choices, name, device, tracker, profile):
-        chosen_by_name[name] = dict(choices)
-        return built(program, graph, choices, name, device, tracker, profile)
-
-    def fake_profile(self, program, inputs, kernels):
-        choices = chosen_by_name[program]
-        return [(0.001 if choices[n] == LOOPS else 0.003) if n in choices else 0.0005 for n in range(kernels)]
-
-    monkeypatch.setattr(cpu_schedules, "_built", recording)
-    monkeypatch.setattr(CpuDevice, "profile", fake_profile)
+    fake_kernel_timer(monkeypatch, lambda choices, n: (0.001 if choices[n] == LOOPS else 0.003) if n in choices else 0.0005)
     data = _depthwise()
     artifact = compile_onnx(data, "cpu", ("native-searched",))
     schedule = artifact.report["search"]["schedule"]

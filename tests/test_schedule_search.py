@@ -242,10 +242,9 @@ def test_the_cpu_rules_offer_generated_products_and_a_convolution_its_windows_in
     assert len({k.signature for k in kernel_terms(_lowered("torch_mlp"))}) == 3
 
 
-def test_a_cpu_compile_gives_each_product_the_schedule_that_measured_fastest_for_it(monkeypatch):
-    """With a fake timer (OpenBLAS fastest for the first product, generated tiles for the
-    others), the searched program calls OpenBLAS in kernel 0 only; its outputs are verified."""
-    from compiler import compile_onnx
+def fake_kernel_timer(monkeypatch, seconds) -> None:
+    """The CPU search's kernel timings faked: `seconds(choices, n)` is kernel n's time in a round
+    whose products run as `choices` (the search's own rounds, built and verified for real)."""
     from compiler.devices import CpuDevice
     from compiler.search import cpu_schedules
 
@@ -257,15 +256,23 @@ def test_a_cpu_compile_gives_each_product_the_schedule_that_measured_fastest_for
         return built(program, graph, choices, name, device, tracker, profile)
 
     def fake_profile(self, program, inputs, kernels):
-        choices = chosen_by_name[program]
-        first = min(choices)
-        return [
-            (0.001 if (choices[n].kind == "library") == (n == first) else 0.003) if n in choices else 0.0005
-            for n in range(kernels)
-        ]
+        return [seconds(chosen_by_name[program], n) for n in range(kernels)]
 
     monkeypatch.setattr(cpu_schedules, "_built", recording)
     monkeypatch.setattr(CpuDevice, "profile", fake_profile)
+
+
+def test_a_cpu_compile_gives_each_product_the_schedule_that_measured_fastest_for_it(monkeypatch):
+    """With a fake timer (OpenBLAS fastest for the first product, generated tiles for the
+    others), the searched program calls OpenBLAS in kernel 0 only; its outputs are verified."""
+    from compiler import compile_onnx
+
+    def seconds(choices, n):
+        if n not in choices:
+            return 0.0005
+        return 0.001 if (choices[n].kind == "library") == (n == min(choices)) else 0.003
+
+    fake_kernel_timer(monkeypatch, seconds)
     artifact = compile_onnx((FIXTURES / "torch_mlp.onnx").read_bytes(), "cpu", ("native-searched",))
     report = artifact.report
     assert report["chosen"] == "native-searched"
