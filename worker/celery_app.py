@@ -55,6 +55,10 @@ UNMEASURED_TARGETS_CONF = "luminal_unmeasured_targets"
 # the broker's visibility timeout hands its message to another worker
 LEASE_S = 10.0
 HEARTBEAT_S = 2.0
+# the longest an upload's answer waits for its compile to reach the broker: a send takes
+# milliseconds, a failed one (the broker just went down) seconds; once a send failed, a second
+SUBMIT_WAIT_S = 8.0
+SUBMIT_WAIT_DOWN_S = 1.0
 # message priorities on the Redis broker, where 0 is taken first: small graphs, then the rest
 SMALL_PRIORITY = 0
 LARGE_PRIORITY = 6
@@ -278,8 +282,12 @@ def run_worker(settings: Settings, check: TargetCheck, concurrency: int, logleve
 
 
 class CeleryCompileQueue:
-    """The gateway's end: `submit` never blocks a request on the broker. An outbox thread sends,
-    and keeps what it could not send (Redis down) until the broker is back."""
+    """The gateway's end. An outbox thread sends, and keeps what it could not send (Redis down)
+    until the broker is back. `submit` waits for the send, a few milliseconds: an upload is
+    answered once the broker holds its compile, so a gateway killed after answering loses no
+    compile. While the broker is down (a send failed, which takes redis-py's retries, about 6 s)
+    it waits a second at most and the outbox keeps the job: a gateway killed then leaves it
+    queued until a gateway starts and resumes it."""
 
     def __init__(self, registry: Registry, settings: Settings) -> None:
         self.registry = registry
@@ -289,17 +297,28 @@ class CeleryCompileQueue:
         self._outbox: dict[int, tuple[str, int]] = {}
         self._wake = threading.Condition()
         self._closed = False
+        # sends tried so far, and whether the last failed: a submit waits for one try, not a broker
+        self._attempts = 0
+        self._broker_down = False
         self._sender = threading.Thread(target=self._send_loop, name="compile-outbox", daemon=True)
         self._sender.start()
 
     def submit(self, version_id: int, tenant_id: int) -> None:
+        """Hands the compile to the broker, or to the outbox while the broker is down; blocks (a
+        database read, then the send): call it off the event loop."""
         version = self.registry.get_version(version_id)
         if version is None:
             return
         small = version.graph_bytes < self.small_graph_bytes
         with self._wake:
             self._outbox[version_id] = (version.target, SMALL_PRIORITY if small else LARGE_PRIORITY)
-            self._wake.notify()
+            self._wake.notify_all()  # a sender waiting out its backoff tries again now
+            tried = self._attempts
+            self._wake.wait_for(
+                lambda: version_id not in self._outbox or self._closed or (self._broker_down and self._attempts > tried),
+                # known down: a failed try takes seconds, and the outbox keeps the job meanwhile
+                timeout=SUBMIT_WAIT_DOWN_S if self._broker_down else SUBMIT_WAIT_S,
+            )
 
     def cancel(self, version_ids: list[int]) -> None:
         """A deleted version's message ends at once when it is taken; a running compile is
@@ -336,13 +355,17 @@ class CeleryCompileQueue:
             except (KombuError, redis.exceptions.RedisError, OSError):  # the broker is down: keep the job
                 log.warning("could not send the compile of version %s; retrying in %.1f s", version_id, delay)
                 with self._wake:
+                    self._attempts, self._broker_down = self._attempts + 1, True
+                    self._wake.notify_all()
                     self._wake.wait(delay)
                 delay = min(delay * 2, 10.0)
                 continue
             delay = 0.5
             with self._wake:
+                self._attempts, self._broker_down = self._attempts + 1, False
                 if self._outbox.get(version_id) == (target, priority):
                     del self._outbox[version_id]
+                self._wake.notify_all()
 
     def pending(self) -> int:
         with self._wake:

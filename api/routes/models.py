@@ -46,7 +46,9 @@ async def upload_model(
         services.settings.max_upload_bytes,
         precision=precision,
     )
-    services.compiler.submit(version.id, tenant.id)
+    # answered once the compile is queued (on Celery: the broker holds it), so a gateway that
+    # dies after answering loses no compile
+    await run_in_threadpool(services.compiler.submit, version.id, tenant.id)
     return VersionCreated(
         name=name, version=version.number, status=version.status, target=target, precision=version.precision
     )
