@@ -1,6 +1,7 @@
 """The Luminal compiler: ONNX (or any frontend) -> primitive IR -> program for a device.
 
-    pipeline.py    the stages, in order: compile_graph, compile_onnx, executable
+    pipeline.py    the stages, in order: compile_graph, compile_onnx (imported on first use)
+    executable.py  an artifact made runnable on this machine (what a runtime imports)
     frontends/     parse: ONNX to the primitive-op IR   ir.py, shape.py    the IR, symbolic shapes
     composite.py   ops spelled in the IR                 reference.py      the NumPy oracle
     verify.py      reference case, checking a program    memory.py         memory need and budget
@@ -18,9 +19,36 @@
 It imports nothing from the server packages.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from compiler.artifact import Artifact, Signature, TensorSpec
 from compiler.errors import CompilerError, CorruptArtifact, InvalidModel, UnsupportedModel
-from compiler.pipeline import CODEGENS, compile_graph, compile_onnx, executable
+
+if TYPE_CHECKING:
+    from compiler.codegen import CODEGENS
+    from compiler.executable import executable
+    from compiler.pipeline import compile_graph, compile_onnx
+
+# imported on first use: a runtime that only runs artifacts never loads the pipeline (the search,
+# egglog, the renderers), which is most of a cold start's process start
+_LAZY = {
+    "CODEGENS": "compiler.codegen",
+    "executable": "compiler.executable",
+    "compile_graph": "compiler.pipeline",
+    "compile_onnx": "compiler.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'compiler' has no attribute {name!r}")
+
 
 __all__ = [
     "CODEGENS",

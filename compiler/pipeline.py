@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from compiler.artifact import Artifact, Signature
-from compiler.backends import native_cpu
 from compiler.candidates import build_native, cuda_program, numpy_candidate, verify_native
 from compiler.codegen import CODEGENS, numpy_cpu
 from compiler.devices import CpuDevice, cuda_device
 from compiler.errors import UnsupportedModel
+from compiler.executable import executable
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph
 from compiler.kernels.attention import attention_count
@@ -323,13 +323,6 @@ def _precision_report(program: Program, precision: str, tolerance: float) -> dic
         "kept_float32": sum(b.dtype == "float32" for b in floats),
     }
 
-
-def executable(artifact: Artifact):
-    if is_gpu(artifact.target):
-        raise UnsupportedModel([f"running a {artifact.target} program here: it runs on a {artifact.target} GPU runtime"])
-    if artifact.kernels and artifact.kernels[0].get("kind") == "native":
-        return native_cpu.load(artifact.kernels[0], artifact.all_weights(), artifact.binaries.get("program.so"))
-    return CODEGENS[artifact.target].Executable(artifact.graph, artifact.kernels)
 
 
 

@@ -67,8 +67,9 @@ class CheckInChild:
         self.memory_bytes = memory_bytes
         self.timeout_s = timeout_s
         self._context = multiprocessing.get_context("forkserver")
-        # children start with the parser imported; the compile sandbox asks for a superset
-        self._context.set_forkserver_preload(["compiler"])
+        # children start with the parser imported (the pipeline: `compiler` alone imports lazily);
+        # the compile sandbox asks for a superset
+        self._context.set_forkserver_preload(["compiler.pipeline"])
 
     def __call__(self, path: Path) -> None:
         receiver, sender = self._context.Pipe(duplex=False)

@@ -166,7 +166,7 @@ class Sandbox:
         # whether the compile runs the search (None: the compiler's default)
         self.search = search
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["compiler", "worker.sandbox"])
+        self._context.set_forkserver_preload(["compiler.pipeline", "worker.sandbox"])
 
     def compile(
         self,
