@@ -26,8 +26,9 @@ FORBIDDEN = {
 }
 # the slowest an import of the settings or the health check may take, the best of RUNS: on the
 # shared 2-core test machine cloud.settings takes 0.31 s (pydantic-settings is most of it), the
-# health check the same; both took 1.2 s while the settings imported the compiler
-IMPORT_BOUND_S = 0.75
+# health check the same; both took 1.2 s while the settings imported the compiler (0.77 s was seen
+# once with the machine under load: the bound keeps room for that)
+IMPORT_BOUND_S = 1.0
 RUNS = 3
 
 PROBE = """
