@@ -11,9 +11,8 @@ and Client.deploy_torch needs torch (the extra `luminal-cloud-sdk[torch]`), each
 first use.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from luminal_cloud.client import AsyncClient, Client
 from luminal_cloud.errors import (
     APIError,
     Conflict,
@@ -33,6 +32,10 @@ from luminal_cloud.errors import (
     Unauthorized,
     Unavailable,
 )
+
+if TYPE_CHECKING:
+    from luminal_cloud.client import AsyncClient, Client
+    from luminal_cloud.graph import Graph
 
 __all__ = [
     "APIError",
@@ -59,9 +62,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Graph loads onnx, which a client that only uploads files and predicts never needs
+    # Graph loads onnx, which a client that only uploads files and predicts never needs; the
+    # clients load httpx, which the server's commands behind the same entry point (a runtime
+    # starting cold) never need
     if name == "Graph":
         from luminal_cloud.graph import Graph
 
         return Graph
+    if name in ("Client", "AsyncClient"):
+        from luminal_cloud import client
+
+        value = getattr(client, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'luminal_cloud' has no attribute {name!r}")

@@ -17,12 +17,14 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from luminal_cloud import _table
-from luminal_cloud.client import Client
+
+if TYPE_CHECKING:
+    from luminal_cloud.client import Client
 from luminal_cloud.errors import LuminalCloudError, ServerUnreachable, Unauthorized
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -46,6 +48,8 @@ class UsageError(Exception):
 def _client(args: argparse.Namespace) -> Client:
     if not args.api_key:
         raise UsageError("no API key: pass --api-key or set LUMINAL_API_KEY")
+    from luminal_cloud.client import Client  # (httpx: not for the server's commands)
+
     return Client(args.url, args.api_key)
 
 
