@@ -454,7 +454,7 @@ CPU, the GPU's modules. all-MiniLM-L6-v2's 90 MB take most of a second from moto
 on the same two cores: reading them in a thread while the process imported was tried, and on
 this machine it gained nothing (the download and the imports want the same cores), so it is not
 kept. The `compiler` package imports its pipeline (the search, egglog) only on first use, and a
-runtime imports `executable` from `compiler/executable.py`; the `luminal-cloud` entry point imports
+runtime imports `executable` from `compiler/runnable.py`; the `luminal-cloud` entry point imports
 the SDK's HTTP client only for the client's commands. What remains is the imports of the runtime
 itself (numpy, the native backend, the scheduler's Redis client) and the weights' download.
 all-MiniLM-L6-v2's cold answer, {minilm['total']:.2f} s (the median), is {verdict} the {TARGET_S} s

@@ -1,7 +1,8 @@
 """The Luminal compiler: ONNX (or any frontend) -> primitive IR -> program for a device.
 
     pipeline.py    the stages, in order: compile_graph, compile_onnx (imported on first use)
-    executable.py  an artifact made runnable on this machine (what a runtime imports)
+    runnable.py    executable(): an artifact made runnable here (what a runtime imports; not named
+                   executable.py, whose import would shadow the function on the package)
     frontends/     parse: ONNX to the primitive-op IR   ir.py, shape.py    the IR, symbolic shapes
     composite.py   ops spelled in the IR                 reference.py      the NumPy oracle
     verify.py      reference case, checking a program    memory.py         memory need and budget
@@ -29,14 +30,14 @@ from compiler.errors import CompilerError, CorruptArtifact, InvalidModel, Unsupp
 
 if TYPE_CHECKING:
     from compiler.codegen import CODEGENS
-    from compiler.executable import executable
     from compiler.pipeline import compile_graph, compile_onnx
+    from compiler.runnable import executable
 
 # imported on first use: a runtime that only runs artifacts never loads the pipeline (the search,
 # egglog, the renderers), which is most of a cold start's process start
 _LAZY = {
     "CODEGENS": "compiler.codegen",
-    "executable": "compiler.executable",
+    "executable": "compiler.runnable",
     "compile_graph": "compiler.pipeline",
     "compile_onnx": "compiler.pipeline",
 }

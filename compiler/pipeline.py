@@ -36,7 +36,6 @@ from compiler.candidates import build_native, cuda_program, numpy_candidate, ver
 from compiler.codegen import CODEGENS, numpy_cpu
 from compiler.devices import CpuDevice, cuda_device
 from compiler.errors import UnsupportedModel
-from compiler.executable import executable
 from compiler.frontends.onnx import load_graph
 from compiler.ir import Graph
 from compiler.kernels.attention import attention_count
@@ -47,6 +46,7 @@ from compiler.kernels.precision import NARROWED_ROLES, computed_in_float32, narr
 from compiler.memory import MemoryBudget, memory_terms
 from compiler.progress import PHASES, Progress, Tracker
 from compiler.render.cuda import scheduled
+from compiler.runnable import executable
 from compiler.search.cpu_schedules import NAME as NATIVE_SEARCHED
 from compiler.search.cpu_schedules import search_native
 from compiler.search.cuda_schedules import product_schedules, search_cuda_schedule

@@ -143,16 +143,19 @@ def test_a_role_refuses_to_start_on_a_name_the_compiler_does_not_know(
 
 
 def test_running_an_artifact_imports_no_pipeline_and_no_e_graph():
-    """A runtime process imports the artifact format and `executable` (compiler/executable.py),
+    """A runtime process imports the artifact format and `executable` (compiler/runnable.py),
     not the pipeline with the search, egglog and the renderers' choices: most of a cold start's
     process start was that import. compile_onnx still comes from `compiler` on first use."""
     probe = (
         "import json, sys\nfrom compiler import Artifact, executable\n"
         "before = sorted(m for m in sys.modules if m == 'egglog' or m.startswith(('compiler.pipeline', 'compiler.search')))\n"
         "from compiler import compile_onnx\n"
-        "print(json.dumps([before, compile_onnx.__module__]))\n"
+        "import compiler\n"
+        "print(json.dumps([before, compile_onnx.__module__, callable(compiler.executable)]))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    before, module = json.loads(result.stdout.strip().splitlines()[-1])
+    before, module, callable_after = json.loads(result.stdout.strip().splitlines()[-1])
     assert before == [] and module == "compiler.pipeline"
+    # (the pipeline's import of its module must not leave a module where the function was)
+    assert callable_after
