@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,10 +41,10 @@ def make_settings(data_dir: Path, **overrides) -> Settings:
     return Settings(**values)
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """The URL of a new, empty database on the local PostgreSQL, dropped after the test."""
-    name = f"luminal_test_{uuid.uuid4().hex[:16]}"
+@contextlib.contextmanager
+def fresh_postgres_database(prefix: str = "luminal_test") -> Iterator[str]:
+    """The URL of a new, empty database on the local PostgreSQL, dropped on leaving."""
+    name = f"{prefix}_{uuid.uuid4().hex[:16]}"
     server = sqlalchemy.create_engine(f"{POSTGRES_SERVER}/test", isolation_level="AUTOCOMMIT")
     try:
         with server.connect() as connection:
@@ -57,6 +58,13 @@ def postgres_url() -> Iterator[str]:
         with server.connect() as connection:
             connection.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         server.dispose()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """The URL of a new, empty database on the local PostgreSQL, dropped after the test."""
+    with fresh_postgres_database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import json
 import re
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from scheduler import wire
 from scheduler.autoscale import ScalePolicy
 from scheduler.engine import Route
 from scheduler.streams import route_fields
-from tests.conftest import POSTGRES_SERVER
+from tests.conftest import fresh_postgres_database
 from tests.onnx_models import mlp
 from tests.processes import settings_env
 from tests.test_distributed import distributed_settings, post, reference, wait_until
@@ -55,20 +54,8 @@ X = np.arange(16, dtype=np.float32).reshape(2, 8) / 16
 @pytest.fixture(scope="module")
 def database() -> Iterator[str]:
     """A new PostgreSQL database for the module, dropped after it."""
-    name = f"luminal_zero_{uuid.uuid4().hex[:12]}"
-    server = sqlalchemy.create_engine(f"{POSTGRES_SERVER}/postgres", isolation_level="AUTOCOMMIT")
-    try:
-        with server.connect() as connection:
-            connection.exec_driver_sql(f"CREATE DATABASE {name}")
-    except sqlalchemy.exc.OperationalError as exc:
-        server.dispose()
-        pytest.fail(f"PostgreSQL is needed at {POSTGRES_SERVER} and cannot be reached: {exc}")
-    try:
-        yield f"{POSTGRES_SERVER}/{name}"
-    finally:
-        with server.connect() as connection:
-            connection.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        server.dispose()
+    with fresh_postgres_database("luminal_zero") as url:
+        yield url
 
 
 @dataclass
