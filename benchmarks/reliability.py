@@ -622,9 +622,25 @@ def upload(stack: Stack, load: Load | None, name: str, seed: int, timeout: float
             if reply.status_code == 202:
                 result.accepted_at = time.monotonic()
                 return result
-            result.refusals.append(f"{reply.status_code} {_error_code(reply)}")
+            result.refusals.append(f"{reply.status_code} {_error_code(reply)}{_internal_message(reply)}")
         time.sleep(0.2)
     return result
+
+
+def _internal_message(reply: httpx.Response) -> str:
+    """A 500's message (it names the exception's type), so a failure's table says what broke."""
+    if reply.status_code != 500:
+        return ""
+    try:
+        return f" ({reply.json()['error']['message']})"
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _last_traceback(log: str, lines: int = 12) -> str:
+    """The end of the last traceback in a log: CI keeps the test's output, never the stack's logs."""
+    start = log.rfind("Traceback")
+    return "\n".join(log[start:].splitlines()[-lines:]) if start >= 0 else ""
 
 
 def _error_code(reply: httpx.Response) -> str:
@@ -846,8 +862,10 @@ class Scenario:
         billed = [i for i in ledger_ids(stack.database_url) if i not in billed_before]
         judge(self.outcome, load.answers, killed_at, billed, self.cut_allowed)
         for process in stack.gateways:
-            if "Traceback" in process.text():
-                self.outcome.notes.append(f"{process.name} logged a traceback ({process.log})")
+            if "Traceback" in (text := process.text()):
+                self.outcome.notes.append(
+                    f"{process.name} logged a traceback ({process.log}), ending:\n{_last_traceback(text)}"
+                )
         for process in stack.processes():  # for the next scenario, as a supervisor would
             stack.restart(process)
         self.phase("restarted")
