@@ -1,0 +1,191 @@
+"""Where a decoder graph keeps its KV cache: the inputs and outputs that carry it, found by name
+and shape as `optimum-onnx` and `torch.onnx.export` of a `transformers` model with a cache
+name them. A graph that cannot be mapped is refused with the input (or output) that breaks it.
+
+    input_ids        [batch, seq]                       int64
+    attention_mask   [batch, past + seq]                int64   (optional)
+    position_ids     [batch, seq]                       int64   (optional)
+    past_key_values.{i}.key / .value   [batch, kv_heads, past, head_dim]
+    logits           [batch, seq, vocab]
+    present.{i}.key / .value           [batch, kv_heads, past + seq, head_dim]
+
+Plain data over TensorSpecs: the gateway checks an upload with it, the runtime lays out its
+cache blocks with it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from compiler.artifact import TensorSpec
+from compiler.errors import UnsupportedModel
+
+# past_key_values.0.key (optimum, torch with names given), past_key_values_0_key (sanitised names)
+_PAST = re.compile(r"^past_key_values[._](\d+)[._](key|value)$")
+_PRESENT = re.compile(r"^present[._](\d+)[._](key|value)$")
+IDS, MASK, POSITIONS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The cache's shape per layer and which graph tensor carries each part of it."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    vocab: int
+    past_keys: tuple[str, ...]  # input names, one per layer
+    past_values: tuple[str, ...]
+    present_keys: tuple[str, ...]  # output names, one per layer
+    present_values: tuple[str, ...]
+    mask_input: str | None  # attention_mask, when the graph takes one
+    position_input: str | None  # position_ids, when the graph takes one
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one cache block: keys and values of `block_size` tokens over every layer."""
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}.get(self.dtype, 4)
+        return 2 * self.layers * self.kv_heads * block_size * self.head_dim * itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "vocab": self.vocab,
+            "past_keys": list(self.past_keys),
+            "past_values": list(self.past_values),
+            "present_keys": list(self.present_keys),
+            "present_values": list(self.present_values),
+            "mask_input": self.mask_input,
+            "position_input": self.position_input,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> CacheLayout:
+        return CacheLayout(
+            layers=int(data["layers"]),
+            kv_heads=int(data["kv_heads"]),
+            head_dim=int(data["head_dim"]),
+            dtype=str(data["dtype"]),
+            vocab=int(data["vocab"]),
+            past_keys=tuple(data["past_keys"]),
+            past_values=tuple(data["past_values"]),
+            present_keys=tuple(data["present_keys"]),
+            present_values=tuple(data["present_values"]),
+            mask_input=data.get("mask_input"),
+            position_input=data.get("position_input"),
+        )
+
+
+def _refuse(problem: str) -> UnsupportedModel:
+    return UnsupportedModel([f"not a decoder with a KV cache this service can serve: {problem}"])
+
+
+def _static(spec: TensorSpec, axis: int, what: str) -> int:
+    dim = spec.shape[axis]
+    if not isinstance(dim, int):
+        raise _refuse(f"{spec.name!r} has a symbolic {what} ({dim}); it must be a fixed size")
+    return dim
+
+
+def _per_layer(
+    specs: Sequence[TensorSpec], pattern: re.Pattern[str], kind: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    keys: dict[int, str] = {}
+    values: dict[int, str] = {}
+    for spec in specs:
+        match = pattern.match(spec.name)
+        if match:
+            (keys if match.group(2) == "key" else values)[int(match.group(1))] = spec.name
+    layers = max([*keys, *values], default=-1) + 1
+    if layers == 0:
+        raise _refuse(f"the graph has no {kind} tensors (named {pattern.pattern.strip('^$')})")
+    for layer in range(layers):
+        for part, found in (("key", keys), ("value", values)):
+            if layer not in found:
+                raise _refuse(
+                    f"the {kind} of layer {layer} has no {part} (layers 0..{layers - 1} each need a key and a value)"
+                )
+    return tuple(keys[i] for i in range(layers)), tuple(values[i] for i in range(layers))
+
+
+def find_cache_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> CacheLayout:
+    """The graph's cache layout, or UnsupportedModel naming the input or output it cannot map."""
+    by_input = {spec.name: spec for spec in inputs}
+    by_output = {spec.name: spec for spec in outputs}
+    if IDS not in by_input:
+        raise _refuse(f"it has no input named {IDS!r} (its inputs: {', '.join(by_input)})")
+    ids = by_input[IDS]
+    if len(ids.shape) != 2 or not ids.dtype.startswith("int"):
+        raise _refuse(
+            f"{IDS!r} must be [batch, sequence] integers, not {list(map(str, ids.shape))} {ids.dtype}"
+        )
+    if LOGITS not in by_output:
+        raise _refuse(f"it has no output named {LOGITS!r} (its outputs: {', '.join(by_output)})")
+    logits = by_output[LOGITS]
+    if len(logits.shape) != 3:
+        raise _refuse(f"{LOGITS!r} must be [batch, sequence, vocab], not {list(map(str, logits.shape))}")
+    vocab = _static(logits, 2, "vocabulary size")
+    past_keys, past_values = _per_layer(inputs, _PAST, "past_key_values inputs")
+    present_keys, present_values = _per_layer(outputs, _PRESENT, "present outputs")
+    if len(present_keys) != len(past_keys):
+        raise _refuse(
+            f"it takes the past of {len(past_keys)} layers but returns the present of {len(present_keys)}"
+        )
+    known = {IDS, MASK, POSITIONS, *past_keys, *past_values}
+    for spec in inputs:
+        if spec.name not in known:
+            hint = (
+                " (a merged decoder: export text-generation-with-past without merging, or with the cache always on)"
+                if spec.name == "use_cache_branch"
+                else ""
+            )
+            raise _refuse(f"input {spec.name!r} is not one a decoder step can be given{hint}")
+    first = by_input[past_keys[0]]
+    if len(first.shape) != 4:
+        raise _refuse(
+            f"{first.name!r} must be [batch, kv_heads, past, head_dim], not {list(map(str, first.shape))}"
+        )
+    kv_heads = _static(first, 1, "head count")
+    head_dim = _static(first, 3, "head size")
+    for name in (*past_keys, *past_values):
+        spec = by_input[name]
+        if (
+            len(spec.shape) != 4
+            or spec.shape[1] != kv_heads
+            or spec.shape[3] != head_dim
+            or spec.dtype != first.dtype
+        ):
+            raise _refuse(
+                f"{name!r} is {list(map(str, spec.shape))} {spec.dtype}, unlike {first.name!r} "
+                f"([batch, {kv_heads}, past, {head_dim}] {first.dtype})"
+            )
+    for name in (*present_keys, *present_values):
+        spec = by_output[name]
+        if len(spec.shape) != 4 or spec.shape[1] not in (kv_heads,) or spec.shape[3] != head_dim:
+            raise _refuse(
+                f"output {name!r} is {list(map(str, spec.shape))}, not [batch, {kv_heads}, past + seq, {head_dim}]"
+            )
+    if not first.dtype.startswith(("float", "bfloat")):
+        raise _refuse(f"{first.name!r} holds {first.dtype}; the cache must be floating point")
+    return CacheLayout(
+        layers=len(past_keys),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=first.dtype,
+        vocab=vocab,
+        past_keys=past_keys,
+        past_values=past_values,
+        present_keys=present_keys,
+        present_values=present_values,
+        mask_input=MASK if MASK in by_input else None,
+        position_input=POSITIONS if POSITIONS in by_input else None,
+    )
+
+
+__all__ = ["CacheLayout", "find_cache_layout"]

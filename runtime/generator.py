@@ -1,0 +1,322 @@
+"""Token generation on a runtime: one step loop per loaded generative model.
+
+Each step the iteration scheduler (scheduler/continuous.py) says which sequences feed which
+tokens; the loop gathers their past from the paged KV cache, runs the compiled decoder (the
+decodes as one batch, each prompt chunk on its own), writes the new keys and values back into
+the sequences' blocks, samples, and hands each sequence's new text to its sink as it is made.
+Sequences join and leave between steps; a cancelled one is freed at the next step. Each step's
+device time is split over its sequences by the tokens each fed, and a finished sequence
+reports what it used (tokens and billed seconds) once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compiler.kv_layout import CacheLayout
+from runtime.kv_cache import PagedKVCache
+from runtime.sampling import Sampler, SamplingParams
+from runtime.tokenizer import IncrementalText, TextCodec
+from scheduler.continuous import Chunk, IterationScheduler, SequenceState, split_by_tokens
+
+log = logging.getLogger(__name__)
+
+# runs the decoder once: inputs by name -> (outputs by name, device seconds)
+StepRunner = Callable[[dict[str, np.ndarray]], tuple[dict[str, np.ndarray], float]]
+
+
+class GenerationRefused(ValueError):
+    """A request this model can never serve (too long for its context or its cache)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    billed_seconds: float  # this sequence's share of the device time of the steps it was in
+    steps: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a sequence's sink receives: text as it is made (`token_id` the token that completed
+    it), then one last event with `finish_reason` and `usage`."""
+
+    text: str = ""
+    token_id: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    usage: GenerationUsage | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    sink: Callable[[TokenEvent], None]
+    sampler: Sampler
+    text: IncrementalText
+    state: SequenceState
+    generated: int = 0
+    billed_seconds: float = 0.0
+    steps: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class GeneratorLimits:
+    num_blocks: int = 512
+    block_size: int = 16
+    max_step_tokens: int = 256
+    max_running: int = 64
+    prefill_chunk: int = 64
+    context_length: int = 2048  # the model's positions: prompt plus generated tokens
+
+
+class Generator:
+    """One generative model's step loop (a thread). Thread-safe: `submit` and `cancel` may be
+    called from any thread; sinks are called on the loop's thread and must not block."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        run_step: StepRunner,
+        codec: TextCodec,
+        input_dtypes: Mapping[str, str],
+        limits: GeneratorLimits = GeneratorLimits(),
+        name: str = "generator",
+    ) -> None:
+        self.layout = layout
+        self.run_step = run_step
+        self.codec = codec
+        self.input_dtypes = dict(input_dtypes)
+        self.limits = limits
+        self.cache = PagedKVCache(layout, limits.num_blocks, limits.block_size)
+        self.scheduler = IterationScheduler(
+            self.cache.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
+        )
+        self.eos_ids = set(codec.eos_token_ids())
+        self._sequences: dict[str, _Sequence] = {}
+        self._inbox: list[_Sequence] = []
+        self._cancelled: set[str] = set()
+        self._wake = threading.Condition()
+        self._closed = False
+        self.steps_run = 0
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-steps", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side --
+
+    @property
+    def free_blocks(self) -> int:
+        return self.cache.allocator.free_count
+
+    def max_prompt_tokens(self, max_tokens: int) -> int:
+        return min(self.limits.context_length, self.scheduler.capacity_tokens()) - max_tokens
+
+    def check(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """GenerationRefused when a request can never run here, naming the limit."""
+        if prompt_tokens < 1:
+            raise GenerationRefused("the prompt is empty: it needs at least one token")
+        total = prompt_tokens + params.max_tokens
+        if total > self.limits.context_length:
+            raise GenerationRefused(
+                f"this model's context is {self.limits.context_length} tokens; the prompt has {prompt_tokens} "
+                f"and max_tokens asks {params.max_tokens} more ({total})"
+            )
+        if total > self.scheduler.capacity_tokens():
+            raise GenerationRefused(
+                f"the prompt ({prompt_tokens} tokens) and max_tokens ({params.max_tokens}) exceed the KV cache "
+                f"of this runtime ({self.scheduler.capacity_tokens()} tokens)"
+            )
+
+    def submit(self, request: GenerationRequest, sink: Callable[[TokenEvent], None]) -> None:
+        self.check(len(request.prompt_ids), request.params)
+        sequence = _Sequence(
+            request,
+            sink,
+            Sampler(request.params),
+            IncrementalText(self.codec, request.params.stop),
+            SequenceState(request.request_id, list(request.prompt_ids)),
+        )
+        with self._wake:
+            if self._closed:
+                raise GenerationRefused("this model is being unloaded")
+            self._inbox.append(sequence)
+            self._wake.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """Frees the sequence at the next step; its sink gets a last 'cancelled' event."""
+        with self._wake:
+            self._cancelled.add(request_id)
+            self._wake.notify_all()
+
+    def active(self) -> int:
+        with self._wake:
+            return len(self._sequences) + len(self._inbox)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancels every sequence and stops the loop."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._thread.join(timeout=timeout_s)
+
+    # -- the loop --
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._inbox and not self._cancelled and not self._sequences:
+                    self._wake.wait()
+                closed = self._closed
+                arrivals, self._inbox = self._inbox, []
+                cancelled, self._cancelled = self._cancelled, set()
+            for sequence in arrivals:
+                self._sequences[sequence.request.request_id] = sequence
+                self.scheduler.add(sequence.state)
+            for request_id in cancelled:
+                self._finish(request_id, "cancelled")
+            if closed:
+                for request_id in list(self._sequences):
+                    self._finish(request_id, "cancelled")
+                return
+            if self._sequences:
+                try:
+                    self._step()
+                except Exception as exc:  # a failed step fails its sequences, not the loop
+                    log.exception("a generation step failed")
+                    for request_id in list(self._sequences):
+                        self._finish(
+                            request_id, "error", error=f"the decoder failed: {type(exc).__name__}: {exc}"
+                        )
+
+    def _step(self) -> None:
+        plan = self.scheduler.plan()
+        if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing runs and the head cannot start: it can never fit (check() prevents it)
+                head = self.scheduler.waiting[0]
+                self._finish(head.seq_id, "error", error="the sequence does not fit in the KV cache")
+            return
+        seconds = 0.0
+        chosen: dict[str, int] = {}
+        if plan.decodes:
+            rows, took = self._run(plan.decodes)
+            seconds += took
+            for chunk, row in zip(plan.decodes, rows, strict=True):
+                chosen[chunk.seq_id] = self._sequences[chunk.seq_id].sampler.choose(row)
+        for chunk in plan.prefills:
+            rows, took = self._run([chunk])
+            seconds += took
+            if chunk.samples:
+                chosen[chunk.seq_id] = self._sequences[chunk.seq_id].sampler.choose(rows[0])
+        self.scheduler.advance(plan)
+        self.steps_run += 1
+        shares = split_by_tokens(seconds, {c.seq_id: c.count for c in plan.chunks})
+        for seq_id, share in shares.items():
+            sequence = self._sequences[seq_id]
+            sequence.billed_seconds += share
+            sequence.steps += 1
+        for seq_id, token in chosen.items():
+            self._emit(self._sequences[seq_id], token)
+
+    def _run(self, chunks: Sequence[Chunk]) -> tuple[list[np.ndarray], float]:
+        """Runs the decoder on `chunks` (one batch; chunks of equal length), stores the keys and
+        values they made, and returns each chunk's last logits row and the device seconds."""
+        layout = self.layout
+        count = chunks[0].count
+        states = [self._sequences[c.seq_id].state for c in chunks]
+        # a past of at least one slot (masked when empty): no program sees a zero-size tensor
+        width = max(1, max(c.start for c in chunks))
+        past_keys, past_values = self.cache.gather(
+            [s.blocks for s in states], [c.start for c in chunks], width
+        )
+        ids = np.array([s.tokens[c.start : c.start + count] for s, c in zip(states, chunks, strict=True)])
+        inputs: dict[str, np.ndarray] = {"input_ids": ids.astype(self.input_dtypes.get("input_ids", "int64"))}
+        if layout.mask_input is not None:
+            mask = np.zeros(
+                (len(chunks), width + count), dtype=self.input_dtypes.get(layout.mask_input, "int64")
+            )
+            for b, chunk in enumerate(chunks):
+                mask[b, width - chunk.start :] = 1
+            inputs[layout.mask_input] = mask
+        if layout.position_input is not None:
+            positions = np.array([np.arange(c.start, c.start + count) for c in chunks])
+            inputs[layout.position_input] = positions.astype(
+                self.input_dtypes.get(layout.position_input, "int64")
+            )
+        for layer in range(layout.layers):
+            inputs[layout.past_keys[layer]] = past_keys[layer]
+            inputs[layout.past_values[layer]] = past_values[layer]
+        outputs, seconds = self.run_step(inputs)
+        for b, (state, chunk) in enumerate(zip(states, chunks, strict=True)):
+            keys = [outputs[name][b, :, width : width + count] for name in layout.present_keys]
+            values = [outputs[name][b, :, width : width + count] for name in layout.present_values]
+            self.cache.write(state.blocks, chunk.start, keys, values)
+        logits = outputs["logits"]
+        return [np.asarray(logits[b, -1], dtype=np.float32) for b in range(len(chunks))], seconds
+
+    def _emit(self, sequence: _Sequence, token: int) -> None:
+        params = sequence.request.params
+        sequence.generated += 1
+        sequence.state.tokens.append(token)
+        request_id = sequence.request.request_id
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            self._finish(request_id, "stop")
+            return
+        piece = sequence.text.add(token)
+        if sequence.text.stopped:
+            self._send(sequence, TokenEvent(piece, token))
+            self._finish(request_id, "stop")
+            return
+        self._send(sequence, TokenEvent(piece, token))
+        if sequence.generated >= params.max_tokens:
+            self._finish(request_id, "length")
+
+    def _finish(self, request_id: str, reason: str, error: str | None = None) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        self.scheduler.remove(request_id)
+        rest = sequence.text.flush() if reason in ("length", "stop") else ""
+        usage = GenerationUsage(
+            prompt_tokens=len(sequence.request.prompt_ids),
+            completion_tokens=sequence.generated,
+            billed_seconds=sequence.billed_seconds,
+            steps=sequence.steps,
+            preemptions=sequence.state.preemptions,
+        )
+        self._send(sequence, TokenEvent(rest, None, reason, usage, error))
+
+    def _send(self, sequence: _Sequence, event: TokenEvent) -> None:
+        try:
+            sequence.sink(event)
+        except Exception:  # a broken sink is its caller's loss, never the loop's
+            log.exception("a generation sink failed")
+            with self._wake:
+                self._cancelled.add(sequence.request.request_id)
+
+
+__all__ = [
+    "GenerationRefused",
+    "GenerationRequest",
+    "GenerationUsage",
+    "Generator",
+    "GeneratorLimits",
+    "StepRunner",
+    "TokenEvent",
+]
