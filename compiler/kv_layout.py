@@ -22,6 +22,7 @@ from typing import Any
 
 from compiler.artifact import TensorSpec
 from compiler.errors import UnsupportedModel
+from compiler.shape import SymDim
 
 # past_key_values.0.key (optimum, torch with names given), past_key_values_0_key (sanitised names)
 _PAST = re.compile(r"^past_key_values[._](\d+)[._](key|value)$")
@@ -188,4 +189,51 @@ def find_cache_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec
     )
 
 
-__all__ = ["CacheLayout", "find_cache_layout"]
+def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
+    """The symbol relation a decoder's declared inputs leave implicit: the attention mask spans
+    the past and the new tokens (total_sequence_length = past_sequence_length + sequence_length).
+    Without it the compiler treats the three as independent sizes; empty when the mask is
+    already declared as the sum or the graph has no mask."""
+    by_name = {spec.name: spec for spec in inputs}
+    mask, ids = by_name.get(MASK), by_name.get(IDS)
+    past = next((spec for spec in inputs if _PAST.match(spec.name)), None)
+    if (
+        mask is None
+        or ids is None
+        or past is None
+        or len(mask.shape) != 2
+        or len(ids.shape) != 2
+        or len(past.shape) != 4
+    ):
+        return {}
+    names = [
+        d.as_symbol() if isinstance(d, SymDim) else None for d in (mask.shape[1], ids.shape[1], past.shape[2])
+    ]
+    total, seq, past_len = names
+    if None in names or len(set(names)) < 3:
+        return {}
+    return {str(total): f"{past_len} + {seq}"}
+
+
+def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The declared inputs and outputs of an onnx.ModelProto as TensorSpecs (symbols by their
+    declared names), for checking an upload before it is compiled."""
+    from compiler.frontends.onnx_context import ELEM_TYPES
+
+    def spec(value) -> TensorSpec:
+        tensor = value.type.tensor_type
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else SymDim.named(d.dim_param or f"{value.name}_{axis}")
+            for axis, d in enumerate(tensor.shape.dim)
+        )
+        return TensorSpec(
+            value.name, shape, ELEM_TYPES.get(tensor.elem_type, f"onnx type {tensor.elem_type}")
+        )
+
+    initializers = {t.name for t in model.graph.initializer}
+    return [spec(v) for v in model.graph.input if v.name not in initializers], [
+        spec(v) for v in model.graph.output
+    ]
+
+
+__all__ = ["CacheLayout", "decoder_dims", "find_cache_layout", "onnx_specs"]

@@ -175,13 +175,17 @@ def halvings(size: int) -> list[int]:
 
 
 def input_symbols(graph: Graph) -> list[str]:
-    """The symbols (or compound dims) the inputs' shapes name, sorted."""
-    return sorted({d.as_symbol() or str(d) for _, shape, _ in graph.input_specs() for d in shape if isinstance(d, SymDim)})
+    """The symbols the inputs' shapes name (those of compound dims too), sorted."""
+    return sorted(
+        {s for _, shape, _ in graph.input_specs() for d in shape if isinstance(d, SymDim) for s in d.symbols}
+    )
 
 
 def sample_size(graph: Graph, dim: SymDim, wanted: Mapping[str, int]) -> int:
     """The size `dim` takes when its symbol is wanted at a size: that one, within the model's limit."""
-    symbol = dim.as_symbol() or str(dim)
+    symbol = dim.as_symbol()
+    if symbol is None:  # a compound dim (past + seq) follows its symbols' sizes
+        return evaluate(dim, {s: min(wanted[s], graph.size_limits.get(s, wanted[s])) for s in dim.symbols})
     return min(wanted[symbol], graph.size_limits.get(symbol, wanted[symbol]))
 
 

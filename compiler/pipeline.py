@@ -28,7 +28,7 @@ compiler/progress.py). The tuning constants are in compiler/tuning.py.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from compiler.artifact import Artifact, Signature
@@ -78,11 +78,21 @@ def compile_onnx(
     memory_bytes: int | None = None,
     kernel_cache: KernelCache | None = None,
     search_seconds: float | None = None,
+    dims: Mapping[str, str] | None = None,
 ) -> Artifact:
+    """`dims`: input symbols that stand for expressions of others (onnx_to_graph)."""
     check_precision(target, precision)
     Tracker(progress, _wanted(candidates)).phase("parse")
     return compile_graph(
-        load_graph(data), target, candidates, search, progress, precision, memory_bytes, kernel_cache, search_seconds
+        load_graph(data, dims),
+        target,
+        candidates,
+        search,
+        progress,
+        precision,
+        memory_bytes,
+        kernel_cache,
+        search_seconds,
     )
 
 
@@ -112,7 +122,15 @@ def compile_graph(
     searching = SEARCH if search is None else search
     if is_gpu(target):
         return _compile_for_cuda(
-            graph, target, searching, Tracker(progress, ("cuda",)), progress, precision, memory_bytes, kernel_cache, seconds
+            graph,
+            target,
+            searching,
+            Tracker(progress, ("cuda",)),
+            progress,
+            precision,
+            memory_bytes,
+            kernel_cache,
+            seconds,
         )
     if target not in CODEGENS:
         raise UnsupportedModel([f"target {target!r} (known: {', '.join(KNOWN_TARGETS)})"])
@@ -120,7 +138,9 @@ def compile_graph(
     unknown = sorted(set(wanted) - set(KNOWN_CANDIDATES))
     if unknown:
         raise ValueError(f"unknown compile candidates {unknown}; known: {list(KNOWN_CANDIDATES)}")
-    return _compile_for_cpu(graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache, seconds)
+    return _compile_for_cpu(
+        graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache, seconds
+    )
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -128,8 +148,14 @@ def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _compile_for_cpu(
-    graph: Graph, target: str, wanted: Sequence[str], searching: bool, tracker: Tracker, memory_bytes: int | None,
-    kernel_cache: KernelCache | None = None, search_seconds: float = SCHEDULE_SEARCH_SECONDS,
+    graph: Graph,
+    target: str,
+    wanted: Sequence[str],
+    searching: bool,
+    tracker: Tracker,
+    memory_bytes: int | None,
+    kernel_cache: KernelCache | None = None,
+    search_seconds: float = SCHEDULE_SEARCH_SECONDS,
 ) -> Artifact:
     """The stages for the CPU: the NumPy lowering (which also sizes the memory budget), then for
     the generated C the search, lowering, rendering and building of each candidate, verified and
@@ -162,7 +188,17 @@ def _compile_for_cpu(
             # verify; then the products' schedules searched (native-searched), on the searched graph
             natives = verify_native(device, built, case, rejected, tracker)
             natives = _with_searched(
-                natives, program_graph, graph, case, cases, device, tracker, (kernel_cache, search_seconds), wanted, rejected, search_report
+                natives,
+                program_graph,
+                graph,
+                case,
+                cases,
+                device,
+                tracker,
+                (kernel_cache, search_seconds),
+                wanted,
+                rejected,
+                search_report,
             )
             if not natives and program_graph is not graph:
                 search_report["used"] = "parsed graph"
@@ -172,7 +208,17 @@ def _compile_for_cpu(
                 built, rejected = build_native(graph, wanted, loop_inputs, device, tracker)
                 natives = verify_native(device, built, case, rejected, tracker)
                 natives = _with_searched(
-                    natives, graph, graph, case, cases, device, tracker, (kernel_cache, search_seconds), wanted, rejected, search_report
+                    natives,
+                    graph,
+                    graph,
+                    case,
+                    cases,
+                    device,
+                    tracker,
+                    (kernel_cache, search_seconds),
+                    wanted,
+                    rejected,
+                    search_report,
                 )
             found = natives + found
             # search (extraction by measurement): the candidates raced whole
@@ -207,8 +253,17 @@ def _compile_for_cpu(
 
 
 def _with_searched(
-    natives: list, program_graph: Graph, graph: Graph, case, cases: list, device: CpuDevice, tracker: Tracker,
-    searching: tuple[KernelCache | None, float], wanted: Sequence[str], rejected: dict[str, str], search_report: dict[str, Any],
+    natives: list,
+    program_graph: Graph,
+    graph: Graph,
+    case,
+    cases: list,
+    device: CpuDevice,
+    tracker: Tracker,
+    searching: tuple[KernelCache | None, float],
+    wanted: Sequence[str],
+    rejected: dict[str, str],
+    search_report: dict[str, Any],
 ) -> list:
     """The verified native candidates with the native-searched one first, where it is wanted and
     found (compiler/search/cpu_schedules.py; its report goes under the search's "schedule")."""
@@ -225,14 +280,23 @@ def _with_searched(
         program, graph, case, cases, device, tracker, kernel_cache, COMPILER_VERSION, seconds
     )
     if searched is None:
-        rejected[NATIVE_SEARCHED] = search_report["schedule"].get("error") or search_report["schedule"].get("skipped", "")
+        rejected[NATIVE_SEARCHED] = search_report["schedule"].get("error") or search_report["schedule"].get(
+            "skipped", ""
+        )
         return natives
     return [searched, *natives]
 
 
 def _compile_for_cuda(
-    graph: Graph, target: str, searching: bool, tracker: Tracker, progress: Progress | None, precision: str,
-    memory_bytes: int | None, kernel_cache: KernelCache | None = None, search_seconds: float = SCHEDULE_SEARCH_SECONDS,
+    graph: Graph,
+    target: str,
+    searching: bool,
+    tracker: Tracker,
+    progress: Progress | None,
+    precision: str,
+    memory_bytes: int | None,
+    kernel_cache: KernelCache | None = None,
+    search_seconds: float = SCHEDULE_SEARCH_SECONDS,
 ) -> Artifact:
     """The stages for the GPU type `target`: searched and lowered as for the CPU, rendered as
     CUDA C, compiled by NVRTC to PTX and a cubin for the type's compute capability, and verified
@@ -253,7 +317,9 @@ def _compile_for_cuda(
     if searching:
         tracker.phase("search")
     exported_narrow = narrow_values(graph)
-    program_graph, search_report = search_graph(computed_in_float32(graph) if exported_narrow else graph, searching)
+    program_graph, search_report = search_graph(
+        computed_in_float32(graph) if exported_narrow else graph, searching
+    )
     # kernel IR
     tracker.phase("lower", "cuda")
     program, precision = cuda_program(program_graph, graph, exported_narrow, precision, target)
@@ -262,13 +328,24 @@ def _compile_for_cuda(
     tolerance = PRECISION_TOLERANCE[precision]
     try:
         found = search_cuda_schedule(
-            program, graph, case, tolerance, device, progress, budget, kernel_cache, search_seconds, version=COMPILER_VERSION
+            program,
+            graph,
+            case,
+            tolerance,
+            device,
+            progress,
+            budget,
+            kernel_cache,
+            search_seconds,
+            version=COMPILER_VERSION,
         )
     finally:
         device.close()
     chosen, built = found.chosen, found.built
     # artifact
-    measuring: dict[str, Any] = {"skipped": f"no {target} GPU where this compiled: every kernel's first schedule, not timed"}
+    measuring: dict[str, Any] = {
+        "skipped": f"no {target} GPU where this compiled: every kernel's first schedule, not timed"
+    }
     if device.measures:
         measuring = {"device_ms_by_size": {c.schedule.name: c.device_ms or c.error for c in built}}
         if budget.notes:
@@ -279,11 +356,17 @@ def _compile_for_cuda(
     precision_report = _precision_report(program, precision, tolerance)
     if "cublas" in products:  # (where the chosen schedule put them: what it multiplies with there)
         operands = "float32" if precision == EXPORTED else precision
-        precision_report["library_products"] = f"{products['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): {operands} operands, float32 sums"
+        precision_report["library_products"] = (
+            f"{products['cublas']} on cuBLAS (cublasGemmStridedBatchedEx): {operands} operands, float32 sums"
+        )
     report = {
         "compiler_version": COMPILER_VERSION,
         "strategy": "one generated program, "
-        + ("each kernel's schedule chosen by device time" if device.measures else "every kernel in its first schedule, unmeasured"),
+        + (
+            "each kernel's schedule chosen by device time"
+            if device.measures
+            else "every kernel in its first schedule, unmeasured"
+        ),
         "chosen": chosen.schedule.name,
         "target": {"name": target, "arch": gpu.arch, "memory_bytes": gpu.memory_bytes},
         "verified_on": device.name,
@@ -303,7 +386,14 @@ def _compile_for_cuda(
     }
     signature = Signature.of(graph, terms)
     return Artifact(
-        target, graph.content_hash(), signature, graph, [chosen.kernel], report, chosen.binaries, program_weights,
+        target,
+        graph.content_hash(),
+        signature,
+        graph,
+        [chosen.kernel],
+        report,
+        chosen.binaries,
+        program_weights,
     )
 
 
@@ -313,7 +403,10 @@ def _precision_report(program: Program, precision: str, tolerance: float) -> dic
     if precision == EXPORTED:
         return {**report, "products": "CUDA cores, in the exported dtypes"}
     if precision == TF32:
-        return {**report, "products": "tensor cores: tf32 operands, float32 sums (wmma 16x16x8); float32 storage"}
+        return {
+            **report,
+            "products": "tensor cores: tf32 operands, float32 sums (wmma 16x16x8); float32 storage",
+        }
     floats = [b for b in program.buffers if b.role in NARROWED_ROLES and b.dtype in ("float32", precision)]
     return {
         **report,
@@ -322,8 +415,6 @@ def _precision_report(program: Program, precision: str, tolerance: float) -> dic
         # temps computed from a constant beyond the format's range (an attention mask's minimum)
         "kept_float32": sum(b.dtype == "float32" for b in floats),
     }
-
-
 
 
 __all__ = [

@@ -35,8 +35,10 @@ _BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 
 def bind_symbols(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """Symbol values implied by the given inputs; raises ShapeError on a conflict."""
+    """Symbol values implied by the given inputs; raises ShapeError on a conflict. A compound
+    dimension (a decoder's mask spans past + seq) is checked once its symbols are bound."""
     bindings: dict[str, int] = {}
+    compound: list[tuple[str, SymDim, int]] = []
     for name, shape, _ in graph.input_specs():
         actual = np.shape(inputs[name])
         if len(actual) != len(shape):
@@ -45,14 +47,22 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, in
             if isinstance(declared, SymDim):
                 symbol = declared.as_symbol()
                 if symbol is None:
-                    raise ShapeError(f"input {name!r} declares compound dimension {declared}")
-                if bindings.setdefault(symbol, size) != size:
+                    compound.append((name, declared, size))
+                elif bindings.setdefault(symbol, size) != size:
                     raise ShapeError(
-                        f"dimension {symbol!r} is {bindings[symbol]} elsewhere but {size} "
-                        f"in input {name!r}"
+                        f"dimension {symbol!r} is {bindings[symbol]} elsewhere but {size} in input {name!r}"
                     )
             elif declared != size:
                 raise ShapeError(f"input {name!r} has size {size} where {declared} is expected")
+    for name, declared, size in compound:
+        if not declared.symbols <= bindings.keys():
+            raise ShapeError(
+                f"input {name!r} declares dimension {declared}, whose symbols no other input gives"
+            )
+        if evaluate(declared, bindings) != size:
+            raise ShapeError(
+                f"input {name!r} has size {size} where {declared} = {evaluate(declared, bindings)} is expected"
+            )
     return bindings
 
 
@@ -132,7 +142,10 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nd
     contractions = {
         i: found for i in range(len(graph.nodes)) if (found := find_contraction(graph, i, users)) is not None
     }
-    deps = [list(contractions[i].operands) if i in contractions else list(node.srcs) for i, node in enumerate(graph.nodes)]
+    deps = [
+        list(contractions[i].operands) if i in contractions else list(node.srcs)
+        for i, node in enumerate(graph.nodes)
+    ]
     needed = {i for _, i in graph.outputs}
     for i in range(len(graph.nodes) - 1, -1, -1):
         if i in needed:

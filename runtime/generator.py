@@ -218,12 +218,12 @@ class Generator:
             rows, took = self._run(plan.decodes)
             seconds += took
             for chunk, row in zip(plan.decodes, rows, strict=True):
-                chosen[chunk.seq_id] = self._sequences[chunk.seq_id].sampler.choose(row)
+                chosen[chunk.seq_id] = self._choose(self._sequences[chunk.seq_id], row)
         for chunk in plan.prefills:
             rows, took = self._run([chunk])
             seconds += took
             if chunk.samples:
-                chosen[chunk.seq_id] = self._sequences[chunk.seq_id].sampler.choose(rows[0])
+                chosen[chunk.seq_id] = self._choose(self._sequences[chunk.seq_id], rows[0])
         self.scheduler.advance(plan)
         self.steps_run += 1
         shares = split_by_tokens(seconds, {c.seq_id: c.count for c in plan.chunks})
@@ -233,6 +233,14 @@ class Generator:
             sequence.steps += 1
         for seq_id, token in chosen.items():
             self._emit(self._sequences[seq_id], token)
+
+    def _choose(self, sequence: _Sequence, logits: np.ndarray) -> int:
+        params = sequence.request.params
+        if sequence.generated < params.min_tokens:
+            ending = [t for t in (*self.eos_ids, *params.stop_token_ids) if 0 <= t < logits.size]
+            logits = logits.copy()
+            logits[ending] = -np.inf
+        return sequence.sampler.choose(logits)
 
     def _run(self, chunks: Sequence[Chunk]) -> tuple[list[np.ndarray], float]:
         """Runs the decoder on `chunks` (one batch; chunks of equal length), stores the keys and

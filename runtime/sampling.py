@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the generation (not included in the text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end it besides the model's end-of-sequence
     ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence and stop tokens are never chosen before this many
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, each naming the field."""
@@ -33,6 +34,10 @@ class SamplingParams:
             found.append(f"temperature must be between 0 and 2, not {self.temperature}")
         if not 0 < self.top_p <= 1:
             found.append(f"top_p must be in (0, 1], not {self.top_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            found.append(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}"
+            )
         if self.top_k < 0:
             found.append(f"top_k must be 0 (off) or positive, not {self.top_k}")
         if len(self.stop) > MAX_STOP_STRINGS:

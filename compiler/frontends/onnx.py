@@ -7,6 +7,7 @@ type is refused before lowering starts, with all the missing op types listed at 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -22,7 +23,7 @@ from compiler.frontends.onnx_context import COMPUTED_AS, ELEM_TYPES, LOWERINGS, 
 from compiler.frontends.onnx_fold import fold_numeric, fold_symbolic, shape_of
 from compiler.frontends.onnx_ops.control import renamed_node
 from compiler.ir import Graph, GraphBuilder
-from compiler.shape import Dim, ShapeError, SymDim, numel
+from compiler.shape import Dim, ShapeError, SymDim, numel, parse_dim
 
 MIN_OPSET = 7
 # older models are converted to this opset first
@@ -57,12 +58,19 @@ def missing_ops(model: onnx.ModelProto) -> list[str]:
     for node in model.graph.node:
         if node.domain not in ONNX_DOMAINS:
             missing.add(f"{node.domain}.{node.op_type}")
-        elif node.op_type not in LOWERINGS and node.op_type not in FOLDED and not _has_function(node.op_type, opset):
+        elif (
+            node.op_type not in LOWERINGS
+            and node.op_type not in FOLDED
+            and not _has_function(node.op_type, opset)
+        ):
             missing.add(node.op_type)
     return sorted(missing)
 
 
-def onnx_to_graph(model: onnx.ModelProto) -> Graph:
+def onnx_to_graph(model: onnx.ModelProto, dims: Mapping[str, str] | None = None) -> Graph:
+    """`dims`: symbols of the declared inputs that stand for an expression of others, as a
+    decoder's total_sequence_length is past_sequence_length + sequence_length (symbol -> text)."""
+    substitutions = {_symbol_name(name): parse_dim(text) for name, text in (dims or {}).items()}
     opset = _opset(model)
     if opset < MIN_OPSET:
         model = _upgrade(model, opset)
@@ -74,7 +82,7 @@ def onnx_to_graph(model: onnx.ModelProto) -> Graph:
         ctx.bind_constant(tensor.name, numpy_helper.to_array(tensor))
     for value in graph.input:
         if value.name not in ctx.consts:
-            shape, dtype = _value_type(value)
+            shape, dtype = _value_type(value, substitutions)
             node_id = ctx.b.input(value.name, shape, dtype)
             if dtype in COMPUTED_AS:
                 node_id = ctx.b.cast(node_id, COMPUTED_AS[dtype])
@@ -221,7 +229,11 @@ class _Lowering:
         if name in self.types:
             elem = self.types[name]
         elif known is not None:
-            elem = helper.np_dtype_to_tensor_dtype(known.dtype) if known.dtype != object else onnx.TensorProto.INT64
+            elem = (
+                helper.np_dtype_to_tensor_dtype(known.dtype)
+                if known.dtype != object
+                else onnx.TensorProto.INT64
+            )
         else:
             elem = helper.np_dtype_to_tensor_dtype(np.dtype(ctx.b.dtype(ctx.lookup(name))))
         # some bodies depend on the rank (RotaryEmbedding), so the shape goes along
@@ -327,12 +339,14 @@ def _channel_slopes(model: onnx.ModelProto) -> onnx.ModelProto:
         if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
             slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
             if slope.name in declared:  # IR 3 also lists initializers as graph inputs
-                declared[slope.name].CopyFrom(helper.make_tensor_value_info(slope.name, slope.data_type, list(slope.dims)))
+                declared[slope.name].CopyFrom(
+                    helper.make_tensor_value_info(slope.name, slope.data_type, list(slope.dims))
+                )
     return fixed
 
 
-def load_graph(data: bytes) -> Graph:
-    return onnx_to_graph(parse_model(data))
+def load_graph(data: bytes, dims: Mapping[str, str] | None = None) -> Graph:
+    return onnx_to_graph(parse_model(data), dims)
 
 
 def _symbol_name(raw: str | bytes) -> str:
@@ -342,7 +356,9 @@ def _symbol_name(raw: str | bytes) -> str:
     return cleaned if cleaned and not cleaned[0].isdigit() else f"d_{cleaned}"
 
 
-def _value_type(value: onnx.ValueInfoProto) -> tuple[tuple[Dim, ...], str]:
+def _value_type(
+    value: onnx.ValueInfoProto, substitutions: Mapping[str, Dim] | None = None
+) -> tuple[tuple[Dim, ...], str]:
     tensor_type = value.type.tensor_type
     if not value.type.HasField("tensor_type"):
         raise UnsupportedModel([f"non-tensor graph input {value.name!r}"])
@@ -357,9 +373,8 @@ def _value_type(value: onnx.ValueInfoProto) -> tuple[tuple[Dim, ...], str]:
         if dim.HasField("dim_value"):
             shape.append(dim.dim_value)
         elif dim.dim_param:
-            shape.append(SymDim.named(_symbol_name(dim.dim_param)))
+            name = _symbol_name(dim.dim_param)
+            shape.append((substitutions or {}).get(name) or SymDim.named(name))
         else:
             shape.append(SymDim.named(_symbol_name(f"{value.name}_{axis}")))
     return tuple(shape), dtype
-
-
