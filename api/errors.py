@@ -1,6 +1,7 @@
 """One error hierarchy (cloud.errors), rendered in the shape of the protocol a path speaks:
-{"error": {"code": ..., "message": ..., ...details}} everywhere, and the KServe v2 protocol's
-own {"error": "<message>"} under /v2."""
+{"error": {"code": ..., "message": ..., ...details}} everywhere, the KServe v2 protocol's
+own {"error": "<message>"} under /v2, and OpenAI's {"error": {"message", "type", "param",
+"code"}} on the OpenAI-compatible generation routes."""
 
 from __future__ import annotations
 
@@ -22,10 +23,32 @@ def speaks_v2(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+# OpenAI's error types by status (what its clients map to exception classes)
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def speaks_openai(path: str) -> bool:
+    return path in OPENAI_PATHS
+
+
 def error_response(path: str, status: int, code: str, message: str, headers=None, /, **details) -> JSONResponse:
     """The error in the shape that the protocol of the requested path gives errors."""
     if speaks_v2(path):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+    if speaks_openai(path):
+        kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        body = {"error": {"message": message, "type": kind, "param": details.get("param"), "code": code}}
+        return JSONResponse(body, status_code=status, headers=headers)
     body = {"error": {"code": code, "message": message, **details}}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import error_response, install_error_handlers
-from api.routes import admin, health, infer, kserve_v2, models, usage, versions
+from api.routes import admin, health, infer, kserve_v2, models, openai, usage, versions
 from api.services import build_engine, build_services
 from api.uploads import UploadSlots
 from cloud import metrics
@@ -181,7 +181,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Luminal Cloud", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     # inference first: a request is matched against routes in this order
-    routers = (infer, kserve_v2, models, versions, usage, admin, health)
+    routers = (infer, kserve_v2, openai, models, versions, usage, admin, health)
     for router in (module.router for module in routers):
         app.include_router(router)
     # the last added runs first: the key is checked before an upload takes one of its tenant's slots

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -32,6 +32,8 @@ class VersionCreated(BaseModel):
     target: str
     # "exported" (the dtypes the graph declares); "tf32", "float16" or "bfloat16" (GPU types only)
     precision: str
+    # "inference", or "text-generation" (served through /v1/completions and /v1/chat/completions)
+    task: str = "inference"
 
 
 class CompileProgress(BaseModel):
@@ -57,6 +59,9 @@ class VersionPublic(BaseModel):
     error: str | None = None
     # while the status is compiling (when the compiler has said something yet)
     progress: CompileProgress | None = None
+    task: str = "inference"
+    # text-generation: the tokens of prompt and completion together the model takes
+    context_length: int | None = None
 
 
 class ModelSummary(BaseModel):
@@ -65,10 +70,24 @@ class ModelSummary(BaseModel):
     latest_status: str
     versions: int
     created_at: datetime
+    task: str = "inference"
+
+
+class OpenAIModel(BaseModel):
+    """A generative model as OpenAI's GET /v1/models lists it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
 
 
 class ModelList(BaseModel):
     models: list[ModelSummary]
+    # the same list in OpenAI's shape, generative models with a ready version only, so that
+    # OpenAI clients (client.models.list()) read this route unchanged
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel] = []
 
 
 class ModelPublic(BaseModel):
@@ -183,6 +202,9 @@ class UsageItem(BaseModel):
     rows: int
     billed_seconds: float
     cost: float
+    # generation: tokens read and generated (0 for inference)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class UsageReport(BaseModel):

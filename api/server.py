@@ -22,7 +22,8 @@ class BackgroundServer:
     def __init__(self, settings: Settings, port: int = 0, host: str = "127.0.0.1") -> None:
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(create_app(settings), host=host, port=self.port, log_level="warning")
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host=host, port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 

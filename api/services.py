@@ -19,9 +19,11 @@ from cloud.settings import Settings
 from cloud.storage import ObjectStore, make_object_store
 from compiler.targets import GPU_TYPES
 from registry import Registry
+from registry.bundle import CodecCache
 from registry.checks import CheckInChild
 from runtime import Runtime
 from scheduler.engine import Engine, InProcessEngine
+from scheduler.generating import GenerationService, GenerationSettings
 from worker.queue import CompileQueue, compile_check, make_compile_queue
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class Services:
     compiler: CompileQueue
     codec: Codec
     lock: DataDirLock
+    # generative models' tokenizers, by bundle (the gateway encodes prompts, runtimes decode)
+    codecs: CodecCache
     engine: Engine | None = None
     def close(self) -> None:
         self.compiler.shutdown()
@@ -106,6 +110,7 @@ def build_services(settings: Settings) -> Services:
         compiler=make_compile_queue(settings, registry),
         codec=Codec(settings.codec_process_above_bytes, settings.codec_workers),
         lock=lock,
+        codecs=CodecCache(store),
     )
 
 
@@ -127,8 +132,18 @@ def build_engine(services: Services) -> Engine:
             masked_redis_url=masked_url(settings.redis_url),
             observer=PrometheusObserver(),
         )
+    runtimes = _embedded_runtimes(settings, store)
+    generation = GenerationService(
+        runtimes,
+        services.codecs,
+        services.ledger,
+        settings.price_per_second,
+        generation_settings(settings),
+        PrometheusObserver(),
+    )
     return InProcessEngine(
-        runtimes=_embedded_runtimes(settings, store),
+        runtimes=runtimes,
+        generation=generation,
         ledger=services.ledger,
         prices=settings.price_per_second,
         max_batch_rows=settings.max_batch_rows,
@@ -140,6 +155,18 @@ def build_engine(services: Services) -> Engine:
         # a model leaves memory within a quarter of idle_unload_s after it goes idle
         idle_check_s=max(0.05, min(30.0, settings.idle_unload_s / 4)),
         observer=PrometheusObserver(),
+    )
+
+
+def generation_settings(settings: Settings) -> GenerationSettings:
+    return GenerationSettings(
+        kv_cache_bytes=settings.generation_kv_cache_bytes,
+        block_tokens=settings.generation_block_tokens,
+        step_tokens=settings.generation_step_tokens,
+        prefill_tokens=settings.generation_prefill_tokens,
+        max_sequences=settings.generation_max_sequences,
+        max_waiting=settings.generation_max_waiting,
+        idle_unload_s=settings.idle_unload_s,
     )
 
 

@@ -22,7 +22,7 @@ FROM_HELP = "start of the period, inclusive: an ISO-8601 date or date and time (
 TO_HELP = "end of the period, exclusive: an ISO-8601 date or date and time (UTC unless it names an offset)"
 FORMAT_HELP = "csv for a CSV download (or send Accept: text/csv); json by default"
 
-_TOTALS = ("requests", "rows", "billed_seconds", "cost")
+_TOTALS = ("requests", "rows", "billed_seconds", "cost", "prompt_tokens", "completion_tokens")
 
 
 def parse_instant(parameter: str, value: str | None) -> datetime | None:

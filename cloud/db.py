@@ -100,8 +100,13 @@ class ModelVersion(Base):
     # type (compiler.targets.PRECISIONS); the default is compiler.targets.EXPORTED, spelled out as
     # migration 0004 does, since the database's schema must not import the compiler
     precision: Mapped[str] = mapped_column(String(16), default="exported", server_default="exported")
+    # what it serves: "inference" (inputs to outputs) or "text-generation" (a decoder with its
+    # KV cache and tokenizer, served token by token)
+    task: Mapped[str] = mapped_column(String(32), default="inference", server_default="inference")
     # object-store key of the uploaded graph (content addressed)
     graph_key: Mapped[str] = mapped_column(String(256))
+    # a generative model's tokenizer bundle: {"key": store prefix, "files": [...], "context_length": n}
+    bundle: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     graph_bytes: Mapped[int] = mapped_column(Integer)
     # object-store prefix of the compiled artifact, once ready
     artifact_key: Mapped[str | None] = mapped_column(String(256), default=None)
@@ -162,6 +167,9 @@ class UsageRecord(Base):
     billed_seconds: Mapped[float] = mapped_column(Float)
     price_per_second: Mapped[float] = mapped_column(Float)
     cost: Mapped[float] = mapped_column(Float)
+    # generation only: the tokens of the prompt and those generated (null for inference)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -64,6 +64,8 @@ class Ledger:
             func.sum(UsageRecord.rows).label("rows"),
             func.sum(UsageRecord.billed_seconds).label("billed_seconds"),
             func.sum(UsageRecord.cost).label("cost"),
+            func.coalesce(func.sum(UsageRecord.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(UsageRecord.completion_tokens), 0).label("completion_tokens"),
         ).select_from(UsageRecord)
         if "tenant" in group_by:
             query = query.outerjoin(Tenant, Tenant.id == UsageRecord.tenant_id)
@@ -83,6 +85,8 @@ class Ledger:
                 "rows": int(row["rows"]),
                 "billed_seconds": float(row["billed_seconds"]),
                 "cost": float(row["cost"]),
+                "prompt_tokens": int(row["prompt_tokens"]),
+                "completion_tokens": int(row["completion_tokens"]),
             }
             for row in result
         ]

@@ -57,6 +57,12 @@ EXECUTION_SECONDS = Counter(
     ["tenant", "model", "target"],
     registry=REGISTRY,
 )
+GENERATED_TOKENS = Counter(
+    "luminal_generation_tokens_total",
+    "Tokens of finished generations: kind=prompt (read) or completion (generated)",
+    ["tenant", "model", "kind"],
+    registry=REGISTRY,
+)
 BILLED_SECONDS = Counter(
     "luminal_billed_seconds_total",
     "Execution seconds billed, by tenant",
@@ -121,6 +127,14 @@ class PrometheusObserver:
 
     def cold_started(self, tenant: str, model: str, target: str, seconds: float) -> None:
         COLD_START_SECONDS.labels(tenant, model, target).observe(seconds)
+
+    def generation_finished(
+        self, tenant: str, model: str, target: str, prompt_tokens: int, completion_tokens: int, billed_seconds: float
+    ) -> None:
+        GENERATED_TOKENS.labels(tenant, model, "prompt").inc(prompt_tokens)
+        GENERATED_TOKENS.labels(tenant, model, "completion").inc(completion_tokens)
+        EXECUTION_SECONDS.labels(tenant, model, target).inc(billed_seconds)
+        BILLED_SECONDS.labels(tenant).inc(billed_seconds)
 
     def compile_finished(self, status: str, seconds: float) -> None:
         COMPILES.labels(status).inc()

@@ -118,6 +118,17 @@ class Settings(BaseSettings):
     price_per_second: dict[str, float] = {
         "cpu": 0.00002, "cuda": 0.0004, "h100": 0.0004, "h200": 0.0005, "a100": 0.0003, "l4": 0.0001,
     }
+    # generation (language models): each loaded generative model's KV cache takes this much of
+    # its runtime's memory, in blocks of this many tokens; a step feeds at most this many tokens
+    # (decodes first, then prompt chunks of at most generation_prefill_tokens) for at most
+    # generation_max_sequences sequences; more wait in the model's queue for blocks
+    generation_kv_cache_bytes: int = Field(default=256 * 1024**2, ge=1024)
+    generation_block_tokens: int = Field(default=16, ge=1, le=1024)
+    generation_step_tokens: int = Field(default=512, ge=1)
+    generation_prefill_tokens: int = Field(default=256, ge=1)
+    generation_max_sequences: int = Field(default=64, ge=1)
+    # a generation's sequences waiting for the cache beyond this many get 429
+    generation_max_waiting: int = Field(default=256, ge=0)
     # compiled models kept loaded per runtime, and how long an idle one stays
     max_loaded_models: int = 8
     idle_unload_s: float = 600.0

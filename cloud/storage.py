@@ -153,6 +153,12 @@ def artifact_key(
     return f"{artifacts_prefix(graph_key)}/{target}/{compiler_version}/{digest}"
 
 
+def bundle_key(tenant_id: int, sha256: str) -> str:
+    """Where a tenant's tokenizer bundle is stored (a prefix; one object per file), by the digest
+    of its files: per tenant, as graphs are."""
+    return f"bundles/t{tenant_id}/{sha256}"
+
+
 def artifacts_prefix(graph_key: str) -> str:
     """Every artifact compiled from one uploaded graph, for any target or compiler version."""
     return f"artifacts/{graph_digest(graph_key)}"

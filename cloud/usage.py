@@ -27,6 +27,10 @@ class Usage:
     # this request's share of it
     billed_seconds: float
     price_per_second: float
+    # generation: the sequence's prompt and generated tokens (its rows are their sum, its batch
+    # the steps it ran in); None for inference
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     @property
     def cost(self) -> float:

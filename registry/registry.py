@@ -18,8 +18,9 @@ from sqlalchemy.orm import Session, selectinload
 
 from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion, Tenant
 from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady, QuotaExceeded
-from cloud.storage import ObjectStore, artifacts_prefix, graph_key, spool
+from cloud.storage import ObjectStore, artifacts_prefix, bundle_key, graph_key, spool
 from compiler.targets import EXPORTED, check_precision
+from registry.bundle import GENERATION, Bundle, check_generative, check_task
 from registry.checks import ModelCheck, check_here
 
 # checked with fullmatch: `$` would also match before a final newline ("prod\n")
@@ -84,6 +85,9 @@ class ServedVersion(NamedTuple):
     artifact_key: str
     signature: dict[str, Any]
     graph_bytes: int
+    task: str
+    # a generative version's tokenizer bundle (registry.bundle), else None
+    bundle: dict[str, Any] | None
 
 
 class Registry:
@@ -119,12 +123,19 @@ class Registry:
         target: str,
         max_bytes: int | None = None,
         precision: str = EXPORTED,
+        task: str = "inference",
+        bundle: Bundle | None = None,
     ) -> ModelVersion:
         """A new version from the ONNX file read from `source`, spooled to disk (at most
         `max_bytes`, else PayloadTooLarge), checked by `check_model` (the gateway's checks in a
         child process) and streamed to the store: never whole in this process's memory. It
         compiles for `target` in `precision` (a narrow float on a GPU type only, else
-        InvalidRequest). QuotaExceeded past the tenant's model or the model's version quota."""
+        InvalidRequest). QuotaExceeded past the tenant's model or the model's version quota. A
+        "text-generation" version comes with its tokenizer `bundle`, checked with the graph
+        (registry.bundle.check_generative) and stored content-addressed beside it."""
+        check_task(task)
+        if task != GENERATION and bundle is not None and bundle.files:
+            raise InvalidRequest(f"tokenizer files come with task {GENERATION!r} only, not {task!r}")
         if not NAME_PATTERN.fullmatch(name):
             raise InvalidRequest(
                 f"model name {name!r} is invalid: use 1-128 ASCII letters (A-Z, a-z), digits, '.', '_' or '-', "
@@ -142,6 +153,10 @@ class Registry:
             if graph.size == 0:
                 raise InvalidModelFile("the uploaded file is empty")
             self.check_model(graph.path)
+            kept: dict[str, Any] | None = None
+            if task == GENERATION:
+                bundle = bundle or Bundle({})
+                kept = {**check_generative(graph.path, bundle), "key": bundle_key(tenant_id, bundle.sha256), "files": sorted(bundle.files)}
             key = graph_key(tenant_id, graph.sha256)
             # uploads racing on a new name or the next number: within this process they take turns
             # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered
@@ -151,7 +166,11 @@ class Registry:
                     with self._insert_lock:
                         if not self.store.exists(key):
                             self.store.put_file(key, graph.path)
-                        return self._insert_version(tenant_id, name, key, graph.size, target, precision)
+                        if kept is not None and bundle is not None:
+                            for file_name, data in bundle.files.items():
+                                if not self.store.exists(f"{kept['key']}/{file_name}"):
+                                    self.store.put(f"{kept['key']}/{file_name}", data)
+                        return self._insert_version(tenant_id, name, key, graph.size, target, precision, task, kept)
                 except IntegrityError:
                     if attempt == _INSERT_ATTEMPTS - 1:
                         raise
@@ -159,7 +178,15 @@ class Registry:
         raise AssertionError("unreachable")
 
     def _insert_version(
-        self, tenant_id: int, name: str, key: str, size: int, target: str, precision: str
+        self,
+        tenant_id: int,
+        name: str,
+        key: str,
+        size: int,
+        target: str,
+        precision: str,
+        task: str = "inference",
+        bundle: dict[str, Any] | None = None,
     ) -> ModelVersion:
         with self.db.serialized() as session:
             model = session.scalar(
@@ -182,6 +209,8 @@ class Registry:
                 precision=precision,
                 graph_key=key,
                 graph_bytes=size,
+                task=task,
+                bundle=bundle,
             )
             session.add(version)
             session.flush()
@@ -304,8 +333,9 @@ class Registry:
                 self._forget_served(tenant_id, name)
                 ids = [v.id for v in model.versions]
                 keys = {v.graph_key for v in model.versions}
+                bundles = {v.bundle["key"] for v in model.versions if v.bundle}
                 session.delete(model)
-            self._free_unreferenced(keys)
+            self._free_unreferenced(keys, bundles)
         return ids
 
     def delete_version(self, tenant_id: int, name: str, number: int) -> int:
@@ -326,8 +356,9 @@ class Registry:
                     )
                 self._forget_served(tenant_id, name)
                 version_id, key = version.id, version.graph_key
+                bundles = {version.bundle["key"]} if version.bundle else set()
                 session.delete(model if len(model.versions) == 1 else version)
-            self._free_unreferenced({key})
+            self._free_unreferenced({key}, bundles)
         return version_id
 
     # -- aliases --
@@ -426,12 +457,17 @@ class Registry:
         session.refresh(alias, ["version", "history"])
         return alias
 
-    def _free_unreferenced(self, keys: set[str]) -> None:
+    def _free_unreferenced(self, keys: set[str], bundles: set[str] = frozenset()) -> None:
         with self.db.session() as session:
             still_used = set(session.scalars(select(ModelVersion.graph_key).where(ModelVersion.graph_key.in_(keys))))
+            if bundles:
+                generative = session.scalars(select(ModelVersion.bundle).where(ModelVersion.task == GENERATION))
+                bundles = bundles - {b["key"] for b in generative if b}
         for key in keys - still_used:
             self.store.delete_prefix(key)
             self.store.delete_prefix(artifacts_prefix(key))
+        for key in bundles:
+            self.store.delete_prefix(key)
 
     def get_version(self, version_id: int) -> ModelVersion | None:
         with self.db.session() as session:

@@ -181,6 +181,14 @@ class Runtime:
                 self._drop(key)
             self.observer.models_loaded_now(self.device.target, len(self._loaded))
 
+    def signature(self, key: str):
+        """The loaded program's signature (loading it if need be)."""
+        program, _ = self._ensure_loaded(key)
+        try:
+            return program.signature
+        finally:
+            self._done_with(program)
+
     def run_batch(
         self, key: str, requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int], busy: bool = False
     ) -> BatchResult:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -29,7 +29,9 @@ from cloud.errors import (
 from cloud.usage import Usage
 from compiler.shape import ShapeError
 from runtime import Runtime
+from runtime.generator import GenerationRequest, TokenEvent
 from runtime.runtime import DoesNotFit
+from scheduler.generating import GenerationService
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
 from scheduler.pricing import UsageSink, price_for, split_by_rows
@@ -55,6 +57,8 @@ class Route:
     batchable: bool
     # memory the loaded program holds (its weights), to place it on a runtime with room for it
     model_bytes: int = 0
+    # a generative version's tokenizer bundle and cache layout (registry.bundle); None otherwise
+    bundle: dict | None = None
 
 
 @dataclass
@@ -77,6 +81,10 @@ class Engine(Protocol):
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
     ) -> InferenceResult: ...
+
+    def generate(self, route: Route, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """A generative version's sequence, its events as they come (scheduler.generating)."""
+        ...
 
     def forget(self, version_id: int) -> None: ...
 
@@ -103,8 +111,10 @@ class InProcessEngine:
         idle_check_s: float = 30.0,
         adaptive_batching: bool = True,
         observer: SchedulerObserver = NO_OBSERVER,
+        generation: GenerationService | None = None,
     ) -> None:
         self.runtimes = runtimes
+        self.generation = generation
         self.ledger = ledger
         self.observer = observer
         self.prices = prices
@@ -131,6 +141,15 @@ class InProcessEngine:
             await asyncio.sleep(period_s)
             for runtime in self.runtimes.values():
                 runtime.unload_idle()
+            if self.generation is not None:
+                self.generation.unload_idle()
+
+    def generate(self, route: Route, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self.generation is None:
+            raise Unavailable("this server does not serve text generation")
+        if _route_identity(route) in self._forgotten:
+            raise Unavailable(_deleted_message(route))
+        return self.generation.stream(route, request)
 
     async def infer(
         self, route: Route, inputs: Mapping[str, np.ndarray], rows: int, request_id: str
@@ -149,6 +168,9 @@ class InProcessEngine:
     def forget(self, version_id: int) -> None:
         """The version was deleted: its queued requests get 503 now, a batch it is running
         finishes and answers (it ran, and is billed), and its program leaves the device after."""
+        generated = self.generation.forget(version_id) if self.generation is not None else None
+        if generated is not None:
+            self._forgotten[_route_identity(generated)] = time.monotonic()
         batcher = self._batchers.pop(version_id, None)
         if batcher is None:
             return
@@ -163,6 +185,8 @@ class InProcessEngine:
     async def close(self, grace_s: float = 30.0) -> None:
         """Stops every batcher; batches under way get `grace_s` to finish and answer."""
         self._janitor.cancel()
+        if self.generation is not None:
+            self.generation.close()
         for version_id in list(self._batchers):
             self.forget(version_id)
         running = [b.finished for b in self._closing]

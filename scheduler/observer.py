@@ -26,6 +26,13 @@ class SchedulerObserver(Protocol):
         device type to start (its pool was at zero) and loading its model (never billed)."""
 
 
+class GenerationObserver(Protocol):
+    def generation_finished(
+        self, tenant: str, model: str, target: str, prompt_tokens: int, completion_tokens: int, billed_seconds: float
+    ) -> None:
+        """A generation ended (finished, stopped or cancelled): its tokens and billed seconds."""
+
+
 class _NoObserver:
     def batch_executed(
         self, tenant: str, model: str, target: str, requests: int, exec_seconds: float, billed_seconds: float
@@ -39,6 +46,11 @@ class _NoObserver:
         pass
 
     def cold_started(self, tenant: str, model: str, target: str, seconds: float) -> None:
+        pass
+
+    def generation_finished(
+        self, tenant: str, model: str, target: str, prompt_tokens: int, completion_tokens: int, billed_seconds: float
+    ) -> None:
         pass
 
 

@@ -135,7 +135,9 @@ def test_csv_export_has_a_header_row_the_same_numbers_and_a_filename(client, key
 
     as_csv = client.get("/v1/usage", headers=headers, params={**params, "format": "csv"})
     rows = rows_of(as_csv)
-    assert as_csv.text.splitlines()[0] == "model,version,target,price_per_second,requests,rows,billed_seconds,cost"
+    assert as_csv.text.splitlines()[0] == (
+        "model,version,target,price_per_second,requests,rows,billed_seconds,cost,prompt_tokens,completion_tokens"
+    )
     assert as_csv.headers["content-disposition"] == (
         'attachment; filename="luminal-usage-alice-version-2026-03-01-2026-03-03.csv"'
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, UploadFile, status
@@ -14,16 +16,19 @@ from api.schemas import (
     ModelList,
     ModelPublic,
     ModelSummary,
+    OpenAIModel,
     SignaturePublic,
     VersionCreated,
     VersionPublic,
 )
 from api.validation import symbol_limits
 from cloud.db import Model, ModelVersion
+from cloud.errors import InvalidRequest
 from cloud.settings import Settings
 from compiler import Signature
 from compiler.targets import EXPORTED
 from registry import report_and_progress
+from registry.bundle import GENERATION, bundle_from_parts, check_task, is_zip, read_zip
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -35,23 +40,59 @@ async def upload_model(
     name: Annotated[str, Form()],
     target: Annotated[str, Form()] = "cpu",
     precision: Annotated[str, Form(description="exported, or tf32, float16 or bfloat16 on a GPU target")] = EXPORTED,
+    task: Annotated[str, Form(description="inference, or text-generation for a decoder with its KV cache")] = "inference",
+    tokenizer: Annotated[UploadFile | None, File(description="text-generation: tokenizer.json")] = None,
+    tokenizer_config: Annotated[UploadFile | None, File(description="text-generation: tokenizer_config.json")] = None,
+    generation_config: Annotated[UploadFile | None, File(description="text-generation: generation_config.json")] = None,
+    config: Annotated[UploadFile | None, File(description="text-generation: config.json (its context length)")] = None,
 ) -> VersionCreated:
+    parts = {
+        field: await part.read()
+        for field, part in (
+            ("tokenizer", tokenizer),
+            ("tokenizer_config", tokenizer_config),
+            ("generation_config", generation_config),
+            ("config", config),
+        )
+        if part is not None
+    }
     # the part is already a file (Starlette spools parts over 1 MiB to disk): streamed on from there
     version = await run_in_threadpool(
-        services.registry.create_version,
-        tenant.id,
-        name,
-        file.file,
-        target,
-        services.settings.max_upload_bytes,
-        precision=precision,
+        _create_version, services, tenant.id, name, file, target, precision, check_task(task), parts
     )
     # answered once the compile is queued (on Celery: the broker holds it), so a gateway that
     # dies after answering loses no compile
     await run_in_threadpool(services.compiler.submit, version.id, tenant.id)
     return VersionCreated(
-        name=name, version=version.number, status=version.status, target=target, precision=version.precision
+        name=name,
+        version=version.number,
+        status=version.status,
+        target=target,
+        precision=version.precision,
+        task=version.task,
     )
+
+
+def _create_version(
+    services, tenant_id: int, name: str, file: UploadFile, target: str, precision: str, task: str, parts: dict
+) -> ModelVersion:
+    """A version from the upload: an ONNX file (with the tokenizer as parts), or a zip bundle."""
+    limit = services.settings.max_upload_bytes
+    head = file.file.read(4)
+    file.file.seek(0)
+    if not is_zip(head, file.filename):
+        bundle = bundle_from_parts(parts) if parts or task == GENERATION else None
+        return services.registry.create_version(
+            tenant_id, name, file.file, target, limit, precision=precision, task=task, bundle=bundle
+        )
+    if parts:
+        raise InvalidRequest("send the tokenizer files inside the zip bundle or as parts, not both")
+    with tempfile.TemporaryDirectory(prefix="luminal-bundle-") as folder:
+        graph, bundle = read_zip(file.file, limit, Path(folder))
+        with graph.open("rb") as source:
+            return services.registry.create_version(
+                tenant_id, name, source, target, limit, precision=precision, task=task, bundle=bundle
+            )
 
 
 def _summary(model: Model) -> ModelSummary:
@@ -62,13 +103,19 @@ def _summary(model: Model) -> ModelSummary:
         latest_status=latest.status,
         versions=len(model.versions),
         created_at=model.created_at,
+        task=latest.task,
     )
 
 
 @router.get("", response_model=ModelList)
 async def list_models(tenant: CurrentTenant, services: ServicesDep) -> ModelList:
-    models = await run_in_threadpool(services.registry.list_models, tenant.id)
-    return ModelList(models=[_summary(m) for m in models if m.versions])
+    models = [m for m in await run_in_threadpool(services.registry.list_models, tenant.id) if m.versions]
+    generative = [
+        OpenAIModel(id=m.name, created=int(m.created_at.timestamp()), owned_by=tenant.name)
+        for m in models
+        if any(v.task == GENERATION and v.status == "ready" for v in m.versions)
+    ]
+    return ModelList(models=[_summary(m) for m in models], data=generative)
 
 
 def _signature(stored: dict[str, Any] | None, settings: Settings) -> SignaturePublic | None:
@@ -96,6 +143,8 @@ def _version(version: ModelVersion, settings: Settings) -> VersionPublic:
         report=report,
         error=version.error,
         progress=None if progress is None else CompileProgress(**progress),
+        task=version.task,
+        context_length=version.bundle.get("context_length") if version.bundle else None,
     )
 
 

@@ -1,0 +1,220 @@
+"""Generative versions served by this process's runtimes: one step loop (runtime.generator) per
+loaded generative version, fed by the API's streams, metered per sequence when it ends.
+
+A stream is an async iterator of TokenEvents; leaving it early (a client that disconnects)
+cancels the sequence, which the loop frees at its next step. What a sequence used is written
+to the ledger when it ends, however it ends, and never its queue time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cloud.errors import Overloaded, Unavailable
+from cloud.usage import Usage
+from compiler.kv_layout import CacheLayout
+from runtime import Runtime
+from runtime.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
+from runtime.kv_cache import blocks_that_fit
+from runtime.tokenizer import TextCodec
+from scheduler.observer import GenerationObserver
+from scheduler.pricing import UsageSink, price_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    kv_cache_bytes: int = 256 * 1024**2
+    block_tokens: int = 16
+    step_tokens: int = 512
+    prefill_tokens: int = 256
+    max_sequences: int = 64
+    max_waiting: int = 256
+    idle_unload_s: float = 600.0
+
+
+@dataclass
+class _Served:
+    generator: Generator
+    route: object  # scheduler.engine.Route
+    last_used: float
+
+
+class GenerationService:
+    """Thread-safe; `stream` runs on the event loop."""
+
+    def __init__(
+        self,
+        runtimes: Mapping[str, Runtime],
+        load_codec: Callable[[dict], TextCodec],
+        ledger: UsageSink,
+        prices: Mapping[str, float],
+        settings: GenerationSettings,
+        observer: GenerationObserver,
+    ) -> None:
+        self.runtimes = runtimes
+        self.load_codec = load_codec
+        self.ledger = ledger
+        self.prices = prices
+        self.settings = settings
+        self.observer = observer
+        self._served: dict[int, _Served] = {}
+        self._lock = threading.Lock()
+        # usage records are written off the step loop and off the event loop, in order
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-ledger")
+
+    def generator(self, route) -> Generator:
+        """The version's step loop, started on first use (loading its program and its cache)."""
+        with self._lock:
+            served = self._served.get(route.version_id)
+            if served is not None:
+                served.last_used = time.monotonic()
+                return served.generator
+        runtime = self.runtimes.get(route.target)
+        if runtime is None:
+            raise Unavailable(f"no runtime serves device type {route.target!r}")
+        bundle = route.bundle or {}
+        layout = CacheLayout.from_json(bundle["layout"])
+        signature = runtime.signature(route.artifact_key)
+        key = route.artifact_key
+
+        def run_step(inputs):
+            rows = int(inputs["input_ids"].shape[0])
+            result = runtime.run_batch(key, [inputs], [rows])
+            return result.outputs[0], result.exec_seconds
+
+        block_tokens = self.settings.block_tokens
+        limits = GeneratorLimits(
+            num_blocks=blocks_that_fit(layout, block_tokens, self.settings.kv_cache_bytes),
+            block_size=block_tokens,
+            max_step_tokens=self.settings.step_tokens,
+            max_running=self.settings.max_sequences,
+            prefill_chunk=min(self.settings.prefill_tokens, self.settings.step_tokens),
+            context_length=int(bundle.get("context_length") or 2048),
+        )
+        generator = Generator(
+            layout,
+            run_step,
+            self.load_codec(bundle),
+            {spec.name: spec.dtype for spec in signature.inputs},
+            limits,
+            name=f"{route.model_name}-v{route.version}",
+        )
+        with self._lock:
+            served = self._served.get(route.version_id)
+            if served is not None:  # another request started it meanwhile
+                generator.close()
+                return served.generator
+            self._served[route.version_id] = _Served(generator, route, time.monotonic())
+        return generator
+
+    async def stream(self, route, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The sequence's events as they come; closing the iterator early cancels it."""
+        from starlette.concurrency import run_in_threadpool
+
+        generator = await run_in_threadpool(self.generator, route)
+        waiting = generator.active() - self.settings.max_sequences
+        if waiting >= self.settings.max_waiting:
+            raise Overloaded(
+                f"model {route.model_name!r} has {waiting} generations waiting for its KV cache, its limit",
+                retry_after=1,
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        price = price_for(route.target, self.prices)
+
+        def sink(event: TokenEvent) -> None:
+            if event.usage is not None:
+                self._writer.submit(self._meter, route, request.request_id, event, price)
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        generator.submit(request, sink)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                generator.cancel(request.request_id)
+
+    def _meter(self, route, request_id: str, event: TokenEvent, price: float) -> None:
+        usage = event.usage
+        assert usage is not None
+        try:
+            self.ledger.record(
+                [
+                    Usage(
+                        request_id=request_id,
+                        tenant_id=route.tenant_id,
+                        model_name=route.model_name,
+                        version=route.version,
+                        target=route.target,
+                        rows=usage.prompt_tokens + usage.completion_tokens,
+                        batch_size=usage.steps,
+                        batch_rows=usage.prompt_tokens + usage.completion_tokens,
+                        batch_exec_seconds=usage.billed_seconds,
+                        billed_seconds=usage.billed_seconds,
+                        price_per_second=price,
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                    )
+                ]
+            )
+        except Exception:  # the ledger's outage must not stop generation; operators see it logged
+            log.exception("could not record the usage of generation %s", request_id)
+        self.observer.generation_finished(
+            route.tenant_name,
+            route.model_name,
+            route.target,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.billed_seconds,
+        )
+
+    def free_blocks(self, version_id: int) -> int | None:
+        with self._lock:
+            served = self._served.get(version_id)
+        return None if served is None else served.generator.free_blocks
+
+    def forget(self, version_id: int):
+        """The version was deleted: its sequences end ('cancelled') and its cache is freed.
+        Returns the route it was served for, if it was."""
+        with self._lock:
+            served = self._served.pop(version_id, None)
+        if served is None:
+            return None
+        served.generator.close()
+        return served.route
+
+    def unload_idle(self, now: float | None = None) -> None:
+        """A generative version with no sequence for idle_unload_s gives its cache back."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [
+                version_id
+                for version_id, served in self._served.items()
+                if served.generator.active() == 0 and now - served.last_used >= self.settings.idle_unload_s
+            ]
+        for version_id in idle:
+            self.forget(version_id)
+
+    def close(self) -> None:
+        with self._lock:
+            served, self._served = list(self._served.values()), {}
+        for item in served:
+            item.generator.close()
+        self._writer.shutdown(wait=True)
+
+
+__all__ = ["GenerationService", "GenerationSettings"]
