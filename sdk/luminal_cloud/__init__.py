@@ -5,6 +5,11 @@
     client.deploy("model.onnx", name="mnist")       # a progress bar on a terminal
     outputs = client.predict("mnist", {"input": x})
 
+    client.deploy("gpt2/", name="gpt2", task="text-generation")   # the ONNX decoder + tokenizer
+    client.generate("gpt2", "Once upon a time", max_tokens=32).text
+    for piece in client.stream("gpt2", messages=[{"role": "user", "content": "Hi"}]):
+        print(piece, end="", flush=True)
+
 `AsyncClient` has the same methods, awaited. The SDK depends on httpx and numpy, and imports
 nothing from the server; Graph (the native graph API in luminal_cloud.graph) also needs onnx,
 and Client.deploy_torch needs torch (the extra `luminal-cloud-sdk[torch]`), each imported on
@@ -34,17 +39,20 @@ from luminal_cloud.errors import (
 )
 
 if TYPE_CHECKING:
-    from luminal_cloud.client import AsyncClient, Client
+    from luminal_cloud._generation import Generation
+    from luminal_cloud.client import AsyncClient, AsyncTextStream, Client, TextStream
     from luminal_cloud.graph import Graph
 
 __all__ = [
     "APIError",
     "AsyncClient",
+    "AsyncTextStream",
     "Client",
     "Conflict",
     "DeadlineExceeded",
     "DeployFailed",
     "Forbidden",
+    "Generation",
     "Graph",
     "GraphError",
     "InvalidInput",
@@ -56,6 +64,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "ServerUnreachable",
+    "TextStream",
     "Unauthorized",
     "Unavailable",
 ]
@@ -69,7 +78,11 @@ def __getattr__(name: str) -> Any:
         from luminal_cloud.graph import Graph
 
         return Graph
-    if name in ("Client", "AsyncClient"):
+    if name == "Generation":
+        from luminal_cloud._generation import Generation
+
+        return Generation
+    if name in ("Client", "AsyncClient", "TextStream", "AsyncTextStream"):
         from luminal_cloud import client
 
         value = getattr(client, name)

@@ -1,7 +1,8 @@
 """How one implementation of the client serves both httpx transports.
 
 Every public method of the client is written once, as a generator of steps: it yields
-`Send(request)` and receives the httpx.Response (or has the httpx.TransportError thrown in at the
+`Send(request)` and receives the httpx.Response (read in full, or with `Send(request, stream=True)`
+left open for the caller to read when its status is a success) (or has the httpx.TransportError thrown in at the
 yield), and yields `Sleep(seconds)` to wait. It does no I/O itself. A driver runs it: `run_sync`
 over an httpx.Client for `Client`, `run_async` over an httpx.AsyncClient for `AsyncClient`.
 `operation` turns such a generator into the public method, whose driver the class chooses.
@@ -21,8 +22,10 @@ import httpx
 
 @dataclass(frozen=True)
 class Send:
-    # sent as is; the step receives the response, read in full
+    # sent as is; the step receives the response, read in full unless `stream`: then a success
+    # (below 400) comes unread, for the caller to read (iter_bytes or aiter_bytes) and close
     request: httpx.Request
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,16 @@ def run_sync[T](http: httpx.Client, steps: Steps[T]) -> T:
             time.sleep(step.seconds)
             continue
         try:
-            reply = http.send(step.request)
+            reply = http.send(step.request, stream=step.stream)
         except httpx.TransportError as exc:
             failure = exc
+            continue
+        if step.stream and reply.is_error:
+            try:
+                reply.read()  # an error's body, for its message
+            except httpx.TransportError as exc:
+                reply.close()
+                reply, failure = None, exc
 
 
 async def run_async[T](http: httpx.AsyncClient, steps: Steps[T]) -> T:
@@ -66,9 +76,16 @@ async def run_async[T](http: httpx.AsyncClient, steps: Steps[T]) -> T:
             await asyncio.sleep(step.seconds)
             continue
         try:
-            reply = await http.send(step.request)
+            reply = await http.send(step.request, stream=step.stream)
         except httpx.TransportError as exc:
             failure = exc
+            continue
+        if step.stream and reply.is_error:
+            try:
+                await reply.aread()  # an error's body, for its message
+            except httpx.TransportError as exc:
+                await reply.aclose()
+                reply, failure = None, exc
 
 
 class Driven:

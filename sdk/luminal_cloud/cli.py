@@ -1,7 +1,7 @@
 """The `luminal-cloud` command.
 
-The SDK's own commands talk to a server over HTTP (deploy, predict, models, status, versions,
-promote, rollback, delete, usage). Commands that run the server itself (serve, demo, admin) come
+The SDK's own commands talk to a server over HTTP (deploy, predict, generate, models, status,
+versions, promote, rollback, delete, usage). Commands that run the server itself (serve, demo, admin) come
 from the server distribution through the entry-point group `luminal_cloud.commands`, so this
 module imports nothing from the server.
 
@@ -11,6 +11,7 @@ Every failure is one line on stderr and an exit code (EXIT_CODES below), never a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -70,12 +71,23 @@ def _say(args: argparse.Namespace, answer: Any, line: str) -> None:
 
 def _deploy(args: argparse.Namespace) -> None:
     path = Path(args.file)
-    if not path.is_file():
+    if not path.is_file() and not (path.is_dir() and args.task == "text-generation"):
+        if path.is_dir():
+            raise UsageError(f"{path} is a directory: a language model's, with --task text-generation")
         raise UsageError(f"no such file: {path}")
     with _client(args) as client:
-        version = client.deploy(
-            path, args.name, target=args.target, wait=not args.no_wait, progress=not args.json, precision=args.precision
-        )
+        try:
+            version = client.deploy(
+                path,
+                args.name,
+                target=args.target,
+                wait=not args.no_wait,
+                progress=not args.json,
+                precision=args.precision,
+                task=args.task,
+            )
+        except (ValueError, FileNotFoundError) as exc:  # the files to upload (no tokenizer.json, ...)
+            raise UsageError(str(exc)) from None
     if args.json:
         _print_json(version)
     else:
@@ -83,6 +95,7 @@ def _deploy(args: argparse.Namespace) -> None:
         precision = version.get("precision", args.precision)
         # only a narrow precision is named: "exported" is the default
         shown = "" if precision == "exported" else f", {precision}"
+        shown += f", {args.task}" if args.task != "inference" else ""
         print(f"{args.name} v{number}: {version['status']} (target {version.get('target', args.target)}{shown})")
 
 
@@ -124,6 +137,36 @@ def _predict(args: argparse.Namespace) -> None:
             print(f"{name}: {value.dtype}{list(value.shape)} -> {path}")
         else:
             print(f"{name}: {value.dtype}{list(value.shape)}\n{value}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text, messages = (None, [{"role": "user", "content": prompt}]) if args.chat else (prompt, None)
+    options: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop or None,
+        "version": _version_ref(args.version),
+    }
+    with _client(args) as client:
+        if args.json:  # the whole answer at once
+            _print_json(dataclasses.asdict(client.generate(args.name, text, **options)))
+            return
+        written = False
+        try:
+            with client.stream(args.name, text, **options) as pieces:
+                for piece in pieces:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                    written = True
+        finally:
+            if written or sys.exc_info()[0] is None:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
 
 
 def _version_ref(text: str | None) -> int | str | None:
@@ -285,7 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     deploy = _verb(commands, "deploy", _deploy, "upload an ONNX model and wait until it is ready")
-    deploy.add_argument("file", help="the ONNX file to upload")
+    deploy.add_argument(
+        "file",
+        help="the ONNX file to upload; with --task text-generation also a directory holding one .onnx file "
+        "and the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json, config.json), "
+        "or a .zip bundle of them",
+    )
     deploy.add_argument("--name", required=True, help="the model's name (a new version when it exists)")
     deploy.add_argument("--target", default="cpu", help="the device type to compile for (default: cpu)")
     deploy.add_argument(
@@ -294,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run in the model's own dtypes (exported, the default), or tf32, float16 or bfloat16 on a GPU target",
     )
     deploy.add_argument("--no-wait", action="store_true", help="return once uploaded, without waiting for the compile")
+    deploy.add_argument(
+        "--task",
+        choices=("inference", "text-generation"),
+        default="inference",
+        help="inference (the default), or text-generation: a decoder with its KV cache and tokenizer, for generate",
+    )
 
     predict = _verb(commands, "predict", _predict, "run a model on inputs from .npy files")
     predict.add_argument("name", help="the model's name")
@@ -302,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--version", help="a version number or an alias such as prod (default: the newest ready)")
     predict.add_argument("--output-dir", help="write each output to DIR/NAME.npy instead of printing it")
+
+    generate = _verb(
+        commands, "generate", _generate, "generate text with a language model, streamed to stdout as it comes"
+    )
+    generate.add_argument("name", help="the model's name (deployed with --task text-generation)")
+    generate.add_argument("prompt", help="the prompt to complete ('-': read it from stdin)")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    generate.add_argument("--max-tokens", type=int, default=16, help="new tokens at most (default: 16)")
+    generate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default: 1)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1)")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all (default)")
+    generate.add_argument("--seed", type=int, help="a seed, for the same text each time")
+    generate.add_argument(
+        "--stop", action="extend", nargs="+", default=[], metavar="STR", help="stop before any of these strings"
+    )
+    generate.add_argument("--version", help="a version number or an alias such as prod (default: the newest ready)")
 
     _verb(commands, "models", _models, "list your models")
 
@@ -332,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--to", dest="end", help="up to this UTC date or time (ISO 8601), exclusive")
     usage.add_argument("--group-by", choices=("model", "version", "day"), help="one row per model, version or day")
 
-    for verb in (deploy, predict, commands.choices["models"], status, versions, promote, rollback, delete, usage):
+    for verb in (deploy, predict, generate, commands.choices["models"], status, versions, promote, rollback, delete, usage):
         _add_connection(verb)
 
     for plugin in entry_points(group="luminal_cloud.commands"):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import email.utils
 import itertools
+import json
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TextIO
 from urllib.parse import quote
@@ -20,10 +21,11 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from luminal_cloud import _progress, _tensors
+from luminal_cloud import _generation, _progress, _tensors
+from luminal_cloud._generation import Generation
 from luminal_cloud._steps import Driven, Send, Sleep, Steps, operation, run_async, run_sync
 from luminal_cloud._torch import export_onnx
-from luminal_cloud.errors import APIError, DeployFailed, LuminalCloudError, ServerUnreachable, api_error
+from luminal_cloud.errors import APIError, DeployFailed, LuminalCloudError, ServerUnreachable, error_from
 
 if TYPE_CHECKING:
     from luminal_cloud.graph import Graph
@@ -34,13 +36,19 @@ RETRY_STATUSES = frozenset({429, 503})
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0
 
 
-def _model_file(model: str | Path | bytes | Graph, name: str) -> tuple[str, bytes]:
+type Parts = dict[str, tuple[str, bytes, str]]
+
+
+def _model_file(model: str | Path | bytes | Graph, name: str, task: str) -> tuple[str, bytes, Parts]:
+    """The upload's `file` (its name and bytes) and its other file parts (the tokenizer's)."""
+    if task not in _generation.TASKS:
+        raise ValueError(f"task is one of {', '.join(_generation.TASKS)}, not {task!r}")
     if isinstance(model, bytes):
-        return f"{name}.onnx", model
+        return f"{name}.onnx", model, {}
     # a Graph, recognized by its export so that uploading files never imports onnx
     if hasattr(model, "to_onnx"):
-        return f"{name}.onnx", model.to_onnx()
-    return Path(model).name, Path(model).read_bytes()
+        return f"{name}.onnx", model.to_onnx(), {}
+    return _generation.model_bundle(Path(model), task)
 
 
 def retry_after(response: httpx.Response) -> float | None:
@@ -67,19 +75,16 @@ def backoff(attempt: int) -> float:
 
 
 def error_of(response: httpx.Response) -> APIError:
-    """The typed error for an error response: /v1's {"error": {"code", "message"}}, KServe v2's
-    {"error": "message"}, or whatever else a proxy in between answered."""
+    """The typed error for an error response: /v1's {"error": {"code", "message"}}, the OpenAI
+    routes' {"error": {"message", "type", "param", "code"}}, KServe v2's {"error": "message"}, or
+    whatever else a proxy in between answered."""
     try:
         error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
         error = None
-    if isinstance(error, dict):
-        code, message = error.get("code"), str(error.get("message", ""))
-    elif isinstance(error, str):
-        code, message = None, error
-    else:
-        code, message = None, response.text or response.reason_phrase
-    return api_error(response.status_code, code, message, retry_after(response))
+    if not isinstance(error, dict | str):
+        error = response.text or response.reason_phrase
+    return error_from(response.status_code, error, response.reason_phrase, retry_after(response))
 
 
 class Calls(Driven):
@@ -124,14 +129,16 @@ class Calls(Driven):
             **kwargs,
         )
 
-    def _send(self, request: httpx.Request, retry: bool = True) -> Steps[httpx.Response]:
+    def _send(
+        self, request: httpx.Request, retry: bool = True, stream: bool = False
+    ) -> Steps[httpx.Response]:
         """The response, after retrying 429 and 503 (with `retry`) while attempts and the wait
-        budget last."""
+        budget last. With `stream`, a success comes unread (see Send)."""
         waited = 0.0
         attempts = self._max_attempts if retry else 1
         for attempt in range(1, attempts + 1):
             try:
-                response = yield Send(request)
+                response = yield Send(request, stream)
             except httpx.TransportError as exc:
                 raise self._transport_error(exc) from None
             if response.status_code not in RETRY_STATUSES or attempt == attempts:
@@ -174,6 +181,8 @@ class Calls(Driven):
         timeout: float = 600.0,
         progress: bool = True,
         precision: str = "exported",
+        *,
+        task: str = "inference",
     ) -> Steps[dict[str, Any]]:
         """Upload a model (an ONNX file's path or bytes, or a luminal_cloud.graph.Graph) to
         compile for `target`, in `precision`: "exported" (the dtypes the model declares), or on
@@ -181,9 +190,20 @@ class Calls(Driven):
         (weights and intermediates in 16 bits; inputs and outputs keep their dtypes). With wait=True, return the version once it is ready, or
         raise DeployFailed with the compile error. On a terminal (and unless progress=False) a
         progress bar shows the upload, then the compile's status, phase and candidates
-        measured, and elapsed time."""
-        filename, data = _model_file(model, name)
-        return (yield from self._deploy(filename, data, name, target, precision, wait, timeout, progress))
+        measured, and elapsed time.
+
+        task="text-generation" uploads a language model (a decoder with its KV cache) for
+        generate and stream. `model` is then a directory holding one .onnx file and the
+        tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json and
+        optionally config.json), each sent as its own form part beside the ONNX file; or the
+        path of one .onnx file, whose directory's tokenizer files go with it; or a .zip bundle of
+        them all, sent as it is."""
+        filename, data, parts = _model_file(model, name, task)
+        return (
+            yield from self._deploy(
+                filename, data, name, target, precision, wait, timeout, progress, task, parts
+            )
+        )
 
     @operation
     def deploy_torch(
@@ -219,13 +239,15 @@ class Calls(Driven):
         wait: bool,
         timeout: float,
         progress: bool,
+        task: str = "inference",
+        parts: Parts | None = None,
     ) -> Steps[dict[str, Any]]:
         shown = _progress.Progress(self._progress_stream or sys.stdout, progress)
         request = self._request(
             "POST",
             "/v1/models",
-            files={"file": (filename, data, "application/octet-stream")},
-            data={"name": name, "target": target, "precision": precision},
+            files={"file": (filename, data, "application/octet-stream"), **(parts or {})},
+            data={"name": name, "target": target, "precision": precision, "task": task},
         )
         if shown.shown:
             body = request.read()
@@ -444,6 +466,95 @@ class Calls(Driven):
             self._output_dtypes[key] = {o["name"]: o["dtype"] for o in outputs["outputs"]}
         return self._output_dtypes[key]
 
+    # -- text generation
+
+    @operation
+    def generate(
+        self,
+        name: str,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        version: int | str | None = None,
+        **extra: Any,
+    ) -> Steps[Generation]:
+        """Generate text with a model deployed with task="text-generation": a `prompt` is
+        completed (/v1/completions), `messages` ([{"role": "user", "content": ...}, ...]) are
+        answered with the model's chat template (/v1/chat/completions). Up to `max_tokens` new
+        tokens, sampled with `temperature` (0: greedy), `top_p` and `top_k` (0: all), from `seed`
+        where given; generation stops at the end token or at any `stop` string. `version`: a
+        number, an alias (prod), or None for the newest ready version. `extra` fields go in the
+        request body as they are (min_tokens=, ignore_eos=)."""
+        path, body = _generation.request_body(
+            name,
+            prompt,
+            messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            version=version,
+            extra=extra,
+            stream=False,
+        )
+        reply = yield from self._json("POST", path, json=body)
+        return _generation.generation_of(reply, _generation.is_chat(path))
+
+    def stream(
+        self,
+        name: str,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        version: int | str | None = None,
+        **extra: Any,
+    ) -> TextStream | AsyncTextStream:
+        """The text of `generate` (same arguments) piece by piece as it is generated: Client
+        returns a TextStream (`for piece in client.stream(...)`), AsyncClient an AsyncTextStream
+        (`async for piece in aio.stream(...)`). The request goes out at the first piece asked
+        for, where an error answer raises as other calls do; once the stream is done, the
+        stream's finish_reason, usage and id are set (see TextStream)."""
+        path, body = _generation.request_body(
+            name,
+            prompt,
+            messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            version=version,
+            extra=extra,
+            stream=True,
+        )
+        request = self._request("POST", path, json=body, headers={"Accept": "text/event-stream"})
+        return self._text_stream(request, _generation.StreamState(_generation.is_chat(path)))
+
+    def _text_stream(self, request: httpx.Request, state: _generation.StreamState) -> Any:
+        raise NotImplementedError
+
+    def _open_stream(self, request: httpx.Request) -> Steps[httpx.Response]:
+        """The streamed answer's response, unread (after the retries of 429 and 503)."""
+        response = yield from self._send(request, stream=True)
+        if response.is_error:
+            raise error_of(response)
+        return response
+
 
 class Client(Calls):
     """A blocking client. Retries 429 and 503 (after the server's Retry-After, or a backoff) up
@@ -466,6 +577,9 @@ class Client(Calls):
 
     def _run(self, steps: Steps[Any]) -> Any:
         return run_sync(self._http, steps)
+
+    def _text_stream(self, request: httpx.Request, state: _generation.StreamState) -> TextStream:
+        return TextStream(self, request, state)
 
     def close(self) -> None:
         self._http.close()
@@ -498,6 +612,9 @@ class AsyncClient(Calls):
     def _run(self, steps: Steps[Any]) -> Any:
         return run_async(self._http, steps)
 
+    def _text_stream(self, request: httpx.Request, state: _generation.StreamState) -> AsyncTextStream:
+        return AsyncTextStream(self, request, state)
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -506,3 +623,130 @@ class AsyncClient(Calls):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _answered_whole(response: httpx.Response) -> bool:
+    # a server that does not stream answers one JSON document
+    return response.headers.get("Content-Type", "").startswith("application/json")
+
+
+class _Stream:
+    def __init__(self, state: _generation.StreamState) -> None:
+        self._state = state
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the generation stopped ("stop" or "length"); None until its last chunk."""
+        return self._state.finish_reason
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        """{"prompt_tokens", "completion_tokens", "total_tokens"}, once the stream is done (None
+        where the server sent none)."""
+        return self._state.usage
+
+    @property
+    def id(self) -> str | None:
+        return self._state.id
+
+    @property
+    def text(self) -> str:
+        """The pieces so far, joined."""
+        return self._state.text
+
+    def generation(self) -> Generation:
+        """What generate would have answered (once the stream is done)."""
+        usage = self.usage or {}
+        return Generation(
+            self.text,
+            self.finish_reason,
+            int(usage.get("prompt_tokens") or 0),
+            int(usage.get("completion_tokens") or 0),
+            self.id,
+        )
+
+
+class TextStream(_Stream, Iterator[str]):
+    """The text pieces of a streamed generation (Client.stream), each a str as it arrives. The
+    request goes out at the first piece asked for; an error answer raises there (the SDK's
+    APIError subclasses, as other calls), and so does an error event mid-stream. Once the
+    iteration ends, finish_reason, usage, id and text (all pieces) are set. close(), or leaving
+    `with client.stream(...) as pieces:`, ends it early and closes the connection."""
+
+    def __init__(self, client: Client, request: httpx.Request, state: _generation.StreamState) -> None:
+        super().__init__(state)
+        self._pieces = self._read(client, request)
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read(self, client: Client, request: httpx.Request) -> Iterator[str]:
+        response: httpx.Response = client._run(client._open_stream(request))
+        try:
+            if _answered_whole(response):
+                yield from self._state.whole(json.loads(response.read()))
+                return
+            for chunk in response.iter_bytes():
+                yield from self._state.feed(chunk)
+                if self._state.done:
+                    return
+            yield from self._state.end()
+        except httpx.TransportError as exc:
+            raise client._transport_error(exc) from None
+        finally:
+            response.close()
+
+
+class AsyncTextStream(_Stream, AsyncIterator[str]):
+    """TextStream's async twin (AsyncClient.stream): `async for piece in aio.stream(...)`;
+    aclose(), or `async with`, ends it early."""
+
+    def __init__(self, client: AsyncClient, request: httpx.Request, state: _generation.StreamState) -> None:
+        super().__init__(state)
+        self._pieces = self._read(client, request)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> str:
+        return await anext(self._pieces)
+
+    async def aclose(self) -> None:
+        await self._pieces.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _read(self, client: AsyncClient, request: httpx.Request) -> AsyncIterator[str]:
+        response: httpx.Response = await client._run(client._open_stream(request))
+        try:
+            if _answered_whole(response):
+                for piece in self._state.whole(json.loads(await response.aread())):
+                    yield piece
+                return
+            async for chunk in response.aiter_bytes():
+                for piece in self._state.feed(chunk):
+                    yield piece
+                if self._state.done:
+                    return
+            for piece in self._state.end():
+                yield piece
+        except httpx.TransportError as exc:
+            raise client._transport_error(exc) from None
+        finally:
+            await response.aclose()

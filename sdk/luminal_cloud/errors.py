@@ -4,6 +4,7 @@ LuminalCloudError at the boundary (luminal_cloud._calls).
     LuminalCloudError
     ├── ServerUnreachable      no connection to the server (down, wrong URL); names the URL
     ├── APIError               the server answered with an error: status, code and message
+    │                          (and, from the OpenAI-style routes, type and param)
     │   ├── InvalidRequest     400
     │   │   ├── InvalidModel   400 the upload is not a usable ONNX file
     │   │   └── InvalidInput   400 inference inputs do not match the signature
@@ -40,6 +41,10 @@ class APIError(LuminalCloudError):
     # the status and code this class stands for (APIError itself: any other)
     status = 0
     code = "http_error"
+    # OpenAI's error fields, from /v1/completions and /v1/chat/completions: the error's type
+    # (invalid_request_error, ...) and the request field it names; None elsewhere
+    type: str | None = None
+    param: str | None = None
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{status} {code}: {message}")
@@ -129,6 +134,24 @@ def api_error(status: int, code: str | None, message: str, retry_after: float | 
     if cls is Overloaded:
         return Overloaded(status, code, message, retry_after)
     return cls(status, code, message)
+
+
+def error_from(status: int, error: object, fallback: str, retry_after: float | None = None) -> APIError:
+    """The typed error for a response's "error" member: the project's {"code", "message"},
+    OpenAI's {"message", "type", "param", "code"} (its code a string, a number or null), or a
+    string; `fallback` is the message where there is none."""
+    if isinstance(error, dict):
+        code = error.get("code")
+        # a number (vLLM's copy of the status) or null is no code: the status types it
+        code = code if isinstance(code, str) and code else None
+        made = api_error(status, code, str(error.get("message") or fallback), retry_after)
+        kind, param = error.get("type"), error.get("param")
+        made.type = kind if isinstance(kind, str) else None
+        made.param = param if isinstance(param, str) else None
+        return made
+    if isinstance(error, str):
+        return api_error(status, None, error, retry_after)
+    return api_error(status, None, fallback, retry_after)
 
 
 class DeployFailed(LuminalCloudError):
