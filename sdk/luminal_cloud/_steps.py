@@ -1,9 +1,9 @@
 """How one implementation of the client serves both httpx transports.
 
 Every public method of the client is written once, as a generator of steps: it yields
-`Send(request)` and receives the httpx.Response (read in full, or with `Send(request, stream=True)`
-left open for the caller to read when its status is a success) (or has the httpx.TransportError thrown in at the
-yield), and yields `Sleep(seconds)` to wait. It does no I/O itself. A driver runs it: `run_sync`
+`Send(request)` and receives the httpx.Response, read in full (or has the httpx.TransportError
+thrown in at the yield), and yields `Sleep(seconds)` to wait; `Send(request, stream=True)` leaves
+a success's body unread, for a stream's reader (Client.stream) to read and close. It does no I/O itself. A driver runs it: `run_sync`
 over an httpx.Client for `Client`, `run_async` over an httpx.AsyncClient for `AsyncClient`.
 `operation` turns such a generator into the public method, whose driver the class chooses.
 """

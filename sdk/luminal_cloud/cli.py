@@ -330,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy = _verb(commands, "deploy", _deploy, "upload an ONNX model and wait until it is ready")
     deploy.add_argument(
         "file",
-        help="the ONNX file to upload; with --task text-generation also a directory holding one .onnx file "
-        "and the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json, config.json), "
-        "or a .zip bundle of them",
+        help="the ONNX file to upload; with --task text-generation also a directory holding one .onnx "
+        "file and the tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json, "
+        "config.json), or a .zip bundle of them",
     )
     deploy.add_argument("--name", required=True, help="the model's name (a new version when it exists)")
     deploy.add_argument("--target", default="cpu", help="the device type to compile for (default: cpu)")
@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         choices=("inference", "text-generation"),
         default="inference",
-        help="inference (the default), or text-generation: a decoder with its KV cache and tokenizer, for generate",
+        help="inference (the default), or text-generation: a decoder with its KV cache and its tokenizer, "
+        "for generate",
     )
 
     predict = _verb(commands, "predict", _predict, "run a model on inputs from .npy files")
@@ -362,16 +363,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("name", help="the model's name (deployed with --task text-generation)")
     generate.add_argument("prompt", help="the prompt to complete ('-': read it from stdin)")
-    generate.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    generate.add_argument(
+        "--chat", action="store_true", help="send the prompt as one user message (the chat template)"
+    )
     generate.add_argument("--max-tokens", type=int, default=16, help="new tokens at most (default: 16)")
-    generate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default: 1)")
-    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1)")
-    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all (default)")
+    generate.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default: 1)"
+    )
+    generate.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1)"
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all (default)"
+    )
     generate.add_argument("--seed", type=int, help="a seed, for the same text each time")
     generate.add_argument(
-        "--stop", action="extend", nargs="+", default=[], metavar="STR", help="stop before any of these strings"
+        "--stop", action="extend", nargs="+", default=[], metavar="STR", help="stop at any of these strings"
     )
-    generate.add_argument("--version", help="a version number or an alias such as prod (default: the newest ready)")
+    generate.add_argument(
+        "--version", help="a version number or an alias such as prod (default: the newest ready)"
+    )
 
     _verb(commands, "models", _models, "list your models")
 
@@ -402,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--to", dest="end", help="up to this UTC date or time (ISO 8601), exclusive")
     usage.add_argument("--group-by", choices=("model", "version", "day"), help="one row per model, version or day")
 
-    for verb in (deploy, predict, generate, commands.choices["models"], status, versions, promote, rollback, delete, usage):
+    models = commands.choices["models"]
+    for verb in (deploy, predict, generate, models, status, versions, promote, rollback, delete, usage):
         _add_connection(verb)
 
     for plugin in entry_points(group="luminal_cloud.commands"):
