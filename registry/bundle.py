@@ -25,6 +25,7 @@ TOKENIZER_PARTS = {  # multipart field -> bundle file name
     "tokenizer_config": "tokenizer_config.json",
     "generation_config": "generation_config.json",
     "config": "config.json",
+    "chat_template": "chat_template.jinja",
 }
 BUNDLE_NAMES = frozenset(TOKENIZER_PARTS.values())
 # a tokenizer file past this is not a tokenizer (Llama 3's tokenizer.json is 9 MB)

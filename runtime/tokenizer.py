@@ -14,7 +14,9 @@ from typing import Any
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-BUNDLE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE)
+# transformers >= 4.43 (and optimum's exports) may keep the chat template in a file of its own
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+BUNDLE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE, CHAT_TEMPLATE_FILE)
 REQUIRED_FILES = (TOKENIZER_FILE,)
 
 
@@ -52,6 +54,11 @@ class TextCodec:
             ) from None
         config = _json_file(files, TOKENIZER_CONFIG_FILE)
         generation = _json_file(files, GENERATION_CONFIG_FILE)
+        if CHAT_TEMPLATE_FILE in files:
+            try:
+                config["chat_template"] = files[CHAT_TEMPLATE_FILE].decode("utf-8")
+            except UnicodeDecodeError:
+                raise TokenizerError(f"{CHAT_TEMPLATE_FILE} is not UTF-8 text") from None
         codec = TextCodec(tokenizer, config, generation)
         template = config.get("chat_template")
         if template is not None and not isinstance(template, str):

@@ -20,7 +20,7 @@ from cloud.errors import Overloaded, Unavailable
 from cloud.usage import Usage
 from compiler.kv_layout import CacheLayout
 from runtime import Runtime
-from runtime.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
+from runtime.generator import GenerationRequest, GenerationUsage, Generator, GeneratorLimits, TokenEvent
 from runtime.kv_cache import blocks_that_fit
 from runtime.tokenizer import TextCodec
 from scheduler.observer import GenerationObserver
@@ -47,6 +47,27 @@ class _Served:
     last_used: float
 
 
+def generation_usage(route, request_id: str, usage: GenerationUsage, price: float) -> Usage:
+    """A finished sequence's usage record: its rows are its tokens, its batch the steps it ran
+    in, its billed seconds its shares of those steps' device time."""
+    tokens = usage.prompt_tokens + usage.completion_tokens
+    return Usage(
+        request_id=request_id,
+        tenant_id=route.tenant_id,
+        model_name=route.model_name,
+        version=route.version,
+        target=route.target,
+        rows=tokens,
+        batch_size=usage.steps,
+        batch_rows=tokens,
+        batch_exec_seconds=usage.billed_seconds,
+        billed_seconds=usage.billed_seconds,
+        price_per_second=price,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
+
+
 class GenerationService:
     """Thread-safe; `stream` runs on the event loop."""
 
@@ -54,7 +75,7 @@ class GenerationService:
         self,
         runtimes: Mapping[str, Runtime],
         load_codec: Callable[[dict], TextCodec],
-        ledger: UsageSink,
+        ledger: UsageSink | None,
         prices: Mapping[str, float],
         settings: GenerationSettings,
         observer: GenerationObserver,
@@ -115,27 +136,46 @@ class GenerationService:
             self._served[route.version_id] = _Served(generator, route, time.monotonic())
         return generator
 
-    async def stream(self, route, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """The sequence's events as they come; closing the iterator early cancels it."""
-        from starlette.concurrency import run_in_threadpool
-
-        generator = await run_in_threadpool(self.generator, route)
+    def start(self, route, request: GenerationRequest, sink: Callable[[TokenEvent], None]) -> None:
+        """Starts the sequence; `sink` gets its events on the step loop's thread (it must not
+        block). With a ledger, its usage is recorded when it ends, however it ends."""
+        generator = self.generator(route)
         waiting = generator.active() - self.settings.max_sequences
         if waiting >= self.settings.max_waiting:
             raise Overloaded(
                 f"model {route.model_name!r} has {waiting} generations waiting for its KV cache, its limit",
                 retry_after=1,
             )
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         price = price_for(route.target, self.prices)
 
-        def sink(event: TokenEvent) -> None:
-            if event.usage is not None:
+        def metered(event: TokenEvent) -> None:
+            if event.usage is not None and self.ledger is not None:
                 self._writer.submit(self._meter, route, request.request_id, event, price)
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            sink(event)
 
-        generator.submit(request, sink)
+        generator.submit(request, metered)
+
+    def cancel(self, version_id: int, request_id: str) -> None:
+        with self._lock:
+            served = self._served.get(version_id)
+        if served is not None:
+            served.generator.cancel(request_id)
+
+    def active(self) -> int:
+        """Sequences running or waiting, over every generative version."""
+        with self._lock:
+            served = list(self._served.values())
+        return sum(item.generator.active() for item in served)
+
+    async def stream(self, route, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The sequence's events as they come; closing the iterator early cancels it."""
+        from starlette.concurrency import run_in_threadpool
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        await run_in_threadpool(
+            self.start, route, request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        )
         finished = False
         try:
             while True:
@@ -146,40 +186,21 @@ class GenerationService:
                     return
         finally:
             if not finished:
-                generator.cancel(request.request_id)
+                self.cancel(route.version_id, request.request_id)
 
     def _meter(self, route, request_id: str, event: TokenEvent, price: float) -> None:
-        usage = event.usage
-        assert usage is not None
+        assert event.usage is not None
         try:
-            self.ledger.record(
-                [
-                    Usage(
-                        request_id=request_id,
-                        tenant_id=route.tenant_id,
-                        model_name=route.model_name,
-                        version=route.version,
-                        target=route.target,
-                        rows=usage.prompt_tokens + usage.completion_tokens,
-                        batch_size=usage.steps,
-                        batch_rows=usage.prompt_tokens + usage.completion_tokens,
-                        batch_exec_seconds=usage.billed_seconds,
-                        billed_seconds=usage.billed_seconds,
-                        price_per_second=price,
-                        prompt_tokens=usage.prompt_tokens,
-                        completion_tokens=usage.completion_tokens,
-                    )
-                ]
-            )
+            self.ledger.record([generation_usage(route, request_id, event.usage, price)])
         except Exception:  # the ledger's outage must not stop generation; operators see it logged
             log.exception("could not record the usage of generation %s", request_id)
         self.observer.generation_finished(
             route.tenant_name,
             route.model_name,
             route.target,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            usage.billed_seconds,
+            event.usage.prompt_tokens,
+            event.usage.completion_tokens,
+            event.usage.billed_seconds,
         )
 
     def free_blocks(self, version_id: int) -> int | None:
@@ -217,4 +238,4 @@ class GenerationService:
         self._writer.shutdown(wait=True)
 
 
-__all__ = ["GenerationService", "GenerationSettings"]
+__all__ = ["GenerationService", "GenerationSettings", "generation_usage"]

@@ -29,7 +29,9 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 def compiled(arch: str, exporter: str):
     import onnx
 
-    data = (FIXTURES / arch / f"model_{exporter}.onnx").read_bytes()
+    data = (
+        FIXTURES / arch / ("optimum/model.onnx" if exporter == "optimum" else f"model_{exporter}.onnx")
+    ).read_bytes()
     inputs, _ = onnx_specs(onnx.load_from_string(data))
     artifact = compile_onnx(data, "cpu", dims=decoder_dims(inputs))
     signature = artifact.signature
@@ -49,7 +51,13 @@ def codec_of(arch: str) -> TextCodec:
 
 @pytest.mark.parametrize(
     "arch,exporter",
-    [("gpt2", "torchscript"), ("llama", "torchscript"), ("qwen2", "torchscript"), ("llama", "dynamo")],
+    [
+        ("gpt2", "torchscript"),
+        ("llama", "torchscript"),
+        ("qwen2", "torchscript"),
+        ("llama", "dynamo"),
+        ("gpt2", "optimum"),
+    ],
 )
 def test_greedy_generation_matches_transformers_token_for_token(arch: str, exporter: str) -> None:
     program, layout, dtypes = compiled(arch, exporter)
