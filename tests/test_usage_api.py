@@ -124,6 +124,10 @@ def test_from_is_inclusive_to_is_exclusive_and_offsets_are_read_as_utc(client, k
     assert (report.json()["from"], report.json()["to"]) == ("2026-01-31T00:00:00Z", "2026-02-01T00:00:00Z")
 
 
+# inference records count no tokens; generation's do (tests/test_generation_api.py)
+NO_TOKENS = {"prompt_tokens": "0", "completion_tokens": "0"}
+
+
 def test_csv_export_has_a_header_row_the_same_numbers_and_a_filename(client, keys) -> None:
     ledger = client.app.state.services.ledger
     alice = tenant_id(ledger, "alice")
@@ -150,8 +154,8 @@ def test_csv_export_has_a_header_row_the_same_numbers_and_a_filename(client, key
     # Accept: text/csv asks for the same; ?format=json overrides it
     by_day = client.get("/v1/usage", headers={**headers, "Accept": "text/csv"}, params={"group_by": "day"})
     assert rows_of(by_day) == [
-        {"day": "2026-03-01", "requests": "2", "rows": "3", "billed_seconds": "0.006", "cost": "0.003"},
-        {"day": "2026-03-02", "requests": "1", "rows": "3", "billed_seconds": "0.006", "cost": "0.003"},
+        {"day": "2026-03-01", "requests": "2", "rows": "3", "billed_seconds": "0.006", "cost": "0.003", **NO_TOKENS},
+        {"day": "2026-03-02", "requests": "1", "rows": "3", "billed_seconds": "0.006", "cost": "0.003", **NO_TOKENS},
     ]
     assert 'filename="luminal-usage-alice-day-start-now.csv"' in by_day.headers["content-disposition"]
     forced = client.get("/v1/usage", headers={**headers, "Accept": "text/csv"}, params={"format": "json"})
