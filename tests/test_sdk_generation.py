@@ -28,6 +28,7 @@ from luminal_cloud import (
     NotFound,
     Overloaded,
     TextStream,
+    Unavailable,
     cli,
 )
 from luminal_cloud import client as client_module
@@ -355,6 +356,14 @@ def test_an_error_event_mid_stream_raises_after_the_pieces_before_it() -> None:
     with server.client() as client, pytest.raises(APIError, match="the worker died") as raised:
         pieces.extend(client.stream("gpt2", "x"))
     assert pieces == [" Once"] and raised.value.status == 500
+
+
+def test_an_error_chunk_with_the_projects_code_raises_its_type() -> None:
+    failure = {"error": {"message": "the generation failed", "type": "server_error", "code": "unavailable"}}
+    server = Recorder(lambda request: streaming([sse(chunk(chat=True), failure)]))
+    with server.client() as client, pytest.raises(Unavailable, match="the generation failed") as raised:
+        list(client.stream("gpt2", messages=[{"role": "user", "content": "x"}]))
+    assert (raised.value.status, raised.value.code, raised.value.type) == (503, "unavailable", "server_error")
 
 
 def test_the_projects_own_error_shape_still_parses() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from luminal_cloud import errors
 from luminal_cloud.errors import APIError, LuminalCloudError, error_from
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
@@ -117,12 +118,15 @@ def generation_of(reply: Mapping[str, Any], chat: bool) -> Generation:
 
 def stream_error(error: Any) -> APIError:
     """The typed error for an error event inside a stream (which came with status 200): the
-    status is its code where that is one (vLLM's), else its OpenAI type's, else 500."""
+    status is its code's where that is one (a number, as vLLM's; or the project's code, as
+    "unavailable"), else its OpenAI type's, else 500."""
     status = 500
     if isinstance(error, Mapping):
         code = error.get("code")
         if isinstance(code, int) and 400 <= code < 600:
             status = code
+        elif isinstance(code, str) and code in errors.CODES:
+            status = errors.CODES[code].status
         else:
             status = _STATUS_OF_TYPE.get(str(error.get("type")), 500)
     return error_from(status, error, "the server failed while generating")

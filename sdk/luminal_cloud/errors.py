@@ -125,6 +125,8 @@ _BY_CODE: dict[str, type[APIError]] = {
 }
 # the server's database or object store being down: unavailability, as far as a client can act on it
 _BY_CODE["backend_unreachable"] = Unavailable
+# the error classes by the codes the server gives
+CODES: dict[str, type[APIError]] = _BY_CODE
 
 
 def api_error(status: int, code: str | None, message: str, retry_after: float | None = None) -> APIError:
