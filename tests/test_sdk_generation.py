@@ -471,6 +471,7 @@ TOKENIZER_FILES = {
     "tokenizer_config.json": b'{"eos_token": "<|endoftext|>"}',
     "generation_config.json": b'{"eos_token_id": 50256}',
     "config.json": b'{"n_positions": 1024}',
+    "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}",
 }
 
 
@@ -508,10 +509,11 @@ def test_deploy_of_a_directory_sends_the_task_the_onnx_file_and_the_tokenizer_pa
         ("tokenizer_config", "tokenizer_config.json"),
         ("generation_config", "generation_config.json"),
         ("config", "config.json"),
+        ("chat_template", "chat_template.jinja"),
     ):
         assert parts[part] == (filename, TOKENIZER_FILES[filename])
     assert set(parts) == {"name", "target", "precision", "task", "file", "tokenizer", "tokenizer_config",
-                          "generation_config", "config"}  # fmt: skip
+                          "generation_config", "config", "chat_template"}  # fmt: skip
 
 
 def test_deploy_of_a_zip_sends_it_as_it_is_and_a_plain_model_says_inference(tmp_path) -> None:

@@ -17,12 +17,14 @@ from luminal_cloud.errors import APIError, LuminalCloudError, error_from
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 TASKS = ("inference", "text-generation")
-# the upload's form parts beside `file`, each the tokenizer file of that name (config: optional)
+# the upload's form parts beside `file`, each the tokenizer file of that name, sent where the
+# directory has it (config and chat_template: optional; the template as optimum exports it)
 TOKENIZER_PARTS = {
     "tokenizer": "tokenizer.json",
     "tokenizer_config": "tokenizer_config.json",
     "generation_config": "generation_config.json",
     "config": "config.json",
+    "chat_template": "chat_template.jinja",
 }
 # fields the SDK sets itself, which **extra may not override
 _OWN_FIELDS = frozenset({"model", "prompt", "messages", "stream", "stream_options"})

@@ -194,10 +194,10 @@ class Calls(Driven):
 
         task="text-generation" uploads a language model (a decoder with its KV cache) for
         generate and stream. `model` is then a directory holding one .onnx file and the
-        tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json and
-        optionally config.json), each sent as its own form part beside the ONNX file; or the
-        path of one .onnx file, whose directory's tokenizer files go with it; or a .zip bundle of
-        them all, sent as it is."""
+        tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json, and
+        optionally config.json and chat_template.jinja), each sent as its own form part beside
+        the ONNX file; or the path of one .onnx file, whose directory's tokenizer files go with
+        it; or a .zip bundle of them all, sent as it is."""
         filename, data, parts = _model_file(model, name, task)
         return (
             yield from self._deploy(
