@@ -77,7 +77,8 @@ def run_runtime_process(settings: Settings, device: str) -> None:
 
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
     _wait_for_redis(client, settings.redis_url)
-    runtime = build_runtime(settings, make_object_store(settings), device)
+    runtime_store = make_object_store(settings)
+    runtime = build_runtime(settings, runtime_store, device)
     config = RuntimeConfig(
         device=parse_device(device)[0],  # the device type requests are placed by
         heartbeat_s=settings.runtime_heartbeat_s,
@@ -87,7 +88,15 @@ def run_runtime_process(settings: Settings, device: str) -> None:
         adaptive_batching=settings.adaptive_batching,
         prices=dict(settings.price_per_second),
     )
-    process = RuntimeProcess(client, runtime, config, PrometheusObserver())
+    from runtime.tokenizer import CodecCache
+    from scheduler.generating import GenerationService, generation_settings
+
+    store = runtime_store  # the store the runtime fetches artifacts from gives the tokenizers too
+    observer = PrometheusObserver()
+    generation = GenerationService(
+        {config.device: runtime}, CodecCache(store), None, config.prices, generation_settings(settings), observer
+    )
+    process = RuntimeProcess(client, runtime, config, observer, generation)
     signal.signal(signal.SIGTERM, process.stop)
     signal.signal(signal.SIGINT, process.stop)
     if settings.runtime_metrics_port:

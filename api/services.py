@@ -19,11 +19,11 @@ from cloud.settings import Settings
 from cloud.storage import ObjectStore, make_object_store
 from compiler.targets import GPU_TYPES
 from registry import Registry
-from registry.bundle import CodecCache
 from registry.checks import CheckInChild
 from runtime import Runtime
+from runtime.tokenizer import CodecCache
 from scheduler.engine import Engine, InProcessEngine
-from scheduler.generating import GenerationService, GenerationSettings
+from scheduler.generating import GenerationService, generation_settings
 from worker.queue import CompileQueue, compile_check, make_compile_queue
 
 log = logging.getLogger(__name__)
@@ -155,18 +155,6 @@ def build_engine(services: Services) -> Engine:
         # a model leaves memory within a quarter of idle_unload_s after it goes idle
         idle_check_s=max(0.05, min(30.0, settings.idle_unload_s / 4)),
         observer=PrometheusObserver(),
-    )
-
-
-def generation_settings(settings: Settings) -> GenerationSettings:
-    return GenerationSettings(
-        kv_cache_bytes=settings.generation_kv_cache_bytes,
-        block_tokens=settings.generation_block_tokens,
-        step_tokens=settings.generation_step_tokens,
-        prefill_tokens=settings.generation_prefill_tokens,
-        max_sequences=settings.generation_max_sequences,
-        max_waiting=settings.generation_max_waiting,
-        idle_unload_s=settings.idle_unload_s,
     )
 
 

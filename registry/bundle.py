@@ -8,9 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import threading
 import zipfile
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -179,32 +177,6 @@ def check_generative(graph_path: Path, bundle: Bundle) -> dict[str, Any]:
     }
 
 
-class CodecCache:
-    """Tokenizers of stored bundles, loaded once per bundle (the gateway encodes every prompt
-    with one, a runtime decodes every token); the least recently used leave past `size`."""
-
-    def __init__(self, store, size: int = 32) -> None:
-        self.store = store
-        self.size = size
-        self._codecs: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __call__(self, bundle: Mapping[str, Any]):
-        from runtime.tokenizer import TextCodec
-
-        key = bundle["key"]
-        with self._lock:
-            if key in self._codecs:
-                self._codecs.move_to_end(key)
-                return self._codecs[key]
-        codec = TextCodec.from_files({name: self.store.get(f"{key}/{name}") for name in bundle["files"]})
-        with self._lock:
-            self._codecs[key] = codec
-            while len(self._codecs) > self.size:
-                self._codecs.popitem(last=False)
-        return codec
-
-
 def zip_bytes(files: Mapping[str, bytes]) -> bytes:
     """A zip of `files` (tests and the SDK build bundles with it)."""
     out = io.BytesIO()
@@ -219,7 +191,6 @@ __all__ = [
     "TASKS",
     "TOKENIZER_PARTS",
     "Bundle",
-    "CodecCache",
     "bundle_from_parts",
     "check_generative",
     "check_task",

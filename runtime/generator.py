@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -61,6 +61,41 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     usage: GenerationUsage | None = None
     error: str | None = None
+
+
+def event_to_json(index: int, event: TokenEvent) -> dict:
+    """An event as JSON for the wire (scheduler.wire.ReplyMessage.event); `index` orders a
+    sequence's events, so a receiver drops those it had from a sequence generated again."""
+    return {
+        "index": index,
+        "text": event.text,
+        "token_id": event.token_id,
+        "finish_reason": event.finish_reason,
+        "usage": None if event.usage is None else asdict(event.usage),
+        "error": event.error,
+    }
+
+
+def event_from_json(data: dict) -> tuple[int, TokenEvent]:
+    usage = data.get("usage")
+    return int(data["index"]), TokenEvent(
+        text=str(data.get("text") or ""),
+        token_id=data.get("token_id"),
+        finish_reason=data.get("finish_reason"),
+        usage=None if usage is None else GenerationUsage(**usage),
+        error=data.get("error"),
+    )
+
+
+def request_to_json(request: GenerationRequest) -> dict:
+    return {"prompt_ids": list(request.prompt_ids), "params": asdict(request.params)}
+
+
+def request_from_json(request_id: str, data: dict) -> GenerationRequest:
+    params = dict(data["params"])
+    for name in ("stop", "stop_token_ids"):
+        params[name] = tuple(params.get(name) or ())
+    return GenerationRequest(request_id, [int(t) for t in data["prompt_ids"]], SamplingParams(**params))
 
 
 @dataclass
@@ -327,4 +362,8 @@ __all__ = [
     "GeneratorLimits",
     "StepRunner",
     "TokenEvent",
+    "event_from_json",
+    "event_to_json",
+    "request_from_json",
+    "request_to_json",
 ]

@@ -28,11 +28,14 @@ import redis
 
 from cloud.errors import DeadlineExceeded, LuminalError
 from cloud.usage import Usage
+from runtime.generator import GenerationRefused, TokenEvent, event_to_json, request_from_json
 from runtime.runtime import Runtime
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
+from scheduler.generating import GenerationService, generation_usage
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending
+from scheduler.pricing import price_for
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ ASSIGNMENT_CHECK_S = 0.2
 # the run instead of answering 504 while it runs. Any other request's answer comes long before
 # its deadline, and a "started" message for each would cost a round trip on both sides.
 STARTED_NOTICE_S = 2.0
+# on a stop, how long the sequences under way may run to their end before the runtime exits
+# (one that is cut is generated again by another runtime)
+DRAIN_GENERATION_S = 60.0
 
 
 # acknowledges the answered entries ARGV[2..] of a pool stream (KEYS[1]) in its group (ARGV[1]),
@@ -101,6 +107,7 @@ class RuntimeProcess:
         runtime: Runtime,
         config: RuntimeConfig,
         observer: SchedulerObserver = NO_OBSERVER,
+        generation: GenerationService | None = None,
     ) -> None:
         if runtime.memory_budget_bytes is None:
             raise ValueError("a runtime process needs a memory budget: placement reads it from the heartbeat")
@@ -123,6 +130,12 @@ class RuntimeProcess:
         # when it began serving (wall clock)
         self._serving_since = float("inf")
         self._ack_and_trim = self.redis.register_script(ACK_AND_TRIM)
+        # generation: sequences this runtime generates (request id -> its message), and where it
+        # has read the cancels up to
+        self.generation = generation
+        self._generating: dict[str, Taken] = {}
+        self._generating_lock = threading.Lock()
+        self._cancels_read = "$"
 
     # -- announcing --
     def announce(self) -> None:
@@ -147,12 +160,16 @@ class RuntimeProcess:
     @property
     def held(self) -> int:
         """Requests taken and not yet answered."""
-        return sum(len(queue) for queue in list(self._queues.values())) + self._running
+        generating = self.generation.active() if self.generation is not None else 0
+        return sum(len(queue) for queue in list(self._queues.values())) + self._running + generating
 
     def beat(self) -> None:
         """Scale to zero, then announce: models idle past the runtime's idle_unload_s leave device
         memory first, so the heartbeat names only what is still loaded."""
         self.runtime.unload_idle()
+        if self.generation is not None:
+            self.generation.unload_idle()
+            self._keep_generations_claimed()
         self.announce()
 
     def _heartbeat_loop(self) -> None:
@@ -183,6 +200,11 @@ class RuntimeProcess:
                 if "BUSYGROUP" not in str(exc):
                     raise
         gone = set(self._streams) - set(streams)
+        with self._generating_lock:
+            ended = [t for t in self._generating.values() if t.stream in gone]
+        for taken in ended:  # the model was deleted: its sequences end at their next step
+            if self.generation is not None:
+                self.generation.cancel(int(taken.message.route["version_id"]), taken.message.request_id)
         for key in [key for key in self._queues if key[0] in gone]:
             # unplaced (its model was deleted): what it still holds is answered, not dropped
             for pending in self._queues.pop(key).expired(float("inf")):
@@ -230,6 +252,9 @@ class RuntimeProcess:
 
     def _accept(self, stream: str, message_id: bytes, fields: dict) -> None:
         message = wire.RequestMessage.from_fields(fields)
+        if message.kind == "generate":
+            self._start_generation(Taken(stream, message_id, message))
+            return
         wall = self._last_active = time.time()
         # a request queued before this runtime served waited for a runtime to start: its cold start
         waited = wall - message.enqueued_at if stream == self.pool and 0 < message.enqueued_at < self._serving_since else 0.0
@@ -262,6 +287,8 @@ class RuntimeProcess:
             entries += self._claim_orphans()
         for stream, message_id, fields in entries:
             self._accept(stream, message_id, fields)
+        if self._generating:
+            self._read_cancels()
         now = time.monotonic()
         for queue in list(self._queues.values()):
             for pending in queue.expired(now):
@@ -348,6 +375,78 @@ class RuntimeProcess:
     def _answer_error(self, taken: Taken, code: str, message: str) -> None:
         self._finish([(taken, wire.ReplyMessage(taken.message.request_id, "error", code=code, message=message), None)])
 
+    # -- generating --
+    def _start_generation(self, taken: Taken) -> None:
+        """Starts a sequence on this runtime; its events go back as "token" replies, the last
+        with its usage event and the message's acknowledgement in one transaction."""
+        message = taken.message
+        if self.generation is None:
+            self._answer_error(taken, "unavailable", "this runtime does not generate")
+            return
+        if message.deadline < time.time():
+            self._answer_error(taken, DeadlineExceeded.code, "the generation waited in the queue past its deadline")
+            return
+        route = Route(**message.route)
+        request = request_from_json(message.request_id, message.generation)
+        self.redis.xadd(message.reply_to, wire.ReplyMessage(message.request_id, "started").to_fields(), maxlen=100_000, approximate=True)
+        with self._generating_lock:
+            self._generating[message.request_id] = taken
+        price = price_for(route.target, self.config.prices)
+        index = 0
+
+        def sink(event: TokenEvent) -> None:
+            nonlocal index
+            reply = wire.ReplyMessage(message.request_id, "token", event=event_to_json(index, event))
+            index += 1
+            if event.finish_reason is None:
+                self.redis.xadd(message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
+                return
+            with self._generating_lock:
+                self._generating.pop(message.request_id, None)
+            if event.finish_reason == "cancelled" and self._stopping.is_set():
+                return  # cut by this runtime's stop: left unacknowledged, another generates it
+            usage = generation_usage(route, message.request_id, event.usage, price) if event.usage else None
+            self._finish([(taken, reply, usage)])
+            if event.usage is not None:
+                used = event.usage
+                self.observer.generation_finished(
+                    route.tenant_name, route.model_name, route.target,
+                    used.prompt_tokens, used.completion_tokens, used.billed_seconds,
+                )
+
+        try:
+            self.generation.start(route, request, sink)
+        except (LuminalError, GenerationRefused, FileNotFoundError) as exc:
+            with self._generating_lock:
+                self._generating.pop(message.request_id, None)
+            code = exc.code if isinstance(exc, LuminalError) else "invalid_request" if isinstance(exc, GenerationRefused) else "unavailable"
+            self._answer_error(taken, code, exc.message if isinstance(exc, LuminalError) else str(exc))
+        self._last_active = time.time()
+
+    def _read_cancels(self) -> None:
+        """Frees the sequences whose clients left (their gateways said so on the cancel stream)."""
+        read = self.redis.xread({wire.CANCEL_STREAM: self._cancels_read}, count=1000)
+        for _stream, entries in read or []:
+            for message_id, fields in entries:
+                self._cancels_read = message_id
+                request_id = fields.get(b"request_id", b"").decode()
+                with self._generating_lock:
+                    taken = self._generating.get(request_id)
+                if taken is not None and self.generation is not None:
+                    self.generation.cancel(int(taken.message.route["version_id"]), request_id)
+
+    def _keep_generations_claimed(self) -> None:
+        """A sequence can outlive the claim time: its message is claimed again by this runtime
+        (its idle time reset), so that no other runtime takes over a sequence still generating."""
+        with self._generating_lock:
+            held = list(self._generating.values())
+        if not held:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for taken in held:
+                pipe.xclaim(taken.stream, wire.RUNTIME_GROUP, self.runtime_id, 0, [taken.message_id], justid=True)
+            pipe.execute()
+
     # -- running --
     def serve(self) -> None:
         self.announce()
@@ -381,10 +480,20 @@ class RuntimeProcess:
             pass  # the heartbeat expires on its own
 
     def _drain(self) -> None:
-        """On a stop: what this runtime took runs now, rather than waiting to be claimed."""
+        """On a stop: what this runtime took runs now, rather than waiting to be claimed; the
+        sequences it generates finish (for at most DRAIN_GENERATION_S), the rest are taken over."""
         for queue in self._queues.values():
             while (batch := queue.take_batch(float("inf"))) is not None:
                 self._execute(batch)
+        if self.generation is not None:
+            deadline = time.monotonic() + DRAIN_GENERATION_S
+            while self._generating and time.monotonic() < deadline:
+                try:
+                    self._read_cancels()
+                except redis.RedisError:
+                    pass
+                time.sleep(0.05)
+            self.generation.close()
 
     def stop(self, *_: object) -> None:
         self._stopping.set()

@@ -7,6 +7,8 @@ renders it, so a bundle's template gives the same prompt here as there.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +201,30 @@ class IncrementalText:
         return piece
 
 
+class CodecCache:
+    """Tokenizers of stored bundles, loaded once per bundle (the gateway encodes every prompt
+    with one, a runtime decodes every token); the least recently used leave past `size`."""
+
+    def __init__(self, store, size: int = 32) -> None:
+        self.store = store
+        self.size = size
+        self._codecs: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, bundle: Mapping[str, Any]):
+        key = bundle["key"]
+        with self._lock:
+            if key in self._codecs:
+                self._codecs.move_to_end(key)
+                return self._codecs[key]
+        codec = TextCodec.from_files({name: self.store.get(f"{key}/{name}") for name in bundle["files"]})
+        with self._lock:
+            self._codecs[key] = codec
+            while len(self._codecs) > self.size:
+                self._codecs.popitem(last=False)
+        return codec
+
+
 def _overlap(text: str, stop: str) -> int:
     """The longest end of `text` that begins `stop`."""
     for size in range(min(len(stop) - 1, len(text)), 0, -1):
@@ -219,4 +245,4 @@ def _json_file(files: Mapping[str, bytes], name: str) -> dict[str, Any]:
     return value
 
 
-__all__ = ["BUNDLE_FILES", "IncrementalText", "TextCodec", "TokenizerError"]
+__all__ = ["BUNDLE_FILES", "CodecCache", "IncrementalText", "TextCodec", "TokenizerError"]

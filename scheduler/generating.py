@@ -23,7 +23,7 @@ from runtime import Runtime
 from runtime.generator import GenerationRequest, GenerationUsage, Generator, GeneratorLimits, TokenEvent
 from runtime.kv_cache import blocks_that_fit
 from runtime.tokenizer import TextCodec
-from scheduler.observer import GenerationObserver
+from scheduler.observer import SchedulerObserver
 from scheduler.pricing import UsageSink, price_for
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,19 @@ class GenerationSettings:
     max_sequences: int = 64
     max_waiting: int = 256
     idle_unload_s: float = 600.0
+
+
+def generation_settings(settings) -> GenerationSettings:
+    """From the one settings class (cloud.settings.Settings)."""
+    return GenerationSettings(
+        kv_cache_bytes=settings.generation_kv_cache_bytes,
+        block_tokens=settings.generation_block_tokens,
+        step_tokens=settings.generation_step_tokens,
+        prefill_tokens=settings.generation_prefill_tokens,
+        max_sequences=settings.generation_max_sequences,
+        max_waiting=settings.generation_max_waiting,
+        idle_unload_s=settings.idle_unload_s,
+    )
 
 
 @dataclass
@@ -78,7 +91,7 @@ class GenerationService:
         ledger: UsageSink | None,
         prices: Mapping[str, float],
         settings: GenerationSettings,
-        observer: GenerationObserver,
+        observer: SchedulerObserver,
     ) -> None:
         self.runtimes = runtimes
         self.load_codec = load_codec
@@ -238,4 +251,4 @@ class GenerationService:
         self._writer.shutdown(wait=True)
 
 
-__all__ = ["GenerationService", "GenerationSettings", "generation_usage"]
+__all__ = ["GenerationService", "GenerationSettings", "generation_settings", "generation_usage"]

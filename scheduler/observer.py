@@ -25,8 +25,6 @@ class SchedulerObserver(Protocol):
         """A request was answered after a cold start this long: waiting for a runtime of its
         device type to start (its pool was at zero) and loading its model (never billed)."""
 
-
-class GenerationObserver(Protocol):
     def generation_finished(
         self, tenant: str, model: str, target: str, prompt_tokens: int, completion_tokens: int, billed_seconds: float
     ) -> None:

@@ -16,6 +16,9 @@ PREFIX = "luminal:"
 RUNTIMES = PREFIX + "runtimes"
 # usage events of executed requests, read by the ledger consumers of the gateways
 USAGE_STREAM = PREFIX + "usage"
+# request ids of generations whose client left: every runtime reads it, the one generating
+# the sequence frees it at its next step
+CANCEL_STREAM = PREFIX + "cancels"
 # the consumer groups: runtimes share a version's requests (and their device type's pool
 # stream), gateways share the usage events
 RUNTIME_GROUP = "runtimes"
@@ -92,6 +95,10 @@ class RequestMessage:
     # wall-clock time the gateway queued it: a request taken from a pool stream waited from then
     # for a runtime to start (its cold start)
     enqueued_at: float = 0.0
+    # "infer", or "generate": a sequence to generate (`generation`: its prompt_ids and sampling
+    # params), answered with one "token" reply per event instead of one "ok"
+    kind: str = "infer"
+    generation: dict[str, Any] = field(default_factory=dict)
 
     def to_fields(self) -> dict[str, bytes | str]:
         return {"meta": json.dumps(_meta(self, "inputs")), "inputs": pack_tensors(self.inputs)}
@@ -105,7 +112,8 @@ class RequestMessage:
 @dataclass
 class ReplyMessage:
     """A runtime's answer to one request: "ok" or "error", after "started" when its batch starts
-    where a slow run could pass the request's deadline (runtime.process)."""
+    where a slow run could pass the request's deadline (runtime.process); a generation's are
+    "started", then a "token" per event, the last with its finish_reason."""
 
     request_id: str
     kind: str
@@ -119,6 +127,8 @@ class ReplyMessage:
     queue_seconds: float = 0.0
     # waiting for a runtime to start (a pool at zero) and loading the model: reported, never billed
     cold_start_seconds: float = 0.0
+    # kind "token": one event of a generation (index, text, token_id, finish_reason, usage, error)
+    event: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def to_fields(self) -> dict[str, bytes | str]:

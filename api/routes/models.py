@@ -45,6 +45,7 @@ async def upload_model(
     tokenizer_config: Annotated[UploadFile | None, File(description="text-generation: tokenizer_config.json")] = None,
     generation_config: Annotated[UploadFile | None, File(description="text-generation: generation_config.json")] = None,
     config: Annotated[UploadFile | None, File(description="text-generation: config.json (its context length)")] = None,
+    chat_template: Annotated[UploadFile | None, File(description="text-generation: chat_template.jinja")] = None,
 ) -> VersionCreated:
     parts = {
         field: await part.read()
@@ -53,6 +54,7 @@ async def upload_model(
             ("tokenizer_config", tokenizer_config),
             ("generation_config", generation_config),
             ("config", config),
+            ("chat_template", chat_template),
         )
         if part is not None
     }

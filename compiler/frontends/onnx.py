@@ -69,7 +69,12 @@ def missing_ops(model: onnx.ModelProto) -> list[str]:
 
 def onnx_to_graph(model: onnx.ModelProto, dims: Mapping[str, str] | None = None) -> Graph:
     """`dims`: symbols of the declared inputs that stand for an expression of others, as a
-    decoder's total_sequence_length is past_sequence_length + sequence_length (symbol -> text)."""
+    decoder's total_sequence_length is past_sequence_length + sequence_length (symbol -> text);
+    by default, that one relation wherever the inputs carry a KV cache (kv_layout.decoder_dims)."""
+    if dims is None:
+        from compiler.kv_layout import decoder_dims, onnx_specs
+
+        dims = decoder_dims(onnx_specs(model)[0])
     substitutions = {_symbol_name(name): parse_dim(text) for name, text in (dims or {}).items()}
     opset = _opset(model)
     if opset < MIN_OPSET:
