@@ -389,3 +389,25 @@ def test_deleting_a_model_mid_stream_ends_the_stream_and_frees_the_name(live: Li
     assert rest[-1] == "data: [DONE]" or "error" in rest[-1]
     with pytest.raises(openai.NotFoundError):
         live.ai.completions.create(model="doomed", prompt="The")
+
+
+def test_openai_streams_a_chat_from_an_optimum_onnx_export(live: Live) -> None:
+    folder = GENERATION / "gpt2" / "optimum"
+    files = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+    assert "chat_template.jinja" in files and "model.onnx" in files  # optimum keeps the template apart
+    reply = live.upload(
+        "optimum-gpt2",
+        {"file": ("optimum.zip", zip_bytes(files), "application/zip")},
+        {"task": "text-generation"},
+    )
+    assert reply.status_code == 202, reply.text
+    assert live.wait_ready("optimum-gpt2")["status"] == "ready"
+    messages = [{"role": "user", "content": "The dog sleeps in"}]
+    chunks = list(
+        live.ai.chat.completions.create(model="optimum-gpt2", messages=messages, stream=True, **GREEDY)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length" and len(text) > 0
+    # the same weights exported by torch.onnx.export answer the same
+    same = live.ai.chat.completions.create(model="tiny-gpt2", messages=messages, **GREEDY)
+    assert text == same.choices[0].message.content
