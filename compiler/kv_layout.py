@@ -206,13 +206,31 @@ def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
         or len(past.shape) != 4
     ):
         return {}
-    names = [
-        d.as_symbol() if isinstance(d, SymDim) else None for d in (mask.shape[1], ids.shape[1], past.shape[2])
-    ]
-    total, seq, past_len = names
-    if None in names or len(set(names)) < 3:
+    total, past_len = (
+        d.as_symbol() if isinstance(d, SymDim) else None for d in (mask.shape[1], past.shape[2])
+    )
+    seq_dim = ids.shape[1]
+    seq = seq_dim.as_symbol() if isinstance(seq_dim, SymDim) else seq_dim  # 1 in a decode step's graph
+    if total is None or past_len is None or seq is None or len({total, past_len, str(seq)}) < 3:
         return {}
-    return {str(total): f"{past_len} + {seq}"}
+    return {total: f"{past_len} + {seq}"}
+
+
+def decode_step_graph(model) -> bool:
+    """Makes an onnx.ModelProto the decode phase's graph, in place: the new tokens' dimension
+    (input_ids' second) is 1 wherever an input or output declares it, so the compiler searches
+    the products of one token per sequence. False when there is no such symbol to fix."""
+    ids = next((v for v in model.graph.input if v.name == IDS), None)
+    if ids is None or len(ids.type.tensor_type.shape.dim) != 2:
+        return False
+    seq = ids.type.tensor_type.shape.dim[1].dim_param
+    if not seq:
+        return False
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == seq:
+                dim.dim_value = 1  # clears dim_param (a oneof)
+    return True
 
 
 def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -236,4 +254,4 @@ def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
     ]
 
 
-__all__ = ["CacheLayout", "decoder_dims", "find_cache_layout", "onnx_specs"]
+__all__ = ["CacheLayout", "decode_step_graph", "decoder_dims", "find_cache_layout", "onnx_specs"]

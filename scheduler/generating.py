@@ -118,10 +118,12 @@ class GenerationService:
         layout = CacheLayout.from_json(bundle["layout"])
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
+        # the decode program (one token per sequence) where the compile made one
+        decode_key = bundle.get("decode_artifact_key") or key
 
         def run_step(inputs):
-            rows = int(inputs["input_ids"].shape[0])
-            result = runtime.run_batch(key, [inputs], [rows])
+            rows, tokens = (int(n) for n in inputs["input_ids"].shape)
+            result = runtime.run_batch(decode_key if tokens == 1 else key, [inputs], [rows])
             return result.outputs[0], result.exec_seconds
 
         block_tokens = self.settings.block_tokens

@@ -120,6 +120,8 @@ GREEDY = {"temperature": 0, "max_tokens": 32, "extra_body": {"min_tokens": 32}}
 def test_the_version_says_its_task_and_context_and_openai_lists_it(live: Live) -> None:
     version = live.http.get("/v1/models/tiny-gpt2").json()["versions"][-1]
     assert (version["task"], version["context_length"]) == ("text-generation", 128)
+    # two programs: the prompts' (symbolic length) and the decode step's (one token a sequence)
+    assert version["report"]["decode_phase"]["chosen"], version["report"].get("decode_phase")
     listed = [m.id for m in live.ai.models.list()]
     assert "tiny-gpt2" in listed
 
@@ -212,9 +214,9 @@ def test_bad_requests_get_openai_shaped_4xx_naming_the_problem(live: Live) -> No
     unauthorised = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny-gpt2", "prompt": "x"})
     assert unauthorised.status_code == 401 and unauthorised.json()["error"]["type"] == "authentication_error"
     # another tenant does not see the model
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key=live.other_key, max_retries=0) as stranger:
-        with pytest.raises(openai.NotFoundError):
-            stranger.completions.create(model="tiny-gpt2", prompt="The")
+    stranger = openai.OpenAI(base_url=f"{live.url}/v1", api_key=live.other_key, max_retries=0)
+    with stranger, pytest.raises(openai.NotFoundError):
+        stranger.completions.create(model="tiny-gpt2", prompt="The")
 
 
 def test_a_model_that_is_not_generative_is_refused_on_the_generation_routes(live: Live) -> None:
@@ -318,7 +320,9 @@ def test_clients_that_leave_mid_stream_free_their_blocks(live: Live) -> None:
     assert live.free_blocks("tiny-gpt2") == start
 
 
-def test_two_hundred_concurrent_streams_over_the_cache_budget_all_finish_and_free_every_block(live: Live) -> None:
+def test_two_hundred_concurrent_streams_over_the_cache_budget_all_finish_and_free_every_block(
+    live: Live,
+) -> None:
     live.ai.completions.create(model="tiny-gpt2", prompt="warm", max_tokens=1)
     start = live.free_blocks("tiny-gpt2")
 

@@ -6,7 +6,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from compiler.pipeline import CANDIDATES, COMPILER_VERSION, SEARCH, Progress
 from compiler.targets import EXPORTED
 from compiler.tuning import KNOWN_CANDIDATES
 from registry import UNMEASURED, Registry
+from registry.bundle import GENERATION
 from worker.devices import is_unmeasured, unmeasured_label
 from worker.observer import CompileObserver
 from worker.sandbox import CompileCancelled
@@ -51,7 +52,12 @@ class CompileFn(Protocol):
     sandbox's child, telling `progress` what the compile is doing as it goes."""
 
     def __call__(
-        self, version_id: int, graph: Path, target: str, progress: Progress | None = None, precision: str = EXPORTED
+        self,
+        version_id: int,
+        graph: Path,
+        target: str,
+        progress: Progress | None = None,
+        precision: str = EXPORTED,
     ) -> Artifact: ...
 
 
@@ -66,7 +72,9 @@ class ProgressWriter:
     thread and at most once per `interval_s`: a slow or unreachable database delays or loses
     progress (logged), never the compile."""
 
-    def __init__(self, registry: Registry, version_id: int, interval_s: float = PROGRESS_WRITE_INTERVAL_S) -> None:
+    def __init__(
+        self, registry: Registry, version_id: int, interval_s: float = PROGRESS_WRITE_INTERVAL_S
+    ) -> None:
         self._registry = registry
         self._version_id = version_id
         self._interval_s = interval_s
@@ -178,6 +186,9 @@ def compile_version(
     progress = ProgressWriter(registry, version_id)
     try:
         artifact, cached = _compiled_or_cached(version, registry.store, key, compile_fn, progress)
+        decode = (
+            _decode_phase(version, registry.store, key, compile_fn) if version.task == GENERATION else None
+        )
     except CompileCancelled:
         return _after_cancel(registry, version_id)
     except UnsupportedModel as exc:
@@ -197,7 +208,15 @@ def compile_version(
     seconds = time.perf_counter() - started
     # the report is the artifact's own, the same for every uploader of these bytes: whether this
     # compile hit the shared cache would tell a tenant what another tenant uploaded
-    report = {**artifact.report, UNMEASURED: unmeasured_label(version.target)} if unmeasured else artifact.report
+    report = (
+        {**artifact.report, UNMEASURED: unmeasured_label(version.target)} if unmeasured else artifact.report
+    )
+    extra: dict[str, Any] = {}
+    if decode is not None:
+        decode_key, decode_report = decode
+        report = {**report, "decode_phase": decode_report}
+        if decode_key is not None:
+            extra["bundle"] = {**(version.bundle or {}), "decode_artifact_key": decode_key}
     registry.set_status(
         version_id,
         "ready",
@@ -205,6 +224,7 @@ def compile_version(
         signature=artifact.signature.to_json(),
         report=report,
         error=None,
+        **extra,
     )
     log.info("version %s ready in %.3f s (cached artifact: %s)", version_id, seconds, cached)
     observer.compile_finished("cached" if cached else "ready", seconds)
@@ -212,7 +232,10 @@ def compile_version(
 
 
 def recompile_measured(
-    version_id: int, registry: Registry, compile_fn: CompileFn = compile_here, options: Mapping[str, object] | None = None
+    version_id: int,
+    registry: Registry,
+    compile_fn: CompileFn = compile_here,
+    options: Mapping[str, object] | None = None,
 ) -> str | None:
     """Compiles again, on the GPU this process holds, a ready version whose report says
     UNMEASURED, then swaps in the new artifact and report once stored: the version serves the
@@ -233,13 +256,17 @@ def recompile_measured(
         raise
     except Exception:  # the version keeps serving what it has; the next worker start tries again
         log.warning(
-            "compiling version %s again on its GPU failed; it keeps its unmeasured artifact", version_id, exc_info=True
+            "compiling version %s again on its GPU failed; it keeps its unmeasured artifact",
+            version_id,
+            exc_info=True,
         )
         return "failed"
     signature = artifact.signature.to_json()
     if not registry.replace_artifact(version_id, version.artifact_key, key, signature, artifact.report):
         return None if registry.get_version(version_id) is None else "unchanged"
-    log.info("version %s compiled again on its GPU; its measured artifact replaced the unmeasured one", version_id)
+    log.info(
+        "version %s compiled again on its GPU; its measured artifact replaced the unmeasured one", version_id
+    )
     return "replaced"
 
 
@@ -250,18 +277,60 @@ def _artifact_key_of(version: ModelVersion, options: Mapping[str, object], unmea
     return cache_key(version.graph_key, version.target, options, version.precision)
 
 
+def _decode_phase(
+    version: ModelVersion, store: ObjectStore, key: str, compile_fn: CompileFn
+) -> tuple[str | None, dict[str, Any]]:
+    """A generative version's second program: its graph with one new token per sequence
+    (compiler.kv_layout.decode_step_graph), searched and verified like the first, which then
+    serves the prompts (prefill) only. A decode program that fails to compile leaves the first
+    serving both: the report says why."""
+    decode_key = f"{key}-decode"
+    try:
+        artifact, _ = _compiled_or_cached(
+            version, store, decode_key, compile_fn, None, transform=_as_decode_step
+        )
+    except CompileCancelled:
+        raise
+    except (CompilerError, ValueError) as exc:
+        log.warning("the decode program of version %s did not compile: %s", version.id, exc)
+        return None, {"chosen": None, "error": str(exc)}
+    return decode_key, {
+        key: artifact.report.get(key) for key in ("chosen", "seconds", "kernels", "verify_max_abs_error")
+    }
+
+
+def _as_decode_step(graph: Path) -> None:
+    import onnx
+
+    from compiler.kv_layout import decode_step_graph
+
+    model = onnx.load(str(graph))
+    if not decode_step_graph(model):
+        raise ValueError("the graph's input_ids has no symbolic sequence dimension to fix")
+    onnx.save(model, str(graph))
+
+
 def _compiled_or_cached(
-    version: ModelVersion, store: ObjectStore, key: str, compile_fn: CompileFn, progress: Progress | None
+    version: ModelVersion,
+    store: ObjectStore,
+    key: str,
+    compile_fn: CompileFn,
+    progress: Progress | None,
+    transform: Callable[[Path], None] | None = None,
 ) -> tuple[Artifact, bool]:
-    """The artifact stored at `key`, else the version compiled by `compile_fn` and stored there;
-    and whether it was stored already."""
+    """The artifact stored at `key`, else the version compiled by `compile_fn` (from its graph
+    as `transform` rewrites it) and stored there; and whether it was stored already."""
     artifact = _cached_artifact(store, key)
     if artifact is not None:
         return artifact, True
     with tempfile.TemporaryDirectory(prefix="luminal-compile-") as folder:
         graph = Path(folder) / "graph.onnx"
         store.get_file(version.graph_key, graph)
-        artifact = compile_fn(version.id, graph, version.target, progress=progress, precision=version.precision)
+        if transform is not None:
+            transform(graph)
+        artifact = compile_fn(
+            version.id, graph, version.target, progress=progress, precision=version.precision
+        )
     save_artifact(store, key, artifact)
     return artifact, False
 
@@ -287,7 +356,9 @@ def _cached_artifact(store: ObjectStore, key: str) -> Artifact | None:
         return None
 
 
-def _fail(registry: Registry, version_id: int, message: str, started: float, observer: CompileObserver) -> str:
+def _fail(
+    registry: Registry, version_id: int, message: str, started: float, observer: CompileObserver
+) -> str:
     # (the report held the compile's progress)
     registry.set_status(version_id, "failed", error=message, report=None)
     observer.compile_finished("failed", time.perf_counter() - started)
