@@ -38,6 +38,8 @@ class SamplingParams:
             found.append(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}"
             )
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            found.append(f"seed must be between 0 and 2**64 - 1, not {self.seed}")
         if self.top_k < 0:
             found.append(f"top_k must be 0 (off) or positive, not {self.top_k}")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -203,6 +203,8 @@ def test_bad_requests_get_openai_shaped_4xx_naming_the_problem(live: Live) -> No
         live.ai.chat.completions.create(model="tiny-gpt2", messages=[])
     with pytest.raises(openai.BadRequestError, match="temperature"):
         live.ai.completions.create(model="tiny-gpt2", prompt="The", temperature=7)
+    with pytest.raises(openai.BadRequestError, match="seed must be between"):
+        live.ai.completions.create(model="tiny-gpt2", prompt="The", seed=-3)
     reply = live.http.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "The", "max_tokens": 0})
     error = reply.json()["error"]
     assert (

@@ -268,6 +268,7 @@ def test_sampling_is_reproducible_under_a_seed_and_respects_top_k() -> None:
     nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.01, seed=1))
     assert {nucleus.choose(logits) for _ in range(20)} == {49}
     assert SamplingParams(max_tokens=0).problems() == ["max_tokens must be at least 1, not 0"]
+    assert SamplingParams(seed=-1).problems() == ["seed must be between 0 and 2**64 - 1, not -1"]
 
 
 def test_incremental_text_holds_back_a_stop_string_and_never_sends_it() -> None:
