@@ -46,7 +46,14 @@ def ort(data: bytes, inputs: dict) -> list[np.ndarray]:
 @pytest.fixture
 def deployed(client, keys):
     created = upload(client, keys["alice"], "mlp", MLP)
-    assert created == {"name": "mlp", "version": 1, "status": "queued", "target": "cpu", "precision": "exported"}
+    assert created == {
+        "name": "mlp",
+        "version": 1,
+        "status": "queued",
+        "target": "cpu",
+        "precision": "exported",
+        "task": "inference",
+    }
     assert wait_for(client, keys["alice"], "mlp", 1)["status"] == "ready"
     return "mlp"
 
@@ -68,7 +75,9 @@ def test_upload_compile_and_infer_match_onnxruntime(client, keys, deployed) -> N
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["model"] == "mlp" and body["version"] == 1
-    np.testing.assert_allclose(np.array(body["outputs"]["y"], np.float32), ort(MLP, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(body["outputs"]["y"], np.float32), ort(MLP, {"x": x})[0], rtol=1e-5, atol=1e-6
+    )
     assert body["usage"]["batch_size"] == 1 and body["usage"]["exec_ms"] > 0
     assert response.headers["X-Request-ID"] == body["usage"]["request_id"]
 
@@ -129,7 +138,9 @@ def test_upload_over_the_limit_gets_413(client, keys, settings) -> None:
     [({"name": "bad name!"}, "model name"), ({"name": "ok", "target": "tpu"}, "unknown target 'tpu'")],
 )
 def test_bad_upload_fields_get_400(client, keys, form, message) -> None:
-    response = client.post("/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form)
+    response = client.post(
+        "/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form
+    )
     assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 
@@ -142,7 +153,9 @@ def test_bad_upload_fields_get_400(client, keys, form, message) -> None:
 )
 def test_a_precision_the_target_cannot_run_gets_400_naming_it(client, keys, precision, message) -> None:
     form = {"name": "half", "target": "cpu", "precision": precision}
-    response = client.post("/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form)
+    response = client.post(
+        "/v1/models", headers=auth(keys["alice"]), files={"file": ("m.onnx", MLP)}, data=form
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_request" and message in error["message"]
@@ -183,7 +196,7 @@ def test_unsupported_ops_fail_the_version_with_the_missing_ops(client, keys) -> 
         ({"x": [[0.0] * 8], "z": [1]}, "unknown input 'z'"),
         ({"x": [0.0] * 8}, "input 'x' has rank 1"),
         ({"x": [[0.0] * 7]}, "dimension 1 is 7, expected 8"),
-        ({"x": [["a"] * 8]}, "element [0, 0] is a string (\"a\") where float32 numbers are expected"),
+        ({"x": [["a"] * 8]}, 'element [0, 0] is a string ("a") where float32 numbers are expected'),
         ({"x": [[True] * 8]}, "element [0, 0] is true: booleans are accepted only for bool inputs"),
         ({"x": [[0.0] * 8, [0.0] * 7]}, "not a rectangular"),
         ({"x": [[None] * 8]}, "element [0, 0] is null"),
@@ -245,10 +258,14 @@ def test_a_transformers_sentence_encoder_serves_any_batch_and_length(client, key
         ids = rng.integers(0, 100, (batch, seq)).astype(np.int64)
         mask = np.ones((batch, seq), np.int64)
         mask[-1, seq // 2 :] = 0
-        response = infer(client, keys["alice"], "minilm", {"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
+        response = infer(
+            client, keys["alice"], "minilm", {"input_ids": ids.tolist(), "attention_mask": mask.tolist()}
+        )
         assert response.status_code == 200, response.text
         (want,) = ort(data, {"input_ids": ids, "attention_mask": mask})
-        np.testing.assert_allclose(response.json()["outputs"]["sentence_embedding"], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            response.json()["outputs"]["sentence_embedding"], want, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_unknown_model_and_version_get_404(client, keys, deployed) -> None:
@@ -268,7 +285,7 @@ def test_missing_or_wrong_key_gets_401(client, headers) -> None:
 
 def test_tenants_see_only_their_own_models(client, keys, deployed) -> None:
     bob = auth(keys["bob"])
-    assert client.get("/v1/models", headers=bob).json() == {"models": []}
+    assert client.get("/v1/models", headers=bob).json() == {"models": [], "object": "list", "data": []}
     assert client.get("/v1/models/mlp", headers=bob).status_code == 404
     assert infer(client, keys["bob"], "mlp", {"x": [[0.0] * 8]}).status_code == 404
     assert client.delete("/v1/models/mlp", headers=bob).status_code == 404
@@ -306,13 +323,17 @@ def test_a_tenant_cannot_tell_that_another_uploaded_the_same_bytes(client, keys,
     assert bobs["report"] != alices["report"]
     assert "cached" not in str(bobs) and "artifacts/" not in str(bobs)
     with client.app.state.services.db.session() as session:
-        stored = dict(session.execute(select(Model.name, ModelVersion.artifact_key).join(ModelVersion.model)).all())
+        stored = dict(
+            session.execute(select(Model.name, ModelVersion.artifact_key).join(ModelVersion.model)).all()
+        )
     assert stored["mine"] != stored["mlp"] and stored["mine"].split("/")[1] != stored["mlp"].split("/")[1]
 
 
 def test_deleting_frees_the_stored_files_no_other_version_uses(client, keys, deployed, settings) -> None:
     def stored() -> list[str]:
-        return sorted(str(p.relative_to(settings.objects_dir)) for p in settings.objects_dir.rglob("*") if p.is_file())
+        return sorted(
+            str(p.relative_to(settings.objects_dir)) for p in settings.objects_dir.rglob("*") if p.is_file()
+        )
 
     upload(client, keys["alice"], "same-bytes", MLP)
     assert wait_for(client, keys["alice"], "same-bytes", 1)["status"] == "ready"
@@ -375,7 +396,9 @@ def test_random_model_names_do_not_grow_the_metrics(client, keys, settings) -> N
 
 def test_malformed_json_body_gets_400(client, keys, deployed) -> None:
     response = client.post(
-        "/v1/models/mlp/infer", headers={**auth(keys["alice"]), "Content-Type": "application/json"}, content=b"{not json"
+        "/v1/models/mlp/infer",
+        headers={**auth(keys["alice"]), "Content-Type": "application/json"},
+        content=b"{not json",
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
@@ -387,7 +410,9 @@ def test_concurrent_uploads_of_a_new_name_get_distinct_versions(tmp_path) -> Non
     key = create_key(db, "alice")
     db.dispose()
     with TestClient(create_app(settings)) as client, ThreadPoolExecutor(max_workers=4) as pool:
-        created = list(pool.map(lambda i: upload(client, key, "race", mlp(seed=i).SerializeToString()), range(4)))
+        created = list(
+            pool.map(lambda i: upload(client, key, "race", mlp(seed=i).SerializeToString()), range(4))
+        )
         assert sorted(c["version"] for c in created) == [1, 2, 3, 4]
         for number in range(1, 5):
             assert wait_for(client, key, "race", number)["status"] == "ready"
