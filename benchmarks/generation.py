@@ -427,6 +427,7 @@ def run(args) -> dict:
         _, got = ours.run(one, min(args.tokens, 16))
         if got[0] != want:
             raise AssertionError(f"our greedy tokens {got[0]} differ from onnxruntime's {want}")
+        results["genai_version"] = og.__version__
         genai_model = og.Model(str(folder))
         _, genai_ids = genai_run(genai_model, one, min(args.tokens, 16))
         results["genai_tokens_match"] = genai_ids[0] == want
@@ -489,7 +490,7 @@ def table(results: dict, command: str) -> str:
             f"median of {results['repeats']} repeats."
         ),
         "",
-        "| decode tokens/s | ours (compile_onnx + Generator) | onnxruntime-genai 0.18 | onnxruntime greedy loop |",
+        f"| decode tokens/s | ours (compile_onnx + Generator) | onnxruntime-genai {results.get('genai_version', '')} | onnxruntime greedy loop |",
         "|---|---:|---:|---:|",
         f"| 1 stream | {m['ours_1']:.1f} | {m['genai_1']:.1f} | {m['ort_1']:.1f} |",
         f"| {n} streams, aggregate | {m['ours_n']:.1f} | {m['genai_n']:.1f} (one batch of {n}) | n/a (batch 1 loop) |",
@@ -532,7 +533,7 @@ def table(results: dict, command: str) -> str:
         "",
         (
             "onnxruntime-genai runs the same model.onnx with a genai_config.json (type llama, separate past and "
-            "present, no shared buffer) written next to it; its 16 streams are one batch of 16 equal-length prompts "
+            f"present, no shared buffer) written next to it; its {n} streams are one batch of {n} equal-length prompts "
             "(its generator takes a batch at creation, not streams joining later). The sampling time of the "
             "streaming figure is when the Generator hands the token's event to the service's sink (after sampling "
             "and detokenizing); the arrival time is when httpx yields the chunk's line."
