@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compiler.backends.cublas import GemmArguments
-from compiler.backends.layout import arena_layout, bind_inputs, describe
+from compiler.backends.layout import ArenaPlan, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer, Program
@@ -326,6 +326,7 @@ class CudaProgram:
         self._inputs = [b for b in self.buffers if b.role == "input"]
         self._outputs = [b for b in self.buffers if b.role == "output"]
         self._temps = [b for b in self.buffers if b.role == "temp" and b.id in self.slots]
+        self._arena_plan = ArenaPlan(self._outputs, self._temps, self.slots, ARENA_ALIGNMENT)
         self._addresses: dict[int, int] = {}
         self._weight_bytes = 0
         try:
@@ -478,7 +479,7 @@ class CudaProgram:
                 self._plans.move_to_end(key)
                 return plan
         itemsizes = [numpy_dtype(b.dtype).itemsize for b in self._inputs]
-        output_shapes, temp_offsets, temps_bytes = arena_layout(self._outputs, self._temps, self.slots, bindings, ARENA_ALIGNMENT)
+        output_shapes, temp_offsets, temps_bytes = self._arena_plan(bindings)
         offsets = dict(zip((b.id for b in self._temps), temp_offsets))
         total = temps_bytes
         sized = [

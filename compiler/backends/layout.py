@@ -47,22 +47,50 @@ def bind_inputs(inputs: Sequence[Buffer], values: Mapping[str, np.ndarray], size
     return bindings
 
 
+class ArenaPlan:
+    """arena_layout for one program, prepared once: its buffers' sizes hold few distinct
+    symbolic dims, each evaluated once per call (a decoder's past length changes every step, so
+    a layout is worked out every step; evaluating every buffer's dims took a millisecond)."""
+
+    def __init__(self, outputs: Sequence[Buffer], temps: Sequence[Buffer], slots: Mapping[int, int], alignment: int) -> None:
+        distinct: dict[object, int] = {}
+
+        def refs(shape) -> tuple[int, ...]:
+            # an int stays itself (>= 0); a symbolic dim becomes -(1 + its index in `distinct`)
+            return tuple(d if isinstance(d, int) else -1 - distinct.setdefault(d, len(distinct)) for d in shape)
+
+        self._outputs = [refs(b.shape) for b in outputs]
+        self._temps = [(slots[b.id], numpy_dtype(b.dtype).itemsize, refs(b.shape)) for b in temps]
+        self._dims = list(distinct)
+        self._alignment = alignment
+
+    def __call__(self, bindings: Mapping[str, int]) -> tuple[list[tuple[int, ...]], list[int], int]:
+        values = [evaluate(d, bindings) for d in self._dims]
+
+        def size(ref: int) -> int:
+            return ref if ref >= 0 else values[-1 - ref]
+
+        output_shapes = [tuple(size(r) for r in shape) for shape in self._outputs]
+        slot_bytes: dict[int, int] = {}
+        for slot, itemsize, shape in self._temps:
+            count = 1
+            for ref in shape:
+                count *= size(ref)
+            slot_bytes[slot] = max(slot_bytes.get(slot, 0), count * itemsize)
+        slot_offsets, total = {}, 0
+        alignment = self._alignment
+        for slot in sorted(slot_bytes):
+            slot_offsets[slot] = total
+            total += -(-slot_bytes[slot] // alignment) * alignment
+        return output_shapes, [slot_offsets[slot] for slot, _, _ in self._temps], total
+
+
 def arena_layout(
     outputs: Sequence[Buffer], temps: Sequence[Buffer], slots: Mapping[int, int], bindings: Mapping[str, int], alignment: int
 ) -> tuple[list[tuple[int, ...]], list[int], int]:
     """The outputs' shapes, each temp's offset (in `temps` order) and the arena's size in bytes,
-    every slot starting at a multiple of `alignment`."""
-    output_shapes = [tuple(evaluate(d, bindings) for d in b.shape) for b in outputs]
-    slot_bytes: dict[int, int] = {}
-    for b in temps:
-        size = int(np.prod([evaluate(d, bindings) for d in b.shape], dtype=np.int64)) * numpy_dtype(b.dtype).itemsize
-        slot = slots[b.id]
-        slot_bytes[slot] = max(slot_bytes.get(slot, 0), size)
-    slot_offsets, total = {}, 0
-    for slot in sorted(slot_bytes):
-        slot_offsets[slot] = total
-        total += -(-slot_bytes[slot] // alignment) * alignment
-    return output_shapes, [slot_offsets[slots[b.id]] for b in temps], total
+    every slot starting at a multiple of `alignment` (ArenaPlan, prepared for one call)."""
+    return ArenaPlan(outputs, temps, slots, alignment)(bindings)
 
 
-__all__ = ["arena_layout", "bind_inputs", "describe"]
+__all__ = ["ArenaPlan", "arena_layout", "bind_inputs", "describe"]

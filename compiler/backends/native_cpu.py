@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from compiler.backends.layout import arena_layout, bind_inputs, describe
+from compiler.backends.layout import ArenaPlan, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer
@@ -179,6 +179,7 @@ class NativeProgram:
         self._outputs = [b for b in self.buffers if b.role == "output"]
         # a temp with no slot is never written (a product's C whose epilogue writes elsewhere)
         self._temps = [b for b in self.buffers if b.role == "temp" and b.id in self.slots]
+        self._arena_plan = ArenaPlan(self._outputs, self._temps, self.slots, ALIGNMENT)
         self._arena = np.empty(0, np.uint8)
         self._arena_base = 0
         self._lock = threading.Lock()
@@ -243,7 +244,7 @@ class NativeProgram:
         outputs' shapes, each temp's offset in the arena and the arena's size (cached per shapes:
         evaluating every buffer's symbolic size costs more than a small model's run)."""
         bindings = bind_inputs(self._inputs, inputs, self.size_limits)
-        output_shapes, offsets, total = arena_layout(self._outputs, self._temps, self.slots, bindings, ALIGNMENT)
+        output_shapes, offsets, total = self._arena_plan(bindings)
         dims = (ctypes.c_int64 * max(1, len(self.symbols)))(*(bindings[s] for s in self.symbols))
         return dims, output_shapes, offsets, total
 
