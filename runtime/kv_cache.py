@@ -78,32 +78,21 @@ class PagedKVCache:
         self, tables: Sequence[Sequence[int]], lengths: Sequence[int], width: int
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each layer's past for a step, [batch, heads, width, dim]: sequence b's `lengths[b]`
-        cached tokens right-aligned (left padding, which the step's attention mask hides)."""
-        layout = self.layout
-        shape = (len(tables), layout.kv_heads, width, layout.head_dim)
-        keys = [np.zeros(shape, self.keys.dtype) for _ in range(layout.layers)]
-        values = [np.zeros(shape, self.values.dtype) for _ in range(layout.layers)]
+        cached tokens right-aligned (left padding, which the step's attention mask hides; it
+        holds whatever block 0 holds, finite values the mask zeroes). One indexed copy for the
+        whole batch and every layer."""
         size = self.block_size
+        blocks = np.zeros((len(tables), width), np.intp)
+        slots = np.zeros((len(tables), width), np.intp)
         for b, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-            if length == 0:
-                continue
-            used = -(-length // size)
-            # [layers, blocks, heads, slots, dim] -> [layers, heads, blocks * slots, dim]
-            rows = np.asarray(table[:used])
-            k = (
-                self.keys[:, rows]
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(layout.layers, layout.kv_heads, used * size, -1)
-            )
-            v = (
-                self.values[:, rows]
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(layout.layers, layout.kv_heads, used * size, -1)
-            )
-            for layer in range(layout.layers):
-                keys[layer][b, :, width - length :] = k[layer, :, :length]
-                values[layer][b, :, width - length :] = v[layer, :, :length]
-        return keys, values
+            if length:
+                tokens = np.arange(length)
+                blocks[b, width - length :] = np.asarray(table, np.intp)[tokens // size]
+                slots[b, width - length :] = tokens % size
+        # [layers, blocks, heads, slots, dim] at (blocks, slots) -> [batch, width, layers, heads, dim]
+        keys = np.ascontiguousarray(self.keys[:, blocks, :, slots].transpose(2, 0, 3, 1, 4))
+        values = np.ascontiguousarray(self.values[:, blocks, :, slots].transpose(2, 0, 3, 1, 4))
+        return list(keys), list(values)
 
     def write(
         self, table: Sequence[int], start: int, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
