@@ -1,4 +1,4 @@
-"""Text generation on CPU: decode tokens/s of our compiled decoder under runtime.generator (one
+"""Text generation on CPU: decode tokens/s of our compiled decoder under scheduler.generator (one
 stream, and 16 concurrent streams batched by the continuous scheduler) against onnxruntime-genai
 and a plain onnxruntime greedy loop on the same ONNX export, and how long a streamed token takes
 from being sampled to reaching an HTTP client of the embedded server.
@@ -132,39 +132,44 @@ def genai_config(config: LlamaConfig) -> dict:
 
 
 class Ours:
-    """The export compiled as the service compiles it (compile_onnx's defaults), run by a Generator
-    with the service's default limits (scheduler.generating.GenerationSettings)."""
+    """The export compiled as the service compiles it (compile_onnx's defaults; two programs, the
+    prompts' and the decode step's, as worker.compile does), run by a Generator with the
+    service's default limits (scheduler.generating.GenerationSettings)."""
 
     def __init__(self, folder: Path, config: LlamaConfig) -> None:
         import onnx
 
         from compiler import compile_onnx, executable
-        from compiler.kv_layout import decoder_dims, find_cache_layout, onnx_specs
+        from compiler.kv_layout import decode_step_graph, decoder_dims, find_cache_layout, onnx_specs
 
         data = (folder / "model.onnx").read_bytes()
         inputs, _ = onnx_specs(onnx.load_from_string(data))
         started = time.perf_counter()
         artifact = compile_onnx(data, "cpu", dims=decoder_dims(inputs))
+        decode_model = onnx.load_from_string(data)
+        decode_step_graph(decode_model)
+        decode_artifact = compile_onnx(decode_model.SerializeToString(), "cpu")
         self.compile_seconds = time.perf_counter() - started
         self.artifact = artifact
         self.program = executable(artifact)
+        self.decode_program = executable(decode_artifact)
         self.layout = find_cache_layout(artifact.signature.inputs, artifact.signature.outputs)
         self.dtypes = {spec.name: spec.dtype for spec in artifact.signature.inputs}
         self.config = config
         self.folder = folder
 
     def generator(self):
-        from runtime.generator import Generator, GeneratorLimits
         from runtime.kv_cache import blocks_that_fit
         from runtime.tokenizer import TextCodec
         from scheduler.generating import GenerationSettings
+        from scheduler.generator import Generator, GeneratorLimits
 
         settings = GenerationSettings()
-        program = self.program
+        prefill, decode = self.program, self.decode_program
 
         def run_step(inputs):
             started = time.perf_counter()
-            outputs = program.run(inputs)
+            outputs = (decode if inputs["input_ids"].shape[1] == 1 else prefill).run(inputs)
             return outputs, time.perf_counter() - started
 
         limits = GeneratorLimits(
@@ -180,8 +185,8 @@ class Ours:
 
     def run(self, batch: list[list[int]], tokens: int) -> tuple[list[list[float]], list[list[int]]]:
         """All of `batch` submitted at once: each stream's token times and tokens."""
-        from runtime.generator import GenerationRequest
         from runtime.sampling import SamplingParams
+        from scheduler.generator import GenerationRequest
 
         generator = self.generator()
         times: list[list[float]] = [[] for _ in batch]

@@ -28,11 +28,11 @@ import redis
 
 from cloud.errors import DeadlineExceeded, LuminalError
 from cloud.usage import Usage
-from runtime.generator import GenerationRefused, TokenEvent, event_to_json, request_from_json
 from runtime.runtime import Runtime
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
 from scheduler.generating import GenerationService, generation_usage
+from scheduler.generator import GenerationRefused, TokenEvent, event_to_json, request_from_json
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending
 from scheduler.pricing import price_for

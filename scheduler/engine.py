@@ -29,9 +29,9 @@ from cloud.errors import (
 from cloud.usage import Usage
 from compiler.shape import ShapeError
 from runtime import Runtime
-from runtime.generator import GenerationRequest, TokenEvent
 from runtime.runtime import DoesNotFit
 from scheduler.generating import GenerationService
+from scheduler.generator import GenerationRequest, TokenEvent
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
 from scheduler.pricing import UsageSink, price_for, split_by_rows

@@ -1,4 +1,4 @@
-"""Generative versions served by this process's runtimes: one step loop (runtime.generator) per
+"""Generative versions served by this process's runtimes: one step loop (scheduler.generator) per
 loaded generative version, fed by the API's streams, metered per sequence when it ends.
 
 A stream is an async iterator of TokenEvents; leaving it early (a client that disconnects)
@@ -20,9 +20,9 @@ from cloud.errors import Overloaded, Unavailable
 from cloud.usage import Usage
 from compiler.kv_layout import CacheLayout
 from runtime import Runtime
-from runtime.generator import GenerationRequest, GenerationUsage, Generator, GeneratorLimits, TokenEvent
 from runtime.kv_cache import blocks_that_fit
 from runtime.tokenizer import TextCodec
+from scheduler.generator import GenerationRequest, GenerationUsage, Generator, GeneratorLimits, TokenEvent
 from scheduler.observer import SchedulerObserver
 from scheduler.pricing import UsageSink, price_for
 

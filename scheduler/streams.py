@@ -23,9 +23,9 @@ import redis.asyncio as aioredis
 
 from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
 from cloud.usage import Usage
-from runtime.generator import GenerationRequest, TokenEvent, event_from_json, request_to_json
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route
+from scheduler.generator import GenerationRequest, TokenEvent, event_from_json, request_to_json
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.pricing import UsageSink
 

@@ -13,11 +13,11 @@ import pytest
 from compiler.artifact import TensorSpec
 from compiler.errors import UnsupportedModel
 from compiler.kv_layout import CacheLayout, find_cache_layout
-from runtime.generator import GenerationRefused, GenerationRequest, Generator, GeneratorLimits, TokenEvent
 from runtime.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import IncrementalText, TextCodec
 from scheduler.continuous import IterationScheduler, SequenceState
+from scheduler.generator import GenerationRefused, GenerationRequest, Generator, GeneratorLimits, TokenEvent
 
 VOCAB = 97
 LAYOUT = CacheLayout(

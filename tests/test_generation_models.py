@@ -17,9 +17,9 @@ import pytest
 
 from compiler import compile_onnx, executable
 from compiler.kv_layout import decoder_dims, find_cache_layout, onnx_specs
-from runtime.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import BUNDLE_FILES, TextCodec
+from scheduler.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
 
 FIXTURES = Path(__file__).parent / "fixtures" / "generation"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

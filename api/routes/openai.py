@@ -28,10 +28,10 @@ from cloud.db import Tenant
 from cloud.errors import ClientDisconnected, InvalidRequest, LuminalError, NotFound, Unavailable
 from registry.bundle import GENERATION
 from registry.registry import ServedVersion, version_ref
-from runtime.generator import GenerationRefused, GenerationRequest, TokenEvent
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import TextCodec, TokenizerError
 from scheduler.engine import Route
+from scheduler.generator import GenerationRefused, GenerationRequest, TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["generation (OpenAI-compatible)"])
 

@@ -1,9 +1,10 @@
-"""Token generation on a runtime: one step loop per loaded generative model.
+"""Token generation: one step loop per loaded generative model.
 
 Each step the iteration scheduler (scheduler/continuous.py) says which sequences feed which
-tokens; the loop gathers their past from the paged KV cache, runs the compiled decoder (the
-decodes as one batch, each prompt chunk on its own), writes the new keys and values back into
-the sequences' blocks, samples, and hands each sequence's new text to its sink as it is made.
+tokens; the runtime's decoder step (runtime/decoder.py) gathers their past from the paged KV
+cache, runs the compiled decoder (the decodes as one batch, each prompt chunk on its own) and
+writes the new keys and values back; the loop samples, and hands each sequence's new text to
+its sink as it is made.
 Sequences join and leave between steps; a cancelled one is freed at the next step. Each step's
 device time is split over its sequences by the tokens each fed, and a finished sequence
 reports what it used (tokens and billed seconds) once.
@@ -20,15 +21,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from compiler.kv_layout import CacheLayout
-from runtime.kv_cache import PagedKVCache
+from runtime.decoder import DecoderSteps, StepRow, StepRunner
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import IncrementalText, TextCodec
 from scheduler.continuous import Chunk, IterationScheduler, SequenceState, split_by_tokens
 
 log = logging.getLogger(__name__)
-
-# runs the decoder once: inputs by name -> (outputs by name, device seconds)
-StepRunner = Callable[[dict[str, np.ndarray]], tuple[dict[str, np.ndarray], float]]
 
 
 class GenerationRefused(ValueError):
@@ -135,13 +133,11 @@ class Generator:
         name: str = "generator",
     ) -> None:
         self.layout = layout
-        self.run_step = run_step
         self.codec = codec
-        self.input_dtypes = dict(input_dtypes)
         self.limits = limits
-        self.cache = PagedKVCache(layout, limits.num_blocks, limits.block_size)
+        self.decoder = DecoderSteps(layout, run_step, input_dtypes, limits.num_blocks, limits.block_size)
         self.scheduler = IterationScheduler(
-            self.cache.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
+            self.decoder.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
         )
         self.eos_ids = set(codec.eos_token_ids())
         self._sequences: dict[str, _Sequence] = {}
@@ -157,7 +153,7 @@ class Generator:
 
     @property
     def free_blocks(self) -> int:
-        return self.cache.allocator.free_count
+        return self.decoder.allocator.free_count
 
     def max_prompt_tokens(self, max_tokens: int) -> int:
         return min(self.limits.context_length, self.scheduler.capacity_tokens()) - max_tokens
@@ -278,40 +274,12 @@ class Generator:
         return sequence.sampler.choose(logits)
 
     def _run(self, chunks: Sequence[Chunk]) -> tuple[list[np.ndarray], float]:
-        """Runs the decoder on `chunks` (one batch; chunks of equal length), stores the keys and
-        values they made, and returns each chunk's last logits row and the device seconds."""
-        layout = self.layout
-        count = chunks[0].count
         states = [self._sequences[c.seq_id].state for c in chunks]
-        # a past of at least one slot (masked when empty): no program sees a zero-size tensor
-        width = max(1, max(c.start for c in chunks))
-        past_keys, past_values = self.cache.gather(
-            [s.blocks for s in states], [c.start for c in chunks], width
-        )
-        ids = np.array([s.tokens[c.start : c.start + count] for s, c in zip(states, chunks, strict=True)])
-        inputs: dict[str, np.ndarray] = {"input_ids": ids.astype(self.input_dtypes.get("input_ids", "int64"))}
-        if layout.mask_input is not None:
-            mask = np.zeros(
-                (len(chunks), width + count), dtype=self.input_dtypes.get(layout.mask_input, "int64")
-            )
-            for b, chunk in enumerate(chunks):
-                mask[b, width - chunk.start :] = 1
-            inputs[layout.mask_input] = mask
-        if layout.position_input is not None:
-            positions = np.array([np.arange(c.start, c.start + count) for c in chunks])
-            inputs[layout.position_input] = positions.astype(
-                self.input_dtypes.get(layout.position_input, "int64")
-            )
-        for layer in range(layout.layers):
-            inputs[layout.past_keys[layer]] = past_keys[layer]
-            inputs[layout.past_values[layer]] = past_values[layer]
-        outputs, seconds = self.run_step(inputs)
-        for b, (state, chunk) in enumerate(zip(states, chunks, strict=True)):
-            keys = [outputs[name][b, :, width : width + count] for name in layout.present_keys]
-            values = [outputs[name][b, :, width : width + count] for name in layout.present_values]
-            self.cache.write(state.blocks, chunk.start, keys, values)
-        logits = outputs["logits"]
-        return [np.asarray(logits[b, -1], dtype=np.float32) for b in range(len(chunks))], seconds
+        rows = [
+            StepRow(s.tokens[c.start : c.start + c.count], c.start, s.blocks)
+            for s, c in zip(states, chunks, strict=True)
+        ]
+        return self.decoder.run(rows)
 
     def _emit(self, sequence: _Sequence, token: int) -> None:
         params = sequence.request.params
