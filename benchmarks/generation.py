@@ -165,12 +165,20 @@ class Ours:
         from scheduler.generator import Generator, GeneratorLimits
 
         settings = GenerationSettings()
-        prefill, decode = self.program, self.decode_program
+        from scheduler.generating import ProgramChooser
+
+        programs = {"prefill": self.program, "decode": self.decode_program}
+        chooser = ProgramChooser(["decode", "prefill"])  # as the service picks for one-token steps
 
         def run_step(inputs):
+            rows, tokens = inputs["input_ids"].shape
+            name = chooser.pick(rows) if tokens == 1 else "prefill"
             started = time.perf_counter()
-            outputs = (decode if inputs["input_ids"].shape[1] == 1 else prefill).run(inputs)
-            return outputs, time.perf_counter() - started
+            outputs = programs[name].run(inputs)
+            seconds = time.perf_counter() - started
+            if tokens == 1:
+                chooser.record(rows, name, seconds)
+            return outputs, seconds
 
         limits = GeneratorLimits(
             num_blocks=blocks_that_fit(self.layout, settings.block_tokens, settings.kv_cache_bytes),

@@ -53,6 +53,49 @@ def generation_settings(settings) -> GenerationSettings:
     )
 
 
+class ProgramChooser:
+    """Which of equivalent programs runs a one-token step, by measurement on the steps
+    themselves: the decode program is searched at one batch size, and a product's best form for
+    one sequence (a matrix-vector loop) is not its best for sixty-four. Per batch-size bucket
+    (powers of two), each program runs TRIES steps in turn, then the one of least median time
+    runs them all; the programs give the same tokens (each verified), so trying costs no answer."""
+
+    TRIES = 3
+
+    def __init__(self, programs: list[str]) -> None:
+        self.programs = programs
+        self._times: dict[int, dict[str, list[float]]] = {}
+        self._chosen: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def pick(self, rows: int) -> str:
+        bucket = self.bucket(rows)
+        with self._lock:
+            chosen = self._chosen.get(bucket)
+            if chosen is not None or len(self.programs) == 1:
+                return chosen or self.programs[0]
+            times = self._times.setdefault(bucket, {p: [] for p in self.programs})
+            return min(self.programs, key=lambda p: len(times[p]))
+
+    def record(self, rows: int, program: str, seconds: float) -> None:
+        bucket = self.bucket(rows)
+        with self._lock:
+            if bucket in self._chosen or len(self.programs) == 1:
+                return
+            times = self._times.setdefault(bucket, {p: [] for p in self.programs})
+            times[program].append(seconds)
+            if all(len(t) >= self.TRIES for t in times.values()):
+                self._chosen[bucket] = min(self.programs, key=lambda p: sorted(times[p])[len(times[p]) // 2])
+
+    def chosen(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._chosen)
+
+
 @dataclass
 class _Served:
     generator: Generator
@@ -119,11 +162,16 @@ class GenerationService:
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
         # the decode program (one token per sequence) where the compile made one
-        decode_key = bundle.get("decode_artifact_key") or key
+        decode_key = bundle.get("decode_artifact_key")
+        # one-token steps run whichever program measures faster at their batch size
+        chooser = ProgramChooser([decode_key, key] if decode_key else [key])
 
         def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
-            result = runtime.run_batch(decode_key if tokens == 1 else key, [inputs], [rows])
+            program = chooser.pick(rows) if tokens == 1 else key
+            result = runtime.run_batch(program, [inputs], [rows])
+            if tokens == 1:
+                chooser.record(rows, program, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
         block_tokens = self.settings.block_tokens
@@ -253,4 +301,10 @@ class GenerationService:
         self._writer.shutdown(wait=True)
 
 
-__all__ = ["GenerationService", "GenerationSettings", "generation_settings", "generation_usage"]
+__all__ = [
+    "GenerationService",
+    "GenerationSettings",
+    "ProgramChooser",
+    "generation_settings",
+    "generation_usage",
+]

@@ -338,3 +338,22 @@ def test_chat_template_renders_and_a_failing_template_is_named(tmp_path) -> None
         TextCodec.from_files({**files, "tokenizer_config.json": b'{"chat_template": "{% for %}"}'})
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         TextCodec.from_files({"tokenizer.json": b"{not json"})
+
+
+def test_one_token_steps_run_the_program_that_measures_faster_at_their_batch_size() -> None:
+    from scheduler.generating import ProgramChooser
+
+    chooser = ProgramChooser(["decode", "general"])
+    speed = {("decode", 1): 1.0, ("general", 1): 2.0, ("decode", 16): 5.0, ("general", 16): 3.0}
+    for rows in [1, 16, 12, 1, 9, 16, 1, 16, 1, 16, 1, 16, 1]:  # 12 and 9 fall in 16's bucket
+        program = chooser.pick(rows)
+        chooser.record(rows, program, speed[(program, ChooserBucket.of(rows))])
+    assert chooser.chosen() == {1: "decode", 16: "general"}
+    assert chooser.pick(1) == "decode" and chooser.pick(13) == "general"
+    assert ProgramChooser(["only"]).pick(5) == "only"
+
+
+class ChooserBucket:
+    @staticmethod
+    def of(rows: int) -> int:
+        return 1 if rows == 1 else 16
