@@ -21,6 +21,7 @@ from cloud.db import ModelVersion, Tenant
 from cloud.errors import ClientDisconnected, LuminalError
 from cloud.settings import Settings
 from compiler import Signature
+from registry import ServedVersion
 from scheduler.engine import InferenceResult, Route
 
 # decode(body, signature, max_elements, symbol limits, max_memory_bytes): a plain function, so a
@@ -68,6 +69,22 @@ def _prepared(version_id: int, stored: dict, settings: Settings) -> tuple[Signat
     return entry[2], entry[3]
 
 
+def route_of(found: ServedVersion, tenant: Tenant, name: str, batchable: bool) -> Route:
+    """What the engine needs to know of a resolved version, for a request of `tenant`."""
+    return Route(
+        version_id=found.id,
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        model_name=name,
+        version=found.number,
+        target=found.target,
+        artifact_key=found.artifact_key,
+        batchable=batchable,
+        model_bytes=found.graph_bytes,
+        bundle=found.bundle,
+    )
+
+
 async def serve[Decoded: DecodedInputs](
     services: Services,
     tenant: Tenant,
@@ -98,17 +115,7 @@ async def serve[Decoded: DecodedInputs](
             limits,
             settings.max_request_memory_bytes,
         )
-        route = Route(
-            version_id=found.id,
-            tenant_id=tenant.id,
-            tenant_name=tenant.name,
-            model_name=name,
-            version=found.number,
-            target=found.target,
-            artifact_key=found.artifact_key,
-            batchable=signature.batch_symbol is not None,
-            model_bytes=found.graph_bytes,
-        )
+        route = route_of(found, tenant, name, batchable=signature.batch_symbol is not None)
         request_id = uuid.uuid4().hex
         result = await services.engine.infer(route, decoded.arrays, decoded.rows, request_id)
         outcome = "ok"

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentTenant, ServicesDep
+from api.inference import route_of
 from api.services import Services
 from cloud import metrics
 from cloud.db import Tenant
@@ -30,7 +31,6 @@ from registry.bundle import GENERATION
 from registry.registry import ServedVersion, version_ref
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import TextCodec, TokenizerError
-from scheduler.engine import Route
 from scheduler.generator import GenerationRefused, GenerationRequest, TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["generation (OpenAI-compatible)"])
@@ -318,18 +318,7 @@ async def _generate(
         if not ids:
             raise _refuse("the prompt is empty: it needs at least one token", "prompt")
         params = _params(body, max_tokens)
-        route = Route(
-            version_id=found.id,
-            tenant_id=tenant.id,
-            tenant_name=tenant.name,
-            model_name=name,
-            version=found.number,
-            target=found.target,
-            artifact_key=found.artifact_key,
-            batchable=True,
-            model_bytes=found.graph_bytes,
-            bundle=found.bundle,
-        )
+        route = route_of(found, tenant, name, batchable=True)
         request_id = uuid.uuid4().hex
         call = _Call(kind, body.model, request_id)
         events = services.engine.generate(route, GenerationRequest(request_id, ids, params))
