@@ -161,8 +161,18 @@ def test_fused_programs_match_the_reference(chain, k, n, gemm) -> None:
     graph = load_graph(_product_then(nodes, extra, x_shape=("n", k), n=n, y_shape=shape).SerializeToString())
     program = fuse(lower(graph))
     # with the product read in its own layout, its first reader is an elementwise loop: it fuses
-    # (k = n = 1 may fold to a product of scalars, and no call is left to fuse into)
-    if chain.count("transpose") % 2 == 0 and any(isinstance(kernel, GemmCall) for kernel in program.kernels):
+    # (k = n = 1 may fold to a product of scalars, and no call is left to fuse into). Not where an
+    # erf or tanh runs in the transposed layout: its several values, each read more than once, are
+    # computed by a loop of their own, which a loop reading them transposed does not take in
+    # (hypothesis found ['transpose', 'tanh', 'transpose'], which never fused)
+    transposed_lets = any(
+        step in ("erf", "tanh") and chain[:number].count("transpose") % 2 for number, step in enumerate(chain)
+    )
+    if (
+        chain.count("transpose") % 2 == 0
+        and not transposed_lets
+        and any(isinstance(kernel, GemmCall) for kernel in program.kernels)
+    ):
         assert fused(program), chain
     assert_matches_reference(graph, program, gemm, sizes=(1, 7))
 
