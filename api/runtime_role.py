@@ -88,14 +88,18 @@ def run_runtime_process(settings: Settings, device: str) -> None:
         adaptive_batching=settings.adaptive_batching,
         prices=dict(settings.price_per_second),
     )
-    from runtime.tokenizer import CodecCache
-    from scheduler.generating import GenerationService, generation_settings
-
-    store = runtime_store  # the store the runtime fetches artifacts from gives the tokenizers too
     observer = PrometheusObserver()
-    generation = GenerationService(
-        {config.device: runtime}, CodecCache(store), None, config.prices, generation_settings(settings), observer
-    )
+
+    def generation():
+        # the generation modules load with the first sequence, not at a runtime's cold start
+        from runtime.tokenizer import CodecCache
+        from scheduler.generating import GenerationService, generation_settings
+
+        # the store the runtime fetches artifacts from gives the tokenizers too
+        return GenerationService(
+            {config.device: runtime}, CodecCache(runtime_store), None, config.prices, generation_settings(settings), observer
+        )
+
     process = RuntimeProcess(client, runtime, config, observer, generation)
     signal.signal(signal.SIGTERM, process.stop)
     signal.signal(signal.SIGINT, process.stop)

@@ -21,8 +21,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -31,11 +33,12 @@ from cloud.usage import Usage
 from runtime.runtime import Runtime
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route, run_isolating, run_priced
-from scheduler.generating import GenerationService, generation_usage
-from scheduler.generator import GenerationRefused, TokenEvent, event_to_json, request_from_json
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending
 from scheduler.pricing import price_for
+
+if TYPE_CHECKING:
+    from scheduler.generating import GenerationService
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ class RuntimeProcess:
         runtime: Runtime,
         config: RuntimeConfig,
         observer: SchedulerObserver = NO_OBSERVER,
-        generation: GenerationService | None = None,
+        generation: Callable[[], GenerationService] | None = None,
     ) -> None:
         if runtime.memory_budget_bytes is None:
             raise ValueError("a runtime process needs a memory budget: placement reads it from the heartbeat")
@@ -132,7 +135,9 @@ class RuntimeProcess:
         self._ack_and_trim = self.redis.register_script(ACK_AND_TRIM)
         # generation: sequences this runtime generates (request id -> its message), and where it
         # has read the cancels up to
-        self.generation = generation
+        # made on the first sequence (its modules too): a runtime of inference models starts without them
+        self._make_generation = generation
+        self.generation: GenerationService | None = None
         self._generating: dict[str, Taken] = {}
         self._generating_lock = threading.Lock()
         self._cancels_read = "$"
@@ -379,7 +384,12 @@ class RuntimeProcess:
     def _start_generation(self, taken: Taken) -> None:
         """Starts a sequence on this runtime; its events go back as "token" replies, the last
         with its usage event and the message's acknowledgement in one transaction."""
+        from scheduler.generating import generation_usage
+        from scheduler.generator import GenerationRefused, TokenEvent, event_to_json, request_from_json
+
         message = taken.message
+        if self.generation is None and self._make_generation is not None:
+            self.generation = self._make_generation()
         if self.generation is None:
             self._answer_error(taken, "unavailable", "this runtime does not generate")
             return

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -30,11 +30,13 @@ from cloud.usage import Usage
 from compiler.shape import ShapeError
 from runtime import Runtime
 from runtime.runtime import DoesNotFit
-from scheduler.generating import GenerationService
-from scheduler.generator import GenerationRequest, TokenEvent
 from scheduler.observer import NO_OBSERVER, SchedulerObserver
 from scheduler.policy import BatchPolicy, BatchQueue, Pending, QueueFull
 from scheduler.pricing import UsageSink, price_for, split_by_rows
+
+if TYPE_CHECKING:  # annotations only: a runtime process of inference models never loads generation
+    from scheduler.generating import GenerationService
+    from scheduler.generator import GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
