@@ -357,3 +357,71 @@ class ChooserBucket:
     @staticmethod
     def of(rows: int) -> int:
         return 1 if rows == 1 else 16
+
+
+def test_the_service_refuses_past_its_waiting_limit_and_bills_each_sequence_once() -> None:
+    from types import SimpleNamespace
+
+    from cloud.errors import Overloaded
+    from scheduler.generating import GenerationService, GenerationSettings
+    from scheduler.observer import NO_OBSERVER
+
+    gate = threading.Event()
+
+    class GatedRuntime:
+        def signature(self, key):
+            return SimpleNamespace(inputs=[TensorSpec(name, (), dtype) for name, dtype in DTYPES.items()])
+
+        def run_batch(self, key, requests, rows):
+            gate.wait(10)
+            outputs, seconds = toy_decoder(requests[0])
+            return SimpleNamespace(outputs=[outputs], exec_seconds=seconds)
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.usages = []
+
+        def record(self, usages) -> None:
+            self.usages.extend(usages)
+
+    ledger = Ledger()
+    settings = GenerationSettings(
+        kv_cache_bytes=64 * LAYOUT.block_bytes(4), block_tokens=4, max_sequences=1, max_waiting=1
+    )
+    service = GenerationService(
+        {"cpu": GatedRuntime()}, lambda bundle: FakeCodec(), ledger, {"cpu": 2.0}, settings, NO_OBSERVER
+    )
+    route = SimpleNamespace(
+        version_id=1,
+        target="cpu",
+        artifact_key="k",
+        model_name="m",
+        version=1,
+        tenant_id=7,
+        tenant_name="t",
+        bundle={"layout": LAYOUT.to_json(), "context_length": 512},
+    )
+    finished = threading.Semaphore(0)
+
+    def sink(event: TokenEvent) -> None:
+        if event.finish_reason:
+            finished.release()
+
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0)
+        service.start(route, GenerationRequest("a", [1, 2], params), sink)  # runs
+        service.start(route, GenerationRequest("b", [3], params), sink)  # waits: one waiting, the limit
+        with pytest.raises(Overloaded, match="waiting"):
+            service.start(route, GenerationRequest("c", [4], params), sink)
+        gate.set()
+        assert finished.acquire(timeout=10) and finished.acquire(timeout=10)
+        service._writer.submit(lambda: None).result(timeout=10)  # the ledger's writes are done
+        assert sorted(u.request_id for u in ledger.usages) == ["a", "b"]
+        assert all(
+            u.completion_tokens == 3 and u.tenant_id == 7 and u.price_per_second == 2.0 for u in ledger.usages
+        )
+        assert [u.prompt_tokens for u in sorted(ledger.usages, key=lambda u: u.request_id)] == [2, 1]
+        assert service.free_blocks(1) == 64
+    finally:
+        gate.set()
+        service.close()
