@@ -6,8 +6,14 @@ name them. A graph that cannot be mapped is refused with the input (or output) t
     attention_mask   [batch, past + seq]                int64   (optional)
     position_ids     [batch, seq]                       int64   (optional)
     past_key_values.{i}.key / .value   [batch, kv_heads, past, head_dim]
+    use_cache_branch [1] or []                          bool    (optional: optimum's merged decoder)
     logits           [batch, seq, vocab]
     present.{i}.key / .value           [batch, kv_heads, past + seq, head_dim]
+
+A merged decoder (optimum's decoder_model_merged.onnx) takes `use_cache_branch` and chooses with
+an If between its with-past and no-past decoders. The service always takes the with-past branch
+(the first step runs with zero-length past tensors): `bind_cache_branch` fixes the input to True
+before the graph is compiled, the If is inlined, and the input is gone from the program.
 
 Plain data over TensorSpecs: the gateway checks an upload with it, the runtime lays out its
 cache blocks with it.
@@ -28,6 +34,7 @@ from compiler.shape import SymDim
 _PAST = re.compile(r"^past_key_values[._](\d+)[._](key|value)$")
 _PRESENT = re.compile(r"^present[._](\d+)[._](key|value)$")
 IDS, MASK, POSITIONS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+CACHE_BRANCH = "use_cache_branch"
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class CacheLayout:
     present_values: tuple[str, ...]
     mask_input: str | None  # attention_mask, when the graph takes one
     position_input: str | None  # position_ids, when the graph takes one
+    # use_cache_branch, when the graph is a merged decoder: bound to True before it is compiled
+    cache_branch_input: str | None = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one cache block: keys and values of `block_size` tokens over every layer."""
@@ -64,6 +73,7 @@ class CacheLayout:
             "present_values": list(self.present_values),
             "mask_input": self.mask_input,
             "position_input": self.position_input,
+            **({"cache_branch_input": self.cache_branch_input} if self.cache_branch_input else {}),
         }
 
     @staticmethod
@@ -80,6 +90,7 @@ class CacheLayout:
             present_values=tuple(data["present_values"]),
             mask_input=data.get("mask_input"),
             position_input=data.get("position_input"),
+            cache_branch_input=data.get("cache_branch_input"),
         )
 
 
@@ -138,15 +149,16 @@ def find_cache_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec
         raise _refuse(
             f"it takes the past of {len(past_keys)} layers but returns the present of {len(present_keys)}"
         )
-    known = {IDS, MASK, POSITIONS, *past_keys, *past_values}
+    branch = by_input.get(CACHE_BRANCH)
+    if branch is not None and (branch.dtype != "bool" or tuple(branch.shape) not in ((), (1,))):
+        raise _refuse(
+            f"{CACHE_BRANCH!r} (a merged decoder's choice of branch) must be a bool of shape [1], "
+            f"not {list(map(str, branch.shape))} {branch.dtype}"
+        )
+    known = {IDS, MASK, POSITIONS, CACHE_BRANCH, *past_keys, *past_values}
     for spec in inputs:
         if spec.name not in known:
-            hint = (
-                " (a merged decoder: export text-generation-with-past without merging, or with the cache always on)"
-                if spec.name == "use_cache_branch"
-                else ""
-            )
-            raise _refuse(f"input {spec.name!r} is not one a decoder step can be given{hint}")
+            raise _refuse(f"input {spec.name!r} is not one a decoder step can be given")
     first = by_input[past_keys[0]]
     if len(first.shape) != 4:
         raise _refuse(
@@ -186,6 +198,7 @@ def find_cache_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec
         present_values=present_values,
         mask_input=MASK if MASK in by_input else None,
         position_input=POSITIONS if POSITIONS in by_input else None,
+        cache_branch_input=CACHE_BRANCH if branch is not None else None,
     )
 
 
@@ -216,10 +229,42 @@ def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
     return {total: f"{past_len} + {seq}"}
 
 
+def bind_cache_branch(model) -> bool:
+    """Makes a merged decoder (an onnx.ModelProto taking `use_cache_branch`) its with-past
+    decoder, in place: the input becomes an initializer holding True, so the compiler's If
+    lowering, given a known condition, inlines the then-branch and the compiled program takes no
+    such input. The with-past branch serves the first step too, with zero-length past tensors.
+    False when the graph takes no `use_cache_branch`; UnsupportedModel when it is not a bool of
+    one element or no If reads it (then True may not mean "use the cache")."""
+    from onnx import TensorProto, helper
+
+    index = next((i for i, v in enumerate(model.graph.input) if v.name == CACHE_BRANCH), None)
+    if index is None:
+        return False
+    tensor = model.graph.input[index].type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    if tensor.elem_type != TensorProto.BOOL or shape not in ([], [1]):
+        raise _refuse(
+            f"{CACHE_BRANCH!r} (a merged decoder's choice of branch) must be a bool of shape [1], "
+            f"not {shape} of onnx type {tensor.elem_type}"
+        )
+    readers = [node for node in model.graph.node if CACHE_BRANCH in node.input]
+    if not readers or any(node.op_type != "If" or node.input[0] != CACHE_BRANCH for node in readers):
+        raise _refuse(
+            f"{CACHE_BRANCH!r} must be the condition of the merged decoder's If nodes, and only that "
+            f"(read by: {', '.join(node.op_type for node in readers) or 'no node'})"
+        )
+    del model.graph.input[index]
+    model.graph.initializer.append(helper.make_tensor(CACHE_BRANCH, TensorProto.BOOL, shape, [True]))
+    return True
+
+
 def decode_step_graph(model) -> bool:
     """Makes an onnx.ModelProto the decode phase's graph, in place: the new tokens' dimension
     (input_ids' second) is 1 wherever an input or output declares it, so the compiler searches
-    the products of one token per sequence. False when there is no such symbol to fix."""
+    the products of one token per sequence, and a merged decoder's `use_cache_branch` is bound
+    to True (bind_cache_branch). False when there is no such symbol to fix."""
+    bind_cache_branch(model)
     ids = next((v for v in model.graph.input if v.name == IDS), None)
     if ids is None or len(ids.type.tensor_type.shape.dim) != 2:
         return False
@@ -254,4 +299,12 @@ def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
     ]
 
 
-__all__ = ["CacheLayout", "decode_step_graph", "decoder_dims", "find_cache_layout", "onnx_specs"]
+__all__ = [
+    "CACHE_BRANCH",
+    "CacheLayout",
+    "bind_cache_branch",
+    "decode_step_graph",
+    "decoder_dims",
+    "find_cache_layout",
+    "onnx_specs",
+]

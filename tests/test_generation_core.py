@@ -303,8 +303,17 @@ def test_cache_layout_is_found_and_a_graph_it_cannot_map_is_refused_naming_the_i
     assert (layout.layers, layout.kv_heads, layout.head_dim, layout.vocab) == (1, 2, 8, 320)
     assert layout.position_input is None and layout.mask_input == "attention_mask"
     assert CacheLayout.from_json(layout.to_json()) == layout
-    with pytest.raises(UnsupportedModel, match="use_cache_branch"):
-        find_cache_layout([*inputs, *_specs([("use_cache_branch", [1], "bool")])], outputs)
+    assert layout.cache_branch_input is None and "cache_branch_input" not in layout.to_json()
+    # a merged decoder's use_cache_branch is known (bound to True before it is compiled) ...
+    merged = find_cache_layout([*inputs, *_specs([("use_cache_branch", [1], "bool")])], outputs)
+    assert merged.cache_branch_input == "use_cache_branch" and CacheLayout.from_json(merged.to_json()) == merged
+    # ... but only as a one-element bool
+    with pytest.raises(UnsupportedModel, match="'use_cache_branch' .* must be a bool of shape \\[1\\], not \\['1'\\] int64"):
+        find_cache_layout([*inputs, *_specs([("use_cache_branch", [1], "int64")])], outputs)
+    with pytest.raises(UnsupportedModel, match="'use_cache_branch' .* must be a bool of shape"):
+        find_cache_layout([*inputs, *_specs([("use_cache_branch", ["batch"], "bool")])], outputs)
+    with pytest.raises(UnsupportedModel, match="input 'token_type_ids' is not one a decoder step can be given"):
+        find_cache_layout([*inputs, *_specs([("token_type_ids", ["batch", "seq"], "int64")])], outputs)
     with pytest.raises(UnsupportedModel, match="layer 0 has no value"):
         find_cache_layout(inputs[:3], outputs)
     with pytest.raises(UnsupportedModel, match="no input named 'input_ids'"):

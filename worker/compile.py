@@ -185,7 +185,9 @@ def compile_version(
         key = _artifact_key_of(version, options, unmeasured=True)
     progress = ProgressWriter(registry, version_id)
     try:
-        artifact, cached = _compiled_or_cached(version, registry.store, key, compile_fn, progress)
+        artifact, cached = _compiled_or_cached(
+            version, registry.store, key, compile_fn, progress, transform=_prefill_transform(version)
+        )
         decode = (
             _decode_phase(version, registry.store, key, compile_fn) if version.task == GENERATION else None
         )
@@ -249,7 +251,9 @@ def recompile_measured(
         return "unchanged"
     key = _artifact_key_of(version, compile_options() if options is None else options, unmeasured=False)
     try:
-        artifact, _ = _compiled_or_cached(version, registry.store, key, compile_fn, progress=None)
+        artifact, _ = _compiled_or_cached(
+            version, registry.store, key, compile_fn, progress=None, transform=_prefill_transform(version)
+        )
     except CompileCancelled:
         return None if registry.get_version(version_id) is None else "unchanged"
     except TRANSIENT_ERRORS:
@@ -274,6 +278,9 @@ def _artifact_key_of(version: ModelVersion, options: Mapping[str, object], unmea
     # an unmeasured artifact is kept apart, so a compile where the GPU is never reuses it
     if unmeasured:
         options = {**options, UNMEASURED: True}
+    # a merged decoder compiled with its use_cache_branch bound is not the graph as uploaded
+    if _merged_decoder(version):
+        options = {**options, "use_cache_branch": True}
     return cache_key(version.graph_key, version.target, options, version.precision)
 
 
@@ -297,6 +304,27 @@ def _decode_phase(
     return decode_key, {
         key: artifact.report.get(key) for key in ("chosen", "seconds", "kernels", "verify_max_abs_error")
     }
+
+
+def _merged_decoder(version: ModelVersion) -> bool:
+    """Whether the version is a generative merged decoder (its upload check found use_cache_branch)."""
+    layout = (version.bundle or {}).get("layout") or {}
+    return version.task == GENERATION and bool(layout.get("cache_branch_input"))
+
+
+def _prefill_transform(version: ModelVersion) -> Callable[[Path], None] | None:
+    return _bind_cache_branch if _merged_decoder(version) else None
+
+
+def _bind_cache_branch(graph: Path) -> None:
+    """The merged decoder's with-past branch, always (compiler.kv_layout.bind_cache_branch)."""
+    import onnx
+
+    from compiler.kv_layout import bind_cache_branch
+
+    model = onnx.load(str(graph))
+    bind_cache_branch(model)
+    onnx.save(model, str(graph))
 
 
 def _as_decode_step(graph: Path) -> None:
