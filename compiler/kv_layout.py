@@ -231,31 +231,55 @@ def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
 
 def bind_cache_branch(model) -> bool:
     """Makes a merged decoder (an onnx.ModelProto taking `use_cache_branch`) its with-past
-    decoder, in place: the input becomes an initializer holding True, so the compiler's If
-    lowering, given a known condition, inlines the then-branch and the compiled program takes no
-    such input. The with-past branch serves the first step too, with zero-length past tensors.
-    False when the graph takes no `use_cache_branch`; UnsupportedModel when it is not a bool of
-    one element or no If reads it (then True may not mean "use the cache")."""
+    decoder, in place: each If on the input is replaced by its then-branch's nodes (with an
+    Identity from each branch output to the If's of another name), the branch's initializers and value_info move
+    to the graph, and the input becomes an initializer holding True (for any other reader), so
+    the compiled program takes no such input. The with-past branch serves the first step too,
+    with zero-length past tensors. Inlining here rather than leaving a known condition to the
+    compiler's If lowering keeps the branch's values visible to the graph's shape inference,
+    which the lowering reads dtypes from. False when the graph takes no `use_cache_branch`;
+    UnsupportedModel when it is not a bool of one element or is not the condition of an If."""
     from onnx import TensorProto, helper
 
     index = next((i for i, v in enumerate(model.graph.input) if v.name == CACHE_BRANCH), None)
     if index is None:
         return False
-    tensor = model.graph.input[index].type.tensor_type
+    graph = model.graph
+    tensor = graph.input[index].type.tensor_type
     shape = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
     if tensor.elem_type != TensorProto.BOOL or shape not in ([], [1]):
         raise _refuse(
             f"{CACHE_BRANCH!r} (a merged decoder's choice of branch) must be a bool of shape [1], "
             f"not {shape} of onnx type {tensor.elem_type}"
         )
-    readers = [node for node in model.graph.node if CACHE_BRANCH in node.input]
-    if not readers or any(node.op_type != "If" or node.input[0] != CACHE_BRANCH for node in readers):
-        raise _refuse(
-            f"{CACHE_BRANCH!r} must be the condition of the merged decoder's If nodes, and only that "
-            f"(read by: {', '.join(node.op_type for node in readers) or 'no node'})"
+    branches = [node for node in graph.node if node.op_type == "If" and node.input[0] == CACHE_BRANCH]
+    if not branches:
+        raise _refuse(f"{CACHE_BRANCH!r} is the condition of no If node (a merged decoder chooses its branch with one)")
+    defined = {t.name for t in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        if node not in branches:
+            nodes.append(node)
+            continue
+        then = next(a.g for a in node.attribute if a.name == "then_branch")
+        if then.input or then.sparse_initializer or len(then.output) != len(node.output):
+            raise _refuse(f"the If on {CACHE_BRANCH!r} ({node.name!r}) has a then-branch that cannot be inlined")
+        for initializer in then.initializer:
+            if initializer.name in defined:
+                raise _refuse(f"the then-branch of {node.name!r} redefines {initializer.name!r}")
+            defined.add(initializer.name)
+            graph.initializer.append(initializer)
+        graph.value_info.extend(then.value_info)
+        nodes.extend(then.node)
+        nodes.extend(
+            helper.make_node("Identity", [inner.name], [outer], name=f"{node.name}/{outer}")
+            for inner, outer in zip(then.output, node.output)
+            if outer and outer != inner.name  # optimum's branches write the If's outputs' names
         )
-    del model.graph.input[index]
-    model.graph.initializer.append(helper.make_tensor(CACHE_BRANCH, TensorProto.BOOL, shape, [True]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.input[index]
+    graph.initializer.append(helper.make_tensor(CACHE_BRANCH, TensorProto.BOOL, shape, [True]))
     return True
 
 
