@@ -45,6 +45,8 @@ from compiler.kernels.lower import NotNative, lower
 from compiler.kernels.precision import NARROWED_ROLES, computed_in_float32, narrow_values
 from compiler.memory import MemoryBudget, memory_terms
 from compiler.progress import PHASES, Progress, Tracker
+from compiler.quantize import MIN_QUANTIZED_ELEMENTS, quantization_error, quantize_weights
+from compiler.reference import run_graph
 from compiler.render.cuda import scheduled
 from compiler.runnable import executable
 from compiler.search.cpu_schedules import NAME as NATIVE_SEARCHED
@@ -55,6 +57,8 @@ from compiler.search.schedule import KernelCache
 from compiler.targets import (
     EXPORTED,
     GPU_TYPES,
+    INT8,
+    INT8_TOLERANCE,
     KNOWN_TARGETS,
     PRECISION_TOLERANCE,
     TF32,
@@ -119,6 +123,13 @@ def compile_graph(
     its measuring after every kernel's first alternative (None: SCHEDULE_SEARCH_SECONDS)."""
     seconds = SCHEDULE_SEARCH_SECONDS if search_seconds is None else search_seconds
     check_precision(target, precision)
+    if precision == INT8:
+        quantized, quantization = quantized_graph(graph)
+        artifact = compile_graph(
+            quantized, target, candidates, search, progress, EXPORTED, memory_bytes, kernel_cache, search_seconds
+        )
+        artifact.report["precision"] = quantization
+        return artifact
     searching = SEARCH if search is None else search
     if is_gpu(target):
         return _compile_for_cuda(
@@ -141,6 +152,38 @@ def compile_graph(
     return _compile_for_cpu(
         graph, target, wanted, searching, Tracker(progress, wanted), memory_bytes, kernel_cache, seconds
     )
+
+
+def quantized_graph(graph: Graph) -> tuple[Graph, dict[str, Any]]:
+    """The graph with weight-only int8 products (compiler.quantize) and the precision report: its
+    error against the float graph on the verification inputs, refused (VerificationFailed) past
+    INT8_TOLERANCE; the compiled program is then verified against the quantized graph."""
+    quantized, report = quantize_weights(graph)
+    if not report["weights"]:
+        why = (
+            f"precision {INT8!r}: no weight to quantize (it takes float32 matrix-product weights of at least "
+            f"{MIN_QUANTIZED_ELEMENTS} elements); use precision {EXPORTED!r}"
+        )
+        raise UnsupportedModel([why])
+    inputs, expected = verification_case(graph)
+    errors = quantization_error(expected, run_graph(quantized, inputs))
+    worst = max(errors.values(), default=0.0)
+    if worst > INT8_TOLERANCE:
+        raise VerificationFailed(
+            f"int8 weights change the outputs by {worst:.3g} of their largest magnitude, more than the "
+            f"{INT8_TOLERANCE} allowed; compile with precision {EXPORTED!r}"
+        )
+    return quantized, {
+        "chosen": INT8,
+        "tolerance": INT8_TOLERANCE,
+        "error_vs_float": round(worst, 6),
+        "errors_vs_float": {name: round(e, 6) for name, e in errors.items()},
+        "quantized_weights": report["weights"],
+        "weight_bytes_before": report["bytes_before"],
+        "weight_bytes_after": report["bytes_after"],
+        "kept_float": report["kept_float"],
+        "products": "int8 weights with per-channel float32 scales, widened inside the product kernels",
+    }
 
 
 def _wanted(candidates: Sequence[str] | None) -> tuple[str, ...]:

@@ -42,25 +42,31 @@ def is_gpu(target: str) -> bool:
 EXPORTED = "exported"
 NARROW_PRECISIONS = ("float16", "bfloat16")
 TF32 = "tf32"
-PRECISIONS = (EXPORTED, TF32, *NARROW_PRECISIONS)
+# weight-only int8 (compiler.quantize): the products' weights stored as int8 with per-channel
+# scales, dequantized inside the product kernels; everything else computes as exported
+INT8 = "int8"
+PRECISIONS = (EXPORTED, TF32, *NARROW_PRECISIONS, INT8)
 # the largest error a program may show against the float32 reference, relative to the largest
 # output magnitude (or 1): a few dozen roundings of the format's unit (2^-11, 2^-11, 2^-8)
 PRECISION_TOLERANCE = {EXPORTED: 1e-3, TF32: 1e-2, "float16": 1e-2, "bfloat16": 5e-2}
+# int8's bound is on the quantized graph against the float graph (a weight's channel rounds to
+# 1/254 of its largest value); the program is held to "exported"'s against the quantized graph
+INT8_TOLERANCE = 5e-2
 
 
 def check_precision(target: str, precision: str) -> None:
-    """ValueError naming the problem unless `precision` is offered on `target`: every one but
-    "exported" runs on GPU types only."""
+    """ValueError naming the problem unless `precision` is offered on `target`: "exported" and
+    "int8" run everywhere, the float formats on GPU types only."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
-    if precision != EXPORTED and not is_gpu(target):
+    if precision not in (EXPORTED, INT8) and not is_gpu(target):
         raise ValueError(
             f"precision {precision!r} runs on GPU targets ({', '.join(GPU_TYPES)}), not on {target!r}; "
-            f"use precision {EXPORTED!r} there"
+            f"use precision {EXPORTED!r} or {INT8!r} there"
         )
 
 
 __all__ = [
-    "CPU", "EXPORTED", "GPU_TYPES", "KNOWN_TARGETS", "NARROW_PRECISIONS", "PRECISIONS", "PRECISION_TOLERANCE", "TF32",
+    "CPU", "EXPORTED", "GPU_TYPES", "INT8", "INT8_TOLERANCE", "KNOWN_TARGETS", "NARROW_PRECISIONS", "PRECISIONS", "PRECISION_TOLERANCE", "TF32",
     "GpuType", "check_precision", "is_gpu",
 ]

@@ -148,7 +148,7 @@ def test_bad_upload_fields_get_400(client, keys, form, message) -> None:
     ("precision", "message"),
     [
         ("float16", "precision 'float16' runs on GPU targets"),  # a narrow float on the cpu
-        ("float8", "unknown precision 'float8'; known: exported, tf32, float16, bfloat16"),
+        ("float8", "unknown precision 'float8'; known: exported, tf32, float16, bfloat16, int8"),
     ],
 )
 def test_a_precision_the_target_cannot_run_gets_400_naming_it(client, keys, precision, message) -> None:

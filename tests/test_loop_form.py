@@ -26,6 +26,7 @@ from tests.onnx_models import init, make_model, tensor
 
 LOOPS = KernelSchedule("loops")
 INSIDE = KernelSchedule("loops-inside")
+COLUMNS = KernelSchedule("loops-columns")
 
 
 def _depthwise(channels: int = 6, size: int = 9, relu: bool = True) -> bytes:
@@ -86,7 +87,7 @@ def test_both_forms_of_a_matrix_vector_product_match_onnxruntime(model):
     for batch in (1, 3):
         inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
         want = _onnxruntime(data, inputs)["y"]
-        for gemm in ("blas", {number: "loops"}, {number: "loops-inside"}):
+        for gemm in ("blas", {number: "loops"}, {number: "loops-inside"}, {number: "loops-columns"}):
             got = _run(graph, program, gemm, inputs)
             np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"{gemm} batch {batch}")
 
@@ -104,10 +105,10 @@ def test_the_cpu_rules_offer_the_loop_form_and_the_gpu_rules_do_not():
     terms = kernel_terms(program)
     assert [t.loop_form for t in terms] == [True]
     cpu = schedule_space(terms, None, target="cpu")
-    assert {LOOPS, INSIDE} <= set(next(iter(cpu.alternatives.values())))
+    assert {LOOPS, INSIDE, COLUMNS} <= set(next(iter(cpu.alternatives.values())))
     assert cpu.default()[terms[0].number].kind == "library"  # OpenBLAS first; the loop is measured
     cuda = schedule_space(terms, None, target="cuda")
-    assert all(LOOPS not in a and INSIDE not in a for a in cuda.alternatives.values())
+    assert all(LOOPS not in a and INSIDE not in a and COLUMNS not in a for a in cuda.alternatives.values())
     # a product with no loop form (a dense layer over many rows) is not offered one
     _, dense = _programs(make_model(
         [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 8])], [tensor("y", ["n", 4])],
@@ -120,6 +121,7 @@ def test_the_cpu_rules_offer_the_loop_form_and_the_gpu_rules_do_not():
 def test_a_loop_form_label_round_trips_and_a_product_without_one_refuses_it():
     assert KernelSchedule.from_label(LOOPS.label) == LOOPS and LOOPS.term == "(ReductionLoops k)"
     assert KernelSchedule.from_label(INSIDE.label) == INSIDE and INSIDE.term == "(ReductionLoopsInside k)"
+    assert KernelSchedule.from_label(COLUMNS.label) == COLUMNS and COLUMNS.term == "(ReductionLoopsColumns k)"
     _, dense = _programs(make_model(
         [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 8])], [tensor("y", ["n", 4])],
         [init("w", np.ones((8, 4), np.float32))],

@@ -39,7 +39,7 @@ async def upload_model(
     file: Annotated[UploadFile, File(description="an ONNX model")],
     name: Annotated[str, Form()],
     target: Annotated[str, Form()] = "cpu",
-    precision: Annotated[str, Form(description="exported, or tf32, float16 or bfloat16 on a GPU target")] = EXPORTED,
+    precision: Annotated[str, Form(description="exported, int8 (weight-only), or tf32, float16 or bfloat16 on a GPU target")] = EXPORTED,
     task: Annotated[str, Form(description="inference, or text-generation for a decoder with its KV cache")] = "inference",
     tokenizer: Annotated[UploadFile | None, File(description="text-generation: tokenizer.json")] = None,
     tokenizer_config: Annotated[UploadFile | None, File(description="text-generation: tokenizer_config.json")] = None,

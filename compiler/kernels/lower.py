@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from compiler.contraction import Contraction, find_contraction, users_of
+from compiler.dtypes import is_float
 from compiler.ir import BINARY_OPS, UNARY_OPS, Graph, Op
 from compiler.kernels.ir import (
     Apply,
@@ -420,7 +421,9 @@ class _Lowering:
                 size(k_letters), trans_a, trans_b, a_strides, b_strides, node.dtype, i, panels, lda, ldb,
             )
         )
-        if target == out and row_scale is None and self.matrix_vector(m_letters, n_letters, sizes):
+        # a loop reads an int8 weight in place, widening it as it multiplies: a real alternative at
+        # the few rows a decoding step has, whatever the rows' symbol
+        if target == out and row_scale is None and (self.matrix_vector(m_letters, n_letters, sizes) or self.dequantizes(b[0])):
             self.offer_loop_form(i, out)
         if row_scale is not None:  # C[m, n] *= f[m], in place
             shape = tuple(sizes[c] for c in canonical)
@@ -506,7 +509,8 @@ class _Lowering:
                 return value.buffer, trans, tuple(strides.get(c, 0) for c in batch), None, ld
         order = own_batch + rows + cols
         packed_shape = tuple(sizes[c] for c in order)
-        folded = self.constant_value(base)
+        dequantized = self.dequantizes(base)
+        folded = None if dequantized else self.constant_value(base)
         if folded is not None:
             array = np.squeeze(folded, axis=squeezed) if squeezed else folded
             array = array[tuple(0 if c in ones else slice(None) for c in letters)]
@@ -516,7 +520,8 @@ class _Lowering:
             self.weights[key] = array
             buffer = self.new_buffer(array.dtype.name, array.shape, "weight", key)
         else:
-            panels = right and bool(cols) and self.reads_windows(base)  # blocks split the leading n axis
+            # blocks split the leading n axis: windows are read in place, int8 weights widened in cache
+            panels = right and bool(cols) and (self.reads_windows(base) or dequantized)
             extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
             idx = [Ix() if c is None else var_of[c] for c in axis_letter]
@@ -534,6 +539,25 @@ class _Lowering:
             self.kernels.append(kernel)
             self.packed[key] = buffer
         return buffer, False, self.batch_strides(batch, order, sizes), None, None
+
+    def dequantizes(self, i: int) -> bool:
+        """Whether a value widens an integer weight into floats (compiler.quantize's int8 weights):
+        folded into a float weight it would be stored four times larger, and the bytes a product
+        moves are what weight-only quantization saves."""
+        stack, seen = [i], set()
+        while stack:
+            j = stack.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            node = self.nodes[j]
+            if node.op is Op.CAST and is_float(node.dtype):
+                source = self.nodes[node.srcs[0]]
+                if source.op is Op.CONSTANT and not is_float(source.dtype) and source.dtype != "bool":
+                    return True
+            if node.op in (Op.VIEW, Op.MUL, Op.CAST):  # the spelling of cast(q) * scale, nothing wider
+                stack.extend(node.srcs)
+        return False
 
     def reads_windows(self, i: int) -> bool:
         """Whether a value is read through a sliding window (each element several times)."""

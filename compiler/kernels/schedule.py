@@ -19,6 +19,8 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
                             where the graph has them (no operand packed or windows stored), the
                             reduced loops around the output row
     (ReductionLoopsInside k) (C) the same with each element's sum inside the output row's loop
+    (ReductionLoopsColumns k) (C) the same with the reduced loops outside the output row, whose
+                            columns the threads share (B's rows streamed, however few C's rows)
 
 Renderers print what a schedule says; they choose nothing.
 """
@@ -40,9 +42,10 @@ KINDS = {
     "GeneratedPanels": "generated-panels",
     "ReductionLoops": "loops",
     "ReductionLoopsInside": "loops-inside",
+    "ReductionLoopsColumns": "loops-columns",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops", "loops-inside"})
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops", "loops-inside", "loops-columns"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

@@ -53,7 +53,7 @@ from compiler.verify import VerificationFailed, max_error
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels", "loops": "loops",
-             "loops-inside": "loops-inside"}
+             "loops-inside": "loops-inside", "loops-columns": "loops-columns"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
 

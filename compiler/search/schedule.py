@@ -58,7 +58,8 @@ SCHEDULE_RULES = """
     (WindowRows Kernel)
     (GeneratedPanels Kernel)
     (ReductionLoops Kernel)
-    (ReductionLoopsInside Kernel))
+    (ReductionLoopsInside Kernel)
+    (ReductionLoopsColumns Kernel))
 (relation CudaTarget ())
 (relation CpuTarget ())
 (relation Windowed (String))
@@ -89,10 +90,12 @@ SCHEDULE_RULES = """
 (rule ((= k (Product sig "float32")) (CpuTarget) (Windowed sig))
       ((union k (WindowRows k)) (union k (GeneratedPanels k))) :ruleset schedule)
 ; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
-; reduction loop, which reads its operands in place: the reduced loops around the output row, or
-; each element's sum inside it
+; reduction loop, which reads its operands in place: the reduced loops around the output row,
+; each element's sum inside it, or the reduced loops around blocks of the row's columns, a thread's
+; each (so is a product by int8 weights, which the loop widens as it reads them)
 (rule ((= k (Product sig dtype)) (CpuTarget) (LoopForm sig))
-      ((union k (ReductionLoops k)) (union k (ReductionLoopsInside k))) :ruleset schedule)
+      ((union k (ReductionLoops k)) (union k (ReductionLoopsInside k)) (union k (ReductionLoopsColumns k)))
+      :ruleset schedule)
 """
 
 # the most alternatives read back per kernel (the rules derive at most five today)
