@@ -243,18 +243,26 @@ class Generator:
                 head = self.scheduler.waiting[0]
                 self._finish(head.seq_id, "error", error="the sequence does not fit in the KV cache")
             return
+        # each token's text goes to its sink as soon as its batch is sampled (the decodes' before
+        # the step's prompt chunks run: a chunk of a long prompt would hold them back); what ends
+        # a sequence is sent once the step's device time is known, its share in the usage
         seconds = 0.0
-        chosen: dict[str, int] = {}
+        ending: list[tuple[str, str]] = []
         if plan.decodes:
             rows, took = self._run(plan.decodes)
             seconds += took
-            for chunk, row in zip(plan.decodes, rows, strict=True):
-                chosen[chunk.seq_id] = self._choose(self._sequences[chunk.seq_id], row)
+            chosen = [
+                (chunk.seq_id, self._choose(self._sequences[chunk.seq_id], row))
+                for chunk, row in zip(plan.decodes, rows, strict=True)
+            ]
+            for seq_id, token in chosen:
+                self._emit(self._sequences[seq_id], token, ending)
         for chunk in plan.prefills:
             rows, took = self._run([chunk])
             seconds += took
             if chunk.samples:
-                chosen[chunk.seq_id] = self._choose(self._sequences[chunk.seq_id], rows[0])
+                sequence = self._sequences[chunk.seq_id]
+                self._emit(sequence, self._choose(sequence, rows[0]), ending)
         self.scheduler.advance(plan)
         self.steps_run += 1
         shares = split_by_tokens(seconds, {c.seq_id: c.count for c in plan.chunks})
@@ -262,8 +270,8 @@ class Generator:
             sequence = self._sequences[seq_id]
             sequence.billed_seconds += share
             sequence.steps += 1
-        for seq_id, token in chosen.items():
-            self._emit(self._sequences[seq_id], token)
+        for seq_id, reason in ending:
+            self._finish(seq_id, reason)
 
     def _choose(self, sequence: _Sequence, logits: np.ndarray) -> int:
         params = sequence.request.params
@@ -281,22 +289,21 @@ class Generator:
         ]
         return self.decoder.run(rows)
 
-    def _emit(self, sequence: _Sequence, token: int) -> None:
+    def _emit(self, sequence: _Sequence, token: int, ending: list[tuple[str, str]]) -> None:
+        """Records the sampled token and sends its text; a sequence it ends goes on `ending`."""
         params = sequence.request.params
         sequence.generated += 1
         sequence.state.tokens.append(token)
         request_id = sequence.request.request_id
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            self._finish(request_id, "stop")
+            ending.append((request_id, "stop"))
             return
         piece = sequence.text.add(token)
-        if sequence.text.stopped:
-            self._send(sequence, TokenEvent(piece, token))
-            self._finish(request_id, "stop")
-            return
         self._send(sequence, TokenEvent(piece, token))
-        if sequence.generated >= params.max_tokens:
-            self._finish(request_id, "length")
+        if sequence.text.stopped:
+            ending.append((request_id, "stop"))
+        elif sequence.generated >= params.max_tokens:
+            ending.append((request_id, "length"))
 
     def _finish(self, request_id: str, reason: str, error: str | None = None) -> None:
         sequence = self._sequences.pop(request_id, None)
