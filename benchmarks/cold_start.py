@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import struct
 import subprocess
@@ -173,12 +174,20 @@ class Model:
     inputs: dict[str, list]
 
 
-def models() -> list[Model]:
-    x = (np.arange(16, dtype=np.float32).reshape(2, 8) / 16).tolist()
-    folder = minilm_folder()
-    ids = tokenize(SENTENCE, folder / "vocab.txt")
-    text = {"input_ids": [ids], "attention_mask": [[1] * len(ids)]}
-    return [Model("mlp", mlp().SerializeToString(), {"x": x}), Model("minilm", minilm_onnx(folder), text)]
+MODELS = ("mlp", "minilm")
+
+
+def models(names: tuple[str, ...] = MODELS) -> list[Model]:
+    chosen = []
+    if "mlp" in names:
+        x = (np.arange(16, dtype=np.float32).reshape(2, 8) / 16).tolist()
+        chosen.append(Model("mlp", mlp().SerializeToString(), {"x": x}))
+    if "minilm" in names:
+        folder = minilm_folder()
+        ids = tokenize(SENTENCE, folder / "vocab.txt")
+        text = {"input_ids": [ids], "attention_mask": [[1] * len(ids)]}
+        chosen.append(Model("minilm", minilm_onnx(folder), text))
+    return chosen
 
 
 def start(args: list[str], env: dict[str, str], log: Path, ready: str, timeout: float = 120) -> subprocess.Popen:
@@ -383,10 +392,19 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=200, help="sequential requests to the warm pool")
     parser.add_argument("--repeat", type=int, default=5, help="cold answers per model, the pool at zero before each")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table to {DOCS.name}")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"the models to measure, comma-separated (default: {','.join(MODELS)})")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="copy the processes' logs (gateway, S3, each runtime) to DIR at the end")
     args = parser.parse_args()
+    names = tuple(name.strip() for name in args.models.split(",") if name.strip())
+    if unknown := sorted(set(names) - set(MODELS)):
+        parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
+    if args.write_docs and set(names) != set(MODELS):
+        parser.error("--write-docs measures every model")
     client = redis.Redis.from_url(args.redis)
     client.flushdb()
-    chosen = models()
+    chosen = models(names)
     with tempfile.TemporaryDirectory(prefix="luminal-cold-") as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
@@ -415,8 +433,11 @@ def main() -> int:
                 process.terminate()
                 process.wait(timeout=30)
             client.flushdb()
-    embedding = np.asarray(results[-1]["outputs"]["sentence_embedding"], np.float32)
-    assert abs(float(np.linalg.norm(embedding)) - 1) < 1e-4, "MiniLM's embedding is not normalized"
+            if args.keep_logs is not None:
+                shutil.copytree(logs, args.keep_logs, dirs_exist_ok=True)
+    if "minilm" in names:
+        embedding = np.asarray(results[-1]["outputs"]["sentence_embedding"], np.float32)
+        assert abs(float(np.linalg.norm(embedding)) - 1) < 1e-4, "MiniLM's embedding is not normalized"
     imports = import_costs()
     text = table(results, imports)
     print(text)

@@ -20,6 +20,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,8 +157,8 @@ class Artifact:
         names = [name for name in (*FILES, *BINARIES) if name in listed and name != "manifest.json"]
         files = {name: _read_checked(read, name, manifest.get("sha256", {})) for name in names}
         program = json.loads(files["program.json"])
-        with np.load(io.BytesIO(files["weights.npz"]), allow_pickle=False) as npz:
-            weights = {key: npz[key] for key in npz.files}
+        # checked against the manifest's hash: read in place, without the zip's own checks
+        weights = _read_npz(files["weights.npz"], checked="weights.npz" in manifest.get("sha256", {}))
         for key, name in manifest.get("weight_dtypes", {}).items():
             weights[key] = weights[key].view(numpy_dtype(name))
         program_weights = {key: weights.pop(key) for key in manifest.get("program_weights", []) if key in weights}
@@ -183,6 +186,65 @@ def _read_checked(read: Callable[[str], bytes], name: str, hashes: dict[str, str
     if name in hashes and _sha256(data) != hashes[name]:
         raise CorruptArtifact(f"artifact file {name} does not match its manifest")
     return data
+
+
+def _read_npz(data: bytes, checked: bool) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file (np.savez's: a zip of .npy files), by key. Where its bytes were
+    checked against the manifest's hash and every member is stored uncompressed (what np.savez
+    writes), the arrays are read-only views of `data`, found through the zip's directory, without
+    a copy and without the zip's CRC check (the hash covers it): an artifact's weights are most of
+    a cold start's bytes. Anything else is read by np.load (copied, CRC-checked)."""
+    if checked:
+        try:
+            return _npz_views(data)
+        except _NotInPlace:
+            pass
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+class _NotInPlace(Exception):
+    """An .npz member that cannot be viewed in place (compressed, encrypted, an odd header)."""
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip member's local header: signature, name and extra lengths
+
+
+def _npz_views(data: bytes) -> dict[str, np.ndarray]:
+    view = memoryview(data)
+    arrays = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or not info.filename.endswith(".npy"):
+                raise _NotInPlace(info.filename)
+            signature, name_length, extra_length = _LOCAL_HEADER.unpack_from(view, info.header_offset)
+            if signature != b"PK\x03\x04":
+                raise _NotInPlace(info.filename)
+            start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+            member = io.BytesIO(view[start : start + min(info.file_size, _NPY_HEADER_MAX)])
+            try:
+                version = np.lib.format.read_magic(member)
+                if version == (1, 0):
+                    shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(member)
+                elif version == (2, 0):
+                    shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(member)
+                else:
+                    raise _NotInPlace(info.filename)
+            except ValueError:
+                raise _NotInPlace(info.filename) from None
+            if dtype.hasobject:
+                raise ValueError(f"weights.npz member {info.filename} holds Python objects, which are not loaded")
+            count = math.prod(shape)
+            offset = start + member.tell()
+            if member.tell() + count * dtype.itemsize != info.file_size:
+                raise _NotInPlace(info.filename)
+            array = np.frombuffer(data, dtype, count, offset)
+            arrays[info.filename.removesuffix(".npy")] = array.reshape(shape, order="F" if fortran_order else "C")
+    return arrays
+
+
+# a .npy header (magic, length, the dict) is at most this long in what np.save writes
+_NPY_HEADER_MAX = 1 << 16
 
 
 def _storable(array: np.ndarray) -> np.ndarray:

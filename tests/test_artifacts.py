@@ -117,3 +117,46 @@ def test_the_cache_reuses_an_artifact_only_for_the_same_options_and_cpu(tmp_path
         assert len(keys) == 3 and all(store.exists(f"{key}/manifest.json") for key in keys)
     finally:
         services.close()
+
+
+def test_weights_are_read_in_place_and_a_loaded_program_keeps_only_its_own() -> None:
+    """An artifact's weights are views of its checked weights.npz (no copy, no zip CRC pass: the
+    manifest's hash covers the file); the native program copies what its code reads, so the file
+    is not kept with it. Weights the manifest has no hash for, or compressed, go through np.load."""
+    import json
+    import zipfile
+
+    from compiler.artifact import _read_npz
+
+    artifact = compile_onnx(MLP)
+    files = artifact.to_files()
+    loaded = Artifact.from_files(files.__getitem__)
+    data = files["weights.npz"]
+    for key, array in artifact.all_weights().items():
+        read = loaded.all_weights()[key]
+        assert read.dtype == array.dtype and read.shape == array.shape
+        np.testing.assert_array_equal(read, array)
+        assert not read.flags.writeable and read.base is not None  # a view of the file's bytes
+    program = executable(loaded)
+    assert artifact.kernels[0].get("kind") == "native"
+    file_bytes = np.frombuffer(data, np.uint8)
+    assert program._weights and not any(np.shares_memory(w, file_bytes) for w in program._weights)
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(program.run({"x": x})["y"], executable(artifact).run({"x": x})["y"], rtol=1e-6)
+
+    # no hash in the manifest: np.load, the zip's CRC checked
+    manifest = json.loads(files["manifest.json"])
+    del manifest["sha256"]
+    unhashed = Artifact.from_files({**files, "manifest.json": json.dumps(manifest).encode()}.__getitem__)
+    assert all(w.flags.writeable for w in unhashed.all_weights().values())
+    # compressed, Fortran order, 0-d and empty arrays: each read as np.load reads it
+    arrays = {"s": np.float32(3), "e": np.zeros((0, 4), np.int64), "f": np.asfortranarray(np.arange(6.0).reshape(2, 3))}
+    for save in (np.savez, np.savez_compressed):
+        buffer = io.BytesIO()
+        save(buffer, **arrays)
+        read = _read_npz(buffer.getvalue(), checked=True)
+        assert read.keys() == arrays.keys()
+        for key, array in arrays.items():
+            assert read[key].dtype == array.dtype and read[key].shape == np.shape(array)
+            np.testing.assert_array_equal(read[key], array)
+    assert zipfile.is_zipfile(io.BytesIO(data))

@@ -29,7 +29,6 @@ from compiler.backends.layout import ArenaPlan, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer
-from compiler.render.c import WAKE_MIN_WORK
 from compiler.shape import shape_from_json
 
 ALIGNMENT = 64
@@ -105,6 +104,15 @@ def _compile(source: str) -> bytes:
 
 
 @cache
+def _wake_min_work() -> int:
+    """The work a loop needs to wake a busy program's sleeping threads (the renderer's constant):
+    the renderer is imported on a program's first busy run, not by a runtime at its start."""
+    from compiler.render.c import WAKE_MIN_WORK
+
+    return WAKE_MIN_WORK
+
+
+@cache
 def _single_threaded_blas() -> None:
     """The generated code splits each GEMM across its own threads; OpenBLAS's own threads on top
     would double the threads on every core."""
@@ -146,6 +154,17 @@ def _aligned(array: np.ndarray) -> np.ndarray:
     return copy
 
 
+def _own(array: np.ndarray) -> np.ndarray:
+    """The array in memory of its own: a read-only view (an artifact's weights are views of its
+    whole weights file, compiler/artifact.py) is copied, so that a loaded program keeps only the
+    weights its code reads, not the file they were read from."""
+    if array.flags.writeable or array.base is None:
+        return array
+    copy = _aligned(np.empty_like(array))
+    copy[...] = array
+    return copy
+
+
 class NativeProgram:
     """A built program bound to its weights; `run` is thread-safe (one call at a time)."""
 
@@ -172,7 +191,7 @@ class NativeProgram:
         self._weights: list[np.ndarray] = []
         for b in self.buffers:
             if b.role == "weight":
-                array = _aligned(np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype)))
+                array = _own(_aligned(np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))))
                 self._weights.append(array)
                 self._pointers[b.id] = array.ctypes.data
         self._inputs = [b for b in self.buffers if b.role == "input"]
@@ -226,7 +245,7 @@ class NativeProgram:
                     pointers[b.id] = self._arena_base + offset
                 self._temps_bound = layout
             if busy != self._busy and self._set_wake_work is not None:
-                self._set_wake_work(WAKE_MIN_WORK if busy else 0)
+                self._set_wake_work(_wake_min_work() if busy else 0)
                 self._busy = busy
             for b, array in zip(self._inputs, arrays):
                 pointers[b.id] = array.ctypes.data
