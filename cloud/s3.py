@@ -1,4 +1,9 @@
-"""The object store on S3 (AWS, MinIO, any S3 endpoint) through boto3.
+"""The object store on S3 (AWS, MinIO, any S3 endpoint) through botocore, with boto3's transfer
+manager (s3transfer) for the streamed uploads and downloads of files.
+
+The client is botocore's own (what boto3.client makes, less boto3's injected methods): boto3 and
+s3transfer load only with a file's first transfer, not when a runtime process starts, whose
+request waits for it (about 0.1 s of a cold start).
 
 botocore's standard retry mode retries what is transient (connection errors, 5xx, throttling)
 with backoff; what still fails is translated here into our errors: a missing key is NotFound,
@@ -7,13 +12,13 @@ anything else Unreachable, naming the endpoint and bucket.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import boto3
-from boto3.exceptions import RetriesExceededError, S3TransferFailedError, S3UploadFailedError
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -50,7 +55,7 @@ class S3ObjectStore:
             # MinIO and other self-hosted endpoints serve buckets as paths, not subdomains
             s3={"addressing_style": "path" if endpoint else "auto"},
         )
-        client = boto3.client(
+        client = botocore.session.get_session().create_client(
             "s3",
             endpoint_url=endpoint,
             aws_access_key_id=settings.s3_access_key_id or None,
@@ -84,8 +89,8 @@ class S3ObjectStore:
 
     def put_file(self, key: str, path: Path) -> None:
         # upload_file streams from disk, in parallel multipart parts above 8 MiB
-        with self._translated(f"store {key!r} in"):
-            self.client.upload_file(str(path), self.bucket, key)
+        with self._translated(f"store {key!r} in"), _transfer(self.client) as transfer:
+            transfer.upload_file(str(path), self.bucket, key)
 
     def get(self, key: str) -> bytes:
         with self._translated(f"read {key!r} from"):
@@ -93,8 +98,8 @@ class S3ObjectStore:
 
     def get_file(self, key: str, path: Path) -> None:
         # download_file streams to disk, in parallel ranged parts above 8 MiB
-        with self._translated(f"read {key!r} from"):
-            self.client.download_file(self.bucket, key, str(path))
+        with self._translated(f"read {key!r} from"), _transfer(self.client) as transfer:
+            transfer.download_file(self.bucket, key, str(path))
 
     def exists(self, key: str) -> bool:
         try:
@@ -145,8 +150,25 @@ class S3ObjectStore:
                 else ""
             )
             raise Unreachable(f"{failed} {message or ''}".rstrip() + hint) from None
-        except (BotoCoreError, S3UploadFailedError, S3TransferFailedError, RetriesExceededError) as exc:
+        except (BotoCoreError, *_transfer_errors()) as exc:
             raise Unreachable(f"object store: cannot {action} {self._where}: {exc}") from None
+
+
+def _transfer(client: Any):
+    """boto3's transfer manager on the client, as boto3's injected upload_file and download_file
+    make it (default TransferConfig)."""
+    from boto3.s3.transfer import S3Transfer
+
+    return S3Transfer(client)
+
+
+def _transfer_errors() -> tuple[type[Exception], ...]:
+    """What boto3's transfers raise once their retries are spent; none where no transfer ran (a
+    process that never imported boto3 cannot have raised them)."""
+    errors = sys.modules.get("boto3.exceptions")
+    if errors is None:
+        return ()
+    return (errors.S3UploadFailedError, errors.S3TransferFailedError, errors.RetriesExceededError)
 
 
 def _error_code(exc: ClientError) -> str:
