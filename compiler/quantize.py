@@ -10,8 +10,10 @@ gives such a product's B operand as panels that dequantize a block of columns in
 product consumes them (or, for a matrix-vector product, a loop that reads the int8 inline), so
 the weights cross memory as bytes and the search measures those forms like any other.
 
-A weight that something other than a product reads (a tied embedding's gather) stays float32:
-a gather of a dequantized table would materialize all of it on every run.
+A table that gathers read rows of (an embedding) is stored the same way with a scale per row,
+which the gather widens as it reads a row. A weight whose readers need scales along different
+axes (one table gathered by rows and multiplied summing its rows), or that anything else reads,
+stays float32.
 
 The error this costs is measured against the float graph at compile time (quantization_error)
 and refused past INT8_TOLERANCE."""
@@ -111,11 +113,16 @@ def quantization_error(
 
 
 def _quantizable(graph: Graph) -> tuple[dict[str, QuantizedWeight], dict[str, str]]:
-    """The weights to quantize by key, and the large float32 weights kept float with why."""
+    """The weights to quantize by key, and the large float32 weights kept float with why: those
+    products read (scaled per output channel) or gathers read rows of (scaled per row)."""
     users = users_of(graph)
     summed: dict[str, set[tuple[int, ...]]] = {}
     read_by_product: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):
+        if node.op is Op.GATHER and graph.nodes[node.srcs[0]].op is Op.CONSTANT:
+            # a table's rows are gathered: a scale per row, which every element of the row shares
+            table = graph.nodes[node.srcs[0]]
+            summed.setdefault(table.arg, set()).add(tuple(a for a in range(len(table.shape)) if a != node.arg))
         if node.op is not Op.SUM_REDUCE:
             continue
         found = find_contraction(graph, i, users)
@@ -141,7 +148,7 @@ def _quantizable(graph: Graph) -> tuple[dict[str, QuantizedWeight], dict[str, st
         if axes is None:
             continue
         if len(axes) > 1:
-            kept[node.arg] = "summed over different axes by different products"
+            kept[node.arg] = "its readers need scales along different axes (products summing different axes, or a gather)"
             continue
         if _other_readers(graph, i, users, read_by_product):
             kept[node.arg] = "read by something other than a matrix product"
@@ -203,6 +210,8 @@ def _other_readers(graph: Graph, constant: int, users: dict[int, list[int]], rea
             node = graph.nodes[user]
             if node.op is Op.VIEW and user in read_by_product:
                 stack.append(user)
+            elif node.op is Op.GATHER and i == constant and node.srcs[0] == constant:
+                continue
             elif not (node.op is Op.MUL and (i in read_by_product or i == constant) and _feeds_product(graph, user, users)):
                 return True
     return False

@@ -90,12 +90,31 @@ def test_a_products_weights_become_int8_with_one_scale_per_output_channel():
     assert 0 < error < 2e-2
 
 
-def test_a_weight_that_a_gather_also_reads_stays_float():
+def test_a_gathered_table_is_scaled_per_row_and_its_rows_widened_as_they_are_gathered():
+    rng = np.random.default_rng(4)
+    table = init("embedding", rng.standard_normal((1000, 64)).astype(np.float32))
+    data = make_model(
+        [helper.make_node("Gather", ["embedding", "ids"], ["y"])],
+        [tensor("ids", ["n"], TensorProto.INT64)], [tensor("y", ["n", 64])], [table],
+    ).SerializeToString()
+    graph = load_graph(data)
+    quantized, report = quantize_weights(graph)
+    assert report["weights"] == 1
+    assert [v.shape for k, v in quantized.weights.items() if k.endswith(":q8scale")] == [(1000, 1)]
+    program = lower(quantized)
+    # one loop gathers and widens the rows it reads; nothing computes the whole float table
+    assert [program.buffers[k.out].shape for k in program.kernels] == [(program.buffers[0].shape[0], 64)]
+    ids = {"ids": np.array([3, 999, 0, 3])}
+    assert 0 < _relative(run_graph(graph, ids)["y"], run_graph(quantized, ids)["y"]) < 1e-2
+
+
+def test_a_table_gathered_by_rows_and_multiplied_summing_its_rows_stays_float():
     graph = load_graph(_shared_table())
     quantized, report = quantize_weights(graph)
-    assert report["weights"] == 0
-    assert report["kept_float"] == {next(iter(graph.weights)): "read by something other than a matrix product"}
-    assert quantized is graph
+    assert report["weights"] == 0 and quantized is graph
+    assert report["kept_float"] == {
+        next(iter(graph.weights)): "its readers need scales along different axes (products summing different axes, or a gather)"
+    }
 
 
 def test_the_lowering_widens_int8_weights_inside_the_product_and_every_form_computes_the_quantized_model():
