@@ -174,13 +174,20 @@ class IncrementalText:
         self.ids: list[int] = []
         self.sent = ""  # the text handed out so far
         self.stopped = False
+        # the text of ids[:_read], and the ids it is decoded from: a token's text is that of a
+        # window from _prefix (a token or so before it, as a tokenizer's decoder may join or space
+        # a token by its neighbour) less the window's text before _read. Decoding every id each
+        # token cost O(length): 12 us a token at 128 tokens, 212 us at 2048, on the step loop.
+        self._text = ""
+        self._prefix = 0
+        self._read = 0
 
     def add(self, token_id: int) -> str:
         """The new text after `token_id` (may be empty); sets `stopped` when a stop string appears."""
         self.ids.append(token_id)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
+        if not self._decode():
+            return ""  # inside a multi-byte character: wait for the token that completes it
+        text = self._text
         for stop in self.stop:
             at = text.find(stop, max(0, len(self.sent) - len(stop)))
             if at >= 0:
@@ -191,7 +198,24 @@ class IncrementalText:
 
     def flush(self) -> str:
         """What is left when the generation ends without a stop string."""
-        return "" if self.stopped else self._hand_out(self.codec.decode(self.ids))
+        if self.stopped:
+            return ""
+        if self._read < len(self.ids) and not self._decode():
+            self._text = self.codec.decode(self.ids)  # ends inside a character: as a whole decode has it
+        return self._hand_out(self._text)
+
+    def _decode(self) -> bool:
+        """The text of every id into _text; False (nothing changed) while it ends inside a character."""
+        before = self.codec.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        window = self.codec.decode(self.ids[self._prefix :])
+        if window.endswith("\ufffd"):
+            return False
+        if window.startswith(before):
+            self._text += window[len(before) :]
+        else:  # the decoder rewrote the window's start by what followed: the whole text again
+            self._text = self.codec.decode(self.ids)
+        self._prefix, self._read = self._read, len(self.ids)
+        return True
 
     def _hand_out(self, text: str) -> str:
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
