@@ -119,6 +119,11 @@ def substituted(e, values: dict[str, Ix]):
 # ---- what a term reads and writes ------------------------------------------------------------
 
 
+def expr_variables(expr: Expr) -> set[str]:
+    """The loop variables an expression's indices use (gathered and guarded ones included)."""
+    return {v for e in walk(expr) if isinstance(e, Ix) for v, _ in e.terms if isinstance(v, str)}
+
+
 def expr_reads(expr: Expr) -> set[int]:
     """The buffers an expression loads from, indices (gathered ones) included."""
     return {e.buffer for e in walk(expr) if isinstance(e, Load)}

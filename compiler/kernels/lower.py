@@ -39,7 +39,7 @@ from compiler.kernels.ir import (
     ix_max,
     ix_mod,
 )
-from compiler.kernels.ir_walk import linear, plan_slots, renamed, strides_of, walk
+from compiler.kernels.ir_walk import expr_variables, linear, plan_slots, renamed, strides_of
 from compiler.reference import eval_node
 from compiler.shape import (
     Dim,
@@ -476,7 +476,7 @@ class _Lowering:
             return None
         allowed = set(own_batch) | set(rows)
         for x, f in (value.args, value.args[::-1]):
-            if not isinstance(x, Load) or not _variables(f) <= allowed:
+            if not isinstance(x, Load) or not expr_variables(f) <= allowed:
                 continue
             for trans, order in ((False, own_batch + rows + cols), (True, own_batch + cols + rows)):
                 if x.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
@@ -687,11 +687,6 @@ def _strided(value: Expr, batch: list[str], outer: list[str], inner: list[str], 
     if sizes[outer[0]] != 1 and (ld == 0 or not provably_le(numel(inner_sizes), ld)):
         return None
     return {c: coefs[c] for c in batch if c in coefs}, ld if sizes[outer[0]] != 1 else numel(inner_sizes)
-
-
-def _variables(expr: Expr) -> set[str]:
-    """The loop variables an expression's indices use (gathered and guarded ones included)."""
-    return {v for e in walk(expr) if isinstance(e, Ix) for v, _ in e.terms if isinstance(v, str)}
 
 
 def _probe(d: Dim, sizes: dict[str, int]) -> int:

@@ -35,6 +35,7 @@ from compiler.kernels.ir import (
 from compiler.kernels.ir_walk import (
     exclusive_feeders,
     expr_reads,
+    expr_variables,
     kernel_reads,
     kernel_stores,
     lets_reads,
@@ -585,9 +586,12 @@ class CRenderer:
     def sums_by_columns(self, kernel: LoopKernel) -> str:
         """A sum reduction whose reduced loops run outside the output's row, which accumulates in
         place and vectorizes, the row split into blocks of columns (a thread's share, within
-        COLUMN_BLOCK_MIN..MAX) that the threads share with the outer output loops: a product of a few rows by a row-major B (a decoding
-        step's dense layers, int8 weights widened as they are read) streams B's rows contiguously,
-        each thread its own columns, however few the rows."""
+        COLUMN_BLOCK_MIN..MAX): a product of a few rows by a row-major B (a decoding step's dense
+        layers, int8 weights widened as they are read) streams B's rows contiguously, each thread
+        its own columns. Where the summed value is a row factor times a column factor (A[m, k] *
+        B[k, n]), a task is a block of columns for every row: B's piece of each summed row is
+        computed once into a local and multiplies every output row, so an int8 weight is widened
+        once per call whatever the row count; otherwise a task is a block of one output row."""
         rank = len(kernel.shape)
         kind, extents = kernel.reduce
         assert kind == "sum" and rank >= 1
@@ -600,19 +604,63 @@ class CRenderer:
         lines.append(f"    lc_cols = lc_cols < {COLUMN_BLOCK_MIN} ? {COLUMN_BLOCK_MIN} : (lc_cols + 15) / 16 * 16;\n")
         lines.append("    const int64_t lc_blocks = (lc_width + lc_cols - 1) / lc_cols;\n")
         cost = max(1, _operations(kernel.value) + 1)
+        rows = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[: rank - 1])]
+        factors = self.row_and_column_factors(kernel)
         # blocks outermost: a thread's consecutive tasks are rows of one block, which stays in cache
-        outer = [("lc_block", "lc_blocks")] + [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[: rank - 1])]
-        lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= lc_wake_work"))
+        tasks = [("lc_block", "lc_blocks")] + ([] if factors is not None else rows)
+        lines.extend(self.parallel_for(tasks, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= lc_wake_work"))
         indent, inner = "            ", f"o{rank - 1}"
+        target = self.target(kernel)
         lines.append(f"{indent}const int64_t lc_c0 = lc_block * lc_cols, lc_c1 = lc_c0 + lc_cols < lc_width ? lc_c0 + lc_cols : lc_width;\n")
-        lines.append(f"{indent}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) {self.target(kernel)} = ({out_type})0;\n")
+        if factors is None:
+            lines.append(f"{indent}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) {target} = ({out_type})0;\n")
+            body = indent
+            for j, d in enumerate(extents):
+                lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
+                body += "    "
+            lines.append(self.row(kernel, body, lambda value: f"{target} += ({out_type})({value});", "lc_c0", "lc_c1"))
+            return "".join(lines) + "        }\n"
+        row_factor, column_factor = factors
+
+        def every_row(at: str) -> str:
+            text, pad = "", at
+            for name, extent in rows:
+                text += f"{pad}for (int64_t {name} = 0; {name} < {extent}; ++{name})\n"
+                pad += "    "
+            return text, pad
+
+        head, pad = every_row(indent)
+        lines.append(head + f"{pad}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) {target} = ({out_type})0;\n")
         body = indent
         for j, d in enumerate(extents):
-            lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
+            lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j}) {{\n")
             body += "    "
-        target = self.target(kernel)
-        lines.append(self.row(kernel, body, lambda value: f"{target} += ({out_type})({value});", "lc_c0", "lc_c1"))
+        lines.append(f"{body}{out_type} lc_column[{COLUMN_BLOCK_MAX}];\n")
+        lines.append(f"{body}#pragma omp simd\n{body}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) "
+                     f"lc_column[{inner} - lc_c0] = ({out_type})({self.expr(column_factor)});\n")
+        head, pad = every_row(body)
+        lines.append(head + f"{pad}{{\n{pad}    const {out_type} lc_row = ({out_type})({self.expr(row_factor)});\n")
+        lines.append(f"{pad}    #pragma omp simd\n{pad}    for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) "
+                     f"{target} += lc_row * lc_column[{inner} - lc_c0];\n{pad}}}\n")
+        for j in reversed(range(len(extents))):
+            lines.append(f"{indent}{'    ' * j}}}\n")
         return "".join(lines) + "        }\n"
+
+    def row_and_column_factors(self, kernel: LoopKernel) -> tuple[Expr, Expr] | None:
+        """(f, g) where a product's summed value is f * g, f reading no column variable (the last
+        output loop) and g no other output loop: A[m, k] and B[k, n]; None otherwise, or where
+        either reads through a gathered index or padding (which the plain loop checks)."""
+        value = kernel.value
+        if not isinstance(value, Apply) or value.op != "mul" or kernel.lets or self.gathers(value):
+            return None
+        if any(isinstance(e, Guarded) for e in walk(value)):
+            return None
+        rank = len(kernel.shape)
+        column, rows = f"o{rank - 1}", {f"o{j}" for j in range(rank - 1)}
+        for f, g in (value.args, value.args[::-1]):
+            if column not in expr_variables(f) and not (expr_variables(g) & rows):
+                return f, g
+        return None
 
     def loops(self, kernel: LoopKernel) -> str:
         """The output loops, the outer ones shared among threads. The innermost output loop stays
