@@ -229,7 +229,7 @@ def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
     return {total: f"{past_len} + {seq}"}
 
 
-def bind_cache_branch(model) -> bool:
+def bind_cache_branch(model, branch: bool = True) -> bool:
     """Makes a merged decoder (an onnx.ModelProto taking `use_cache_branch`) its with-past
     decoder, in place: each If on the input is replaced by its then-branch's nodes (with an
     Identity from each branch output to the If's of another name), the branch's initializers and value_info move
@@ -238,7 +238,10 @@ def bind_cache_branch(model) -> bool:
     with zero-length past tensors. Inlining here rather than leaving a known condition to the
     compiler's If lowering keeps the branch's values visible to the graph's shape inference,
     which the lowering reads dtypes from. False when the graph takes no `use_cache_branch`;
-    UnsupportedModel when it is not a bool of one element or is not the condition of an If."""
+    UnsupportedModel when it is not a bool of one element or is not the condition of an If.
+
+    `branch=False` binds it to False instead: the else-branch, the no-past decoder (its past
+    inputs stay declared, unread), which the upload check runs as the reference for a prompt."""
     from onnx import TensorProto, helper
 
     index = next((i for i, v in enumerate(model.graph.input) if v.name == CACHE_BRANCH), None)
@@ -255,31 +258,32 @@ def bind_cache_branch(model) -> bool:
     branches = [node for node in graph.node if node.op_type == "If" and node.input[0] == CACHE_BRANCH]
     if not branches:
         raise _refuse(f"{CACHE_BRANCH!r} is the condition of no If node (a merged decoder chooses its branch with one)")
+    side, label = ("then_branch", "then-branch") if branch else ("else_branch", "else-branch")
     defined = {t.name for t in graph.initializer}
     nodes = []
     for node in graph.node:
         if node not in branches:
             nodes.append(node)
             continue
-        then = next(a.g for a in node.attribute if a.name == "then_branch")
-        if then.input or then.sparse_initializer or len(then.output) != len(node.output):
-            raise _refuse(f"the If on {CACHE_BRANCH!r} ({node.name!r}) has a then-branch that cannot be inlined")
-        for initializer in then.initializer:
+        chosen = next(a.g for a in node.attribute if a.name == side)
+        if chosen.input or chosen.sparse_initializer or len(chosen.output) != len(node.output):
+            raise _refuse(f"the If on {CACHE_BRANCH!r} ({node.name!r}) has a {label} that cannot be inlined")
+        for initializer in chosen.initializer:
             if initializer.name in defined:
-                raise _refuse(f"the then-branch of {node.name!r} redefines {initializer.name!r}")
+                raise _refuse(f"the {label} of {node.name!r} redefines {initializer.name!r}")
             defined.add(initializer.name)
             graph.initializer.append(initializer)
-        graph.value_info.extend(then.value_info)
-        nodes.extend(then.node)
+        graph.value_info.extend(chosen.value_info)
+        nodes.extend(chosen.node)
         nodes.extend(
             helper.make_node("Identity", [inner.name], [outer], name=f"{node.name}/{outer}")
-            for inner, outer in zip(then.output, node.output)
+            for inner, outer in zip(chosen.output, node.output)
             if outer and outer != inner.name  # optimum's branches write the If's outputs' names
         )
     del graph.node[:]
     graph.node.extend(nodes)
     del graph.input[index]
-    graph.initializer.append(helper.make_tensor(CACHE_BRANCH, TensorProto.BOOL, shape, [True]))
+    graph.initializer.append(helper.make_tensor(CACHE_BRANCH, TensorProto.BOOL, shape, [bool(branch)]))
     return True
 
 

@@ -30,6 +30,13 @@ BUNDLE_NAMES = frozenset(TOKENIZER_PARTS.values())
 MAX_BUNDLE_FILE_BYTES = 64 * 1024 * 1024
 # the context when neither config.json nor tokenizer_config.json says it
 DEFAULT_CONTEXT = 2048
+# a merged decoder's branch check (check_merged_branches): a prompt of this many tokens, batch 1,
+# run through both branches; the with-past branch's outputs may differ from the no-past branch's
+# by BRANCH_ATOL plus BRANCH_RTOL of the no-past output's largest magnitude (float16 exports too)
+BRANCH_CHECK_TOKENS = 5
+BRANCH_ATOL = 1e-3
+BRANCH_RTOL = 1e-2
+LOGITS_OUTPUT = "logits"
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -170,11 +177,158 @@ def check_generative(graph_path: Path, bundle: Bundle) -> dict[str, Any]:
             f"the tokenizer has {codec.vocab_size} tokens but the graph's logits cover {layout.vocab}: "
             "they are not the same model's"
         )
-    return {
+    kept: dict[str, Any] = {
         "context_length": bundle.context_length(),
         "layout": layout.to_json(),
         "chat": codec.has_chat_template,
     }
+    if layout.cache_branch_input:
+        kept["cache_branch_check"] = check_merged_branches(model, layout, min(codec.vocab_size, layout.vocab))
+    return kept
+
+
+class _Unrunnable(Exception):
+    """A runner could not run one of the branches (not: the branches disagree)."""
+
+
+def check_merged_branches(model, layout, vocab: int | None = None) -> dict[str, Any]:
+    """A merged decoder (layout.cache_branch_input) is served by its with-past branch alone, the
+    prompt's first step included with zero-length past tensors (compiler.kv_layout.bind_cache_branch).
+    That is only right when the branch was traced for prompts of any length: optimum 1.x's merged
+    export with legacy=True traces it at one new token, and with transformers 4.46 it then has no
+    causal mask for longer prompts, so it would generate wrong text for every prompt of 2+ tokens.
+    Here a prompt of BRANCH_CHECK_TOKENS tokens (batch 1, attention mask of ones, positions 0..n-1)
+    runs through both branches, the with-past one with zero-length past tensors; its logits and
+    presents must equal the no-past branch's (the model's own prompt path, the reference) within
+    BRANCH_ATOL + BRANCH_RTOL * the reference's largest magnitude. onnxruntime runs the graph as
+    uploaded (one session, the branch fed); where it cannot, the compiler's reference interpreter
+    runs each branch bound (bind_cache_branch). Returns what was measured; InvalidModelFile
+    naming the problem and the way out when the branches disagree or neither runner can run them."""
+    import time
+
+    import numpy as np
+
+    started = time.perf_counter()
+    tokens = BRANCH_CHECK_TOKENS
+    vocab = min(vocab or layout.vocab, layout.vocab)
+    ids = ((np.arange(tokens, dtype=np.int64) * 7919 + 17) % max(vocab, 1))[None]
+    feeds: dict[str, Any] = {"input_ids": ids}
+    if layout.mask_input:
+        feeds[layout.mask_input] = np.ones_like(ids)
+    if layout.position_input:
+        feeds[layout.position_input] = np.arange(tokens, dtype=np.int64)[None]
+    names = [LOGITS_OUTPUT, *layout.present_keys, *layout.present_values]
+    failures = []
+    for runner in (_run_onnxruntime, _run_reference):
+        try:
+            with_past, without = runner(model, layout, feeds, names)
+            break
+        except _Unrunnable as exc:
+            failures.append(str(exc))
+    else:
+        raise InvalidModelFile(
+            f"this merged decoder ({layout.cache_branch_input!r}) could not be checked: its two branches must give "
+            f"the same logits for a prompt of {tokens} tokens, and running them failed ({'; '.join(failures)})"
+        )
+    runner_name = "onnxruntime" if not failures else "reference"
+    worst: dict[str, float] = {}
+    for name in names:
+        got, want = np.asarray(with_past[name], np.float64), np.asarray(without[name], np.float64)
+        if got.shape != want.shape:
+            raise InvalidModelFile(_disagree(layout, name, f"shape {list(got.shape)} against {list(want.shape)}"))
+        difference = float(np.nan_to_num(np.abs(got - want), nan=np.inf).max(initial=0.0))
+        allowed = BRANCH_ATOL + BRANCH_RTOL * float(np.abs(want).max(initial=0.0))
+        worst[name] = difference
+        if not difference <= allowed:
+            raise InvalidModelFile(
+                _disagree(layout, name, f"largest difference {difference:.3g}, allowed {allowed:.3g}")
+            )
+    return {
+        "tokens": tokens,
+        "runner": runner_name,
+        "max_abs_logit_difference": worst[LOGITS_OUTPUT],
+        "max_abs_present_difference": max((v for k, v in worst.items() if k != LOGITS_OUTPUT), default=0.0),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _disagree(layout, output: str, how: str) -> str:
+    return (
+        f"this merged decoder's with-past branch ({layout.cache_branch_input} = True, the branch this service runs "
+        f"for every step, the prompt's included, with zero-length past tensors) gives a different {output!r} from its "
+        f"no-past branch for a prompt of {BRANCH_CHECK_TOKENS} tokens ({how}): served, it would generate wrong text "
+        "for any prompt of 2 or more tokens. optimum 1.x's merged export with --legacy (legacy=True) traces the "
+        "with-past decoder at one new token, which leaves it without a causal mask for longer prompts. Export it "
+        "again without --legacy (optimum 1.x's default or optimum-onnx's exporter: one model.onnx that takes the "
+        "past, not merged), or merge a with-past decoder traced at the full sequence length (a custom ONNX config "
+        "whose dummy inputs keep sequence_length above 1)"
+    )
+
+
+def _empty_past(layout, dtype) -> dict[str, Any]:
+    import numpy as np
+
+    empty = np.zeros((1, layout.kv_heads, 0, layout.head_dim), dtype)
+    return {name: empty for name in (*layout.past_keys, *layout.past_values)}
+
+
+def _run_onnxruntime(model, layout, feeds, names) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both branches in one onnxruntime session of the graph as uploaded, the branch fed."""
+    import numpy as np
+
+    dtypes = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
+    if layout.dtype not in dtypes:
+        raise _Unrunnable(f"onnxruntime: the cache's {layout.dtype} has no NumPy type to feed it with")
+    try:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = 2
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        session = onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        branch_shape = next(
+            (list(v.shape) for v in session.get_inputs() if v.name == layout.cache_branch_input), [1]
+        )
+        base = {**feeds, **_empty_past(layout, dtypes[layout.dtype])}
+        results = []
+        for branch in (True, False):
+            flag = np.array(branch).reshape([1] * len(branch_shape))
+            outputs = session.run(names, {**base, layout.cache_branch_input: flag})
+            results.append(dict(zip(names, outputs)))
+    except Exception as exc:  # noqa: BLE001 - any failure of the runner: the reference interpreter tries
+        raise _Unrunnable(f"onnxruntime: {type(exc).__name__}: {str(exc)[:300]}") from None
+    return results[0], results[1]
+
+
+def _run_reference(model, layout, feeds, names) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each branch bound (compiler.kv_layout.bind_cache_branch), parsed by the compiler's frontend
+    and run by its reference interpreter (compiler.reference.run_graph)."""
+    try:
+        from compiler.dtypes import numpy_dtype
+        from compiler.frontends.onnx import onnx_to_graph
+        from compiler.kv_layout import bind_cache_branch, decoder_dims, onnx_specs
+        from compiler.reference import run_graph
+
+        base = {**feeds, **_empty_past(layout, numpy_dtype(layout.dtype))}
+        results = []
+        for branch in (True, False):
+            bound = type(model)()
+            bound.CopyFrom(model)
+            bind_cache_branch(bound, branch)
+            dims = decoder_dims(onnx_specs(bound)[0])  # {mask length: "past + seq"}
+            if not branch:  # the no-past decoder's mask spans the new tokens alone
+                dims = {total: relation.rsplit(" + ", 1)[-1] for total, relation in dims.items()}
+            graph = onnx_to_graph(bound, dims=dims)
+            given = {name: base[name] for name, _, _ in graph.input_specs() if name in base}
+            outputs = run_graph(graph, given)
+            results.append({name: outputs[name] for name in names})
+    except Exception as exc:  # noqa: BLE001 - any failure of the runner
+        raise _Unrunnable(f"the reference interpreter: {type(exc).__name__}: {str(exc)[:300]}") from None
+    return results[0], results[1]
 
 
 def zip_bytes(files: Mapping[str, bytes]) -> bytes:
@@ -193,6 +347,7 @@ __all__ = [
     "Bundle",
     "bundle_from_parts",
     "check_generative",
+    "check_merged_branches",
     "check_task",
     "is_zip",
     "read_zip",

@@ -3,7 +3,11 @@ and the no-past decoders) served as text generation: the cache layout takes the 
 kv_layout.bind_cache_branch makes the graph its with-past branch before it is compiled (the first
 step runs with zero-length past tensors), and the compiled programs, the prompts' and the decode
 step's, generate transformers' greedy tokens; uploaded through the HTTP API it answers completions.
-The fixture was written by tests/fixtures/generation/export_optimum_merged_gpt2.py."""
+A merged decoder whose with-past branch disagrees with its no-past branch on a prompt of several
+tokens (optimum 1.x's default --legacy merge: the with-past branch traced at one new token, no
+causal mask) is refused at upload (registry.bundle.check_merged_branches), naming the problem.
+The fixtures were written by tests/fixtures/generation/export_optimum_merged_gpt2.py (the broken
+one with --optimum-defaults)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import tests.test_generation_models as models
+from cloud.errors import InvalidModelFile
 from compiler import compile_onnx, executable
 from compiler.errors import UnsupportedModel
 from compiler.kv_layout import (
@@ -24,10 +29,14 @@ from compiler.kv_layout import (
     find_cache_layout,
     onnx_specs,
 )
-from registry.bundle import zip_bytes
+from registry import bundle as bundles
+from registry.bundle import Bundle, check_generative, check_merged_branches, zip_bytes
 from tests.test_generation_api import GREEDY, Live, live  # noqa: F401  (live: the module's server fixture)
 
 MERGED = models.FIXTURES / "gpt2" / "optimum_merged"
+# optimum 1.x's default merged export: its with-past branch has no causal mask past one new token
+ONE_TOKEN = models.FIXTURES / "gpt2" / "optimum_merged_one_token"
+REFUSAL = "with-past branch .* gives a different 'logits' from its no-past branch for a prompt of 5 tokens"
 CASES = models.MANIFEST["models"]["gpt2"]["greedy"]
 
 
@@ -153,3 +162,81 @@ def test_an_uploaded_merged_decoder_answers_completions(live: Live) -> None:  # 
         answer = live.ai.completions.create(model="merged-gpt2", prompt=case["prompt_text"], **GREEDY)
         assert answer.choices[0].text == models.codec_of("gpt2").decode(case["generated_ids"])
         assert answer.usage.completion_tokens == 32
+
+
+def one_token_model() -> onnx.ModelProto:
+    return onnx.load(str(ONE_TOKEN / "model.onnx"))
+
+
+def _bundle_files(graph: bytes) -> dict[str, bytes]:
+    """optimum_merged's bundle (tokenizer, configs) with `graph` as its model.onnx."""
+    files = {path.name: path.read_bytes() for path in MERGED.iterdir() if path.is_file()}
+    return {**files, "model.onnx": graph}
+
+
+def test_binding_use_cache_branch_to_false_leaves_the_no_past_decoder() -> None:
+    model = merged_model()
+    branch = next(node for node in model.graph.node if node.op_type == "If")
+    else_ops = [node.op_type for node in next(a.g for a in branch.attribute if a.name == "else_branch").node]
+    assert bind_cache_branch(model, False)
+    onnx.checker.check_model(model)
+    assert [node.op_type for node in model.graph.node] == else_ops
+    flag = next(t for t in model.graph.initializer if t.name == "use_cache_branch")
+    assert onnx.numpy_helper.to_array(flag).tolist() == [False]
+    assert "use_cache_branch" not in {v.name for v in model.graph.input}
+
+
+def test_the_good_merged_decoders_branches_agree_on_a_prompt() -> None:
+    model = merged_model()
+    measured = check_merged_branches(model, find_cache_layout(*onnx_specs(model)))
+    assert measured["runner"] == "onnxruntime" and measured["tokens"] == 5
+    assert measured["max_abs_logit_difference"] < 1e-4 and measured["max_abs_present_difference"] < 1e-4
+    files = _bundle_files((MERGED / "model.onnx").read_bytes())
+    kept = check_generative(MERGED / "model.onnx", Bundle({k: v for k, v in files.items() if k != "model.onnx"}))
+    assert kept["layout"]["cache_branch_input"] == "use_cache_branch"
+    assert kept["cache_branch_check"]["max_abs_logit_difference"] < 1e-4
+
+
+def test_a_merged_decoder_traced_at_one_new_token_is_refused_naming_the_problem() -> None:
+    model = one_token_model()
+    layout = find_cache_layout(*onnx_specs(model))
+    assert layout.cache_branch_input == "use_cache_branch" and layout.position_input is None
+    with pytest.raises(InvalidModelFile, match=REFUSAL) as refused:
+        check_merged_branches(model, layout)
+    message = str(refused.value)
+    for words in ("wrong text for any prompt of 2 or more tokens", "traces the with-past decoder at one new token",
+                  "without a causal mask", "without --legacy", "traced at the full sequence length"):
+        assert words in message, message
+    bundle = Bundle({k: v for k, v in _bundle_files(b"").items() if k != "model.onnx"})
+    with pytest.raises(InvalidModelFile, match=REFUSAL):
+        check_generative(ONE_TOKEN / "model.onnx", bundle)
+
+
+def test_without_onnxruntime_the_reference_interpreter_runs_the_bound_branches(monkeypatch) -> None:
+    def unrunnable(*args):
+        raise bundles._Unrunnable("onnxruntime: not here")
+
+    monkeypatch.setattr(bundles, "_run_onnxruntime", unrunnable)
+    model = merged_model()
+    measured = check_merged_branches(model, find_cache_layout(*onnx_specs(model)))
+    assert measured["runner"] == "reference" and measured["max_abs_logit_difference"] < 1e-4
+    model = one_token_model()
+    with pytest.raises(InvalidModelFile, match=REFUSAL):
+        check_merged_branches(model, find_cache_layout(*onnx_specs(model)))
+    # neither runner: refused, never served unchecked
+    monkeypatch.setattr(bundles, "_run_reference", unrunnable)
+    with pytest.raises(InvalidModelFile, match="could not be checked: .* onnxruntime: not here"):
+        check_merged_branches(model, find_cache_layout(*onnx_specs(model)))
+
+
+def test_an_uploaded_merged_decoder_traced_at_one_new_token_is_refused(live: Live) -> None:  # noqa: F811
+    files = _bundle_files((ONE_TOKEN / "model.onnx").read_bytes())
+    reply = live.upload(
+        "merged-one-token",
+        {"file": ("merged.zip", zip_bytes(files), "application/zip")},
+        {"task": "text-generation"},
+    )
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert "gives a different 'logits' from its no-past branch" in message and "--legacy" in message, message
+    assert live.http.get("/v1/models/merged-one-token").status_code == 404
