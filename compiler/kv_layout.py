@@ -257,7 +257,9 @@ def bind_cache_branch(model, branch: bool = True) -> bool:
         )
     branches = [node for node in graph.node if node.op_type == "If" and node.input[0] == CACHE_BRANCH]
     if not branches:
-        raise _refuse(f"{CACHE_BRANCH!r} is the condition of no If node (a merged decoder chooses its branch with one)")
+        raise _refuse(
+            f"{CACHE_BRANCH!r} is the condition of no If node (a merged decoder chooses its branch with one)"
+        )
     side, label = ("then_branch", "then-branch") if branch else ("else_branch", "else-branch")
     defined = {t.name for t in graph.initializer}
     nodes = []

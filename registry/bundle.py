@@ -183,7 +183,9 @@ def check_generative(graph_path: Path, bundle: Bundle) -> dict[str, Any]:
         "chat": codec.has_chat_template,
     }
     if layout.cache_branch_input:
-        kept["cache_branch_check"] = check_merged_branches(model, layout, min(codec.vocab_size, layout.vocab))
+        kept["cache_branch_check"] = check_merged_branches(
+            model, layout, min(codec.vocab_size, layout.vocab), graph_path
+        )
     return kept
 
 
@@ -191,7 +193,9 @@ class _Unrunnable(Exception):
     """A runner could not run one of the branches (not: the branches disagree)."""
 
 
-def check_merged_branches(model, layout, vocab: int | None = None) -> dict[str, Any]:
+def check_merged_branches(
+    model, layout, vocab: int | None = None, path: Path | None = None
+) -> dict[str, Any]:
     """A merged decoder (layout.cache_branch_input) is served by its with-past branch alone, the
     prompt's first step included with zero-length past tensors (compiler.kv_layout.bind_cache_branch).
     That is only right when the branch was traced for prompts of any length: optimum 1.x's merged
@@ -201,8 +205,9 @@ def check_merged_branches(model, layout, vocab: int | None = None) -> dict[str, 
     runs through both branches, the with-past one with zero-length past tensors; its logits and
     presents must equal the no-past branch's (the model's own prompt path, the reference) within
     BRANCH_ATOL + BRANCH_RTOL * the reference's largest magnitude. onnxruntime runs the graph as
-    uploaded (one session, the branch fed); where it cannot, the compiler's reference interpreter
-    runs each branch bound (bind_cache_branch). Returns what was measured; InvalidModelFile
+    uploaded (one session, the branch fed; read from `path`, the model's file, when given); where
+    it cannot, the compiler's reference interpreter runs each branch bound (bind_cache_branch).
+    Token ids are below `vocab` (the tokenizer's). Returns what was measured; InvalidModelFile
     naming the problem and the way out when the branches disagree or neither runner can run them."""
     import time
 
@@ -221,7 +226,7 @@ def check_merged_branches(model, layout, vocab: int | None = None) -> dict[str, 
     failures = []
     for runner in (_run_onnxruntime, _run_reference):
         try:
-            with_past, without = runner(model, layout, feeds, names)
+            with_past, without = runner(model, layout, feeds, names, path)
             break
         except _Unrunnable as exc:
             failures.append(str(exc))
@@ -235,7 +240,9 @@ def check_merged_branches(model, layout, vocab: int | None = None) -> dict[str, 
     for name in names:
         got, want = np.asarray(with_past[name], np.float64), np.asarray(without[name], np.float64)
         if got.shape != want.shape:
-            raise InvalidModelFile(_disagree(layout, name, f"shape {list(got.shape)} against {list(want.shape)}"))
+            raise InvalidModelFile(
+                _disagree(layout, name, f"shape {list(got.shape)} against {list(want.shape)}")
+            )
         difference = float(np.nan_to_num(np.abs(got - want), nan=np.inf).max(initial=0.0))
         allowed = BRANCH_ATOL + BRANCH_RTOL * float(np.abs(want).max(initial=0.0))
         worst[name] = difference
@@ -272,7 +279,7 @@ def _empty_past(layout, dtype) -> dict[str, Any]:
     return {name: empty for name in (*layout.past_keys, *layout.past_values)}
 
 
-def _run_onnxruntime(model, layout, feeds, names) -> tuple[dict[str, Any], dict[str, Any]]:
+def _run_onnxruntime(model, layout, feeds, names, path=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both branches in one onnxruntime session of the graph as uploaded, the branch fed."""
     import numpy as np
 
@@ -288,7 +295,9 @@ def _run_onnxruntime(model, layout, feeds, names) -> tuple[dict[str, Any], dict[
         options.log_severity_level = 3
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
         session = onnxruntime.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            str(path) if path is not None else model.SerializeToString(),
+            options,
+            providers=["CPUExecutionProvider"],
         )
         branch_shape = next(
             (list(v.shape) for v in session.get_inputs() if v.name == layout.cache_branch_input), [1]
@@ -304,7 +313,7 @@ def _run_onnxruntime(model, layout, feeds, names) -> tuple[dict[str, Any], dict[
     return results[0], results[1]
 
 
-def _run_reference(model, layout, feeds, names) -> tuple[dict[str, Any], dict[str, Any]]:
+def _run_reference(model, layout, feeds, names, path=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each branch bound (compiler.kv_layout.bind_cache_branch), parsed by the compiler's frontend
     and run by its reference interpreter (compiler.reference.run_graph)."""
     try:

@@ -152,7 +152,9 @@ def test_the_compiled_merged_decoder_generates_transformers_greedy_tokens(monkey
 def test_an_uploaded_merged_decoder_answers_completions(live: Live) -> None:  # noqa: F811
     files = {path.name: path.read_bytes() for path in MERGED.iterdir() if path.is_file()}
     reply = live.upload(
-        "merged-gpt2", {"file": ("merged.zip", zip_bytes(files), "application/zip")}, {"task": "text-generation"}
+        "merged-gpt2",
+        {"file": ("merged.zip", zip_bytes(files), "application/zip")},
+        {"task": "text-generation"},
     )
     assert reply.status_code == 202, reply.text
     version = live.wait_ready("merged-gpt2")
@@ -192,7 +194,9 @@ def test_the_good_merged_decoders_branches_agree_on_a_prompt() -> None:
     assert measured["runner"] == "onnxruntime" and measured["tokens"] == 5
     assert measured["max_abs_logit_difference"] < 1e-4 and measured["max_abs_present_difference"] < 1e-4
     files = _bundle_files((MERGED / "model.onnx").read_bytes())
-    kept = check_generative(MERGED / "model.onnx", Bundle({k: v for k, v in files.items() if k != "model.onnx"}))
+    kept = check_generative(
+        MERGED / "model.onnx", Bundle({k: v for k, v in files.items() if k != "model.onnx"})
+    )
     assert kept["layout"]["cache_branch_input"] == "use_cache_branch"
     assert kept["cache_branch_check"]["max_abs_logit_difference"] < 1e-4
 
@@ -204,8 +208,13 @@ def test_a_merged_decoder_traced_at_one_new_token_is_refused_naming_the_problem(
     with pytest.raises(InvalidModelFile, match=REFUSAL) as refused:
         check_merged_branches(model, layout)
     message = str(refused.value)
-    for words in ("wrong text for any prompt of 2 or more tokens", "traces the with-past decoder at one new token",
-                  "without a causal mask", "without --legacy", "traced at the full sequence length"):
+    for words in (
+        "wrong text for any prompt of 2 or more tokens",
+        "traces the with-past decoder at one new token",
+        "without a causal mask",
+        "without --legacy",
+        "traced at the full sequence length",
+    ):
         assert words in message, message
     bundle = Bundle({k: v for k, v in _bundle_files(b"").items() if k != "model.onnx"})
     with pytest.raises(InvalidModelFile, match=REFUSAL):
