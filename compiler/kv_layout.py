@@ -13,7 +13,10 @@ name them. A graph that cannot be mapped is refused with the input (or output) t
 A merged decoder (optimum's decoder_model_merged.onnx) takes `use_cache_branch` and chooses with
 an If between its with-past and no-past decoders. The service always takes the with-past branch
 (the first step runs with zero-length past tensors): `bind_cache_branch` fixes the input to True
-before the graph is compiled, the If is inlined, and the input is gone from the program.
+before the graph is compiled, the If is inlined, and the input is gone from the program. That is
+right only when the with-past branch was traced for prompts of any length: the upload check
+(registry.bundle.check_merged_branches) runs both branches on a prompt and refuses a merged decoder
+whose branches disagree (optimum 1.x's --legacy merge traces the with-past one at one new token).
 
 Plain data over TensorSpecs: the gateway checks an upload with it, the runtime lays out its
 cache blocks with it.
