@@ -189,6 +189,13 @@ static inline float lc_exp2f(float x) {
     return p * scale_hi * scale_lo;
 }
 /* max that propagates NaN from either side, as NumPy's maximum does */
+/* loops-columns' register tile: LC_QR output rows by LC_QW columns of accumulators (16 vector registers) */
+#define LC_QR 4
+#if defined(__AVX512F__)
+#define LC_QW 64
+#else
+#define LC_QW 32
+#endif
 #define LC_MAX(a, b) ({ __typeof__(a) lc_a_ = (a), lc_b_ = (b); ((lc_a_ > lc_b_) | (lc_a_ != lc_a_)) ? lc_a_ : lc_b_; })
 """
 
@@ -621,30 +628,87 @@ class CRenderer:
             lines.append(self.row(kernel, body, lambda value: f"{target} += ({out_type})({value});", "lc_c0", "lc_c1"))
             return "".join(lines) + "        }\n"
         row_factor, column_factor = factors
+        lines.append(self.factored_columns(kernel, rows, extents, row_factor, column_factor, out_type, indent))
+        return "".join(lines) + "        }\n"
 
-        def every_row(at: str) -> str:
-            text, pad = "", at
-            for name, extent in rows:
-                text += f"{pad}for (int64_t {name} = 0; {name} < {extent}; ++{name})\n"
+    def factored_columns(
+        self, kernel: LoopKernel, rows: list[tuple[str, str]], extents, row_factor: Expr, column_factor: Expr,
+        out_type: str, indent: str,
+    ) -> str:
+        """loops-columns' task when the summed value is A[row, k] * B[k, column]: the rows in
+        groups of LC_QR (the last few one at a time), each group's columns [lc_c0, lc_c1) in
+        register tiles of LC_QW columns (group x LC_QW accumulators; B's piece of a summed row
+        computed once into a local and multiplied by each of the group's rows: twice the speed of
+        accumulating in C's row, measured), the columns left over accumulated in C's rows."""
+        rank = len(kernel.shape)
+        inner = f"o{rank - 1}"
+        target = self.target(kernel)
+        count = " * ".join(f"(int64_t)({extent})" for _, extent in rows) or "1"
+        lines = [f"{indent}const int64_t lc_rows = {count};\n"]
+        lines.append(f"{indent}for (int64_t lc_g = 0, lc_rn = 0; lc_g < lc_rows; lc_g += lc_rn) {{\n")
+        at = indent + "    "
+        lines.append(f"{at}lc_rn = lc_rows - lc_g >= LC_QR ? LC_QR : 1;\n")
+        # each of the group's rows as its output loops' values, worked out once per group
+        for name, _ in rows:
+            lines.append(f"{at}int64_t lc_{name}[LC_QR];\n")
+        lines.append(f"{at}for (int64_t lc_i = 0; lc_i < lc_rn; ++lc_i) {{\n{at}    int64_t lc_left = lc_g + lc_i; (void)lc_left;\n")
+        for depth, (name, extent) in enumerate(reversed(rows)):
+            if depth == len(rows) - 1:
+                lines.append(f"{at}    lc_{name}[lc_i] = lc_left;\n")
+            else:
+                lines.append(f"{at}    lc_{name}[lc_i] = lc_left % ({extent}); lc_left /= ({extent});\n")
+        lines.append(f"{at}}}\n")
+        unpack = "".join(f"const int64_t {name} = lc_{name}[lc_i]; " for name, _ in rows)
+
+        def reduced(pad: str) -> tuple[str, str]:
+            text = ""
+            for j, d in enumerate(extents):
+                text += f"{pad}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j}) {{\n"
                 pad += "    "
             return text, pad
 
-        head, pad = every_row(indent)
-        lines.append(head + f"{pad}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) {target} = ({out_type})0;\n")
-        body = indent
-        for j, d in enumerate(extents):
-            lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j}) {{\n")
-            body += "    "
-        lines.append(f"{body}{out_type} lc_column[{COLUMN_BLOCK_MAX}];\n")
-        lines.append(f"{body}#pragma omp simd\n{body}for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) "
-                     f"lc_column[{inner} - lc_c0] = ({out_type})({self.expr(column_factor)});\n")
-        head, pad = every_row(body)
-        lines.append(head + f"{pad}{{\n{pad}    const {out_type} lc_row = ({out_type})({self.expr(row_factor)});\n")
-        lines.append(f"{pad}    #pragma omp simd\n{pad}    for (int64_t {inner} = lc_c0; {inner} < lc_c1; ++{inner}) "
-                     f"{target} += lc_row * lc_column[{inner} - lc_c0];\n{pad}}}\n")
-        for j in reversed(range(len(extents))):
-            lines.append(f"{indent}{'    ' * j}}}\n")
-        return "".join(lines) + "        }\n"
+        def closed(pad: str) -> str:
+            return "".join(f"{pad}{'    ' * j}}}\n" for j in reversed(range(len(extents))))
+
+        lines.append(f"{at}int64_t lc_lo = lc_c0;\n")
+
+        def tiles(height: str, pad: str) -> str:
+            text = f"{pad}for (; lc_lo + LC_QW <= lc_c1; lc_lo += LC_QW) {{\n"
+            tile = pad + "    "
+            text += f"{tile}{out_type} lc_acc[{height}][LC_QW];\n"
+            text += f"{tile}for (int lc_i = 0; lc_i < {height}; ++lc_i) for (int lc_j = 0; lc_j < LC_QW; ++lc_j) lc_acc[lc_i][lc_j] = 0;\n"
+            head, body = reduced(tile)
+            text += head + f"{body}{out_type} lc_piece[LC_QW];\n"
+            text += (f"{body}#pragma omp simd\n{body}for (int lc_j = 0; lc_j < LC_QW; ++lc_j) {{ const int64_t {inner} = lc_lo + lc_j; "
+                     f"lc_piece[lc_j] = ({out_type})({self.expr(column_factor)}); }}\n")
+            text += f"{body}for (int lc_i = 0; lc_i < {height}; ++lc_i) {{\n"
+            text += f"{body}    {unpack}const {out_type} lc_a = ({out_type})({self.expr(row_factor)});\n"
+            text += (f"{body}    #pragma omp simd\n{body}    for (int lc_j = 0; lc_j < LC_QW; ++lc_j) "
+                     f"lc_acc[lc_i][lc_j] += lc_a * lc_piece[lc_j];\n{body}}}\n")
+            text += closed(tile)
+            text += f"{tile}for (int lc_i = 0; lc_i < {height}; ++lc_i) {{\n{tile}    {unpack}\n"
+            text += (f"{tile}    for (int lc_j = 0; lc_j < LC_QW; ++lc_j) {{ const int64_t {inner} = lc_lo + lc_j; "
+                     f"{target} = lc_acc[lc_i][lc_j]; }}\n{tile}}}\n")
+            return text + f"{pad}}}\n"
+
+        # a full group in LC_QR-row tiles; the last rows one at a time, each in one-row tiles
+        lines.append(f"{at}if (lc_rn == LC_QR) {{\n" + tiles("LC_QR", at + "    ") + f"{at}}} else {{\n" + tiles("1", at + "    ") + f"{at}}}\n")
+        # the rest: columns [lc_lo, lc_c1) of the group's rows, accumulated in place
+        lines.append(f"{at}if (lc_lo < lc_c1) {{\n")
+        rest = at + "    "
+        lines.append(f"{rest}for (int64_t lc_i = 0; lc_i < lc_rn; ++lc_i) {{ {unpack}for (int64_t {inner} = lc_lo; {inner} < lc_c1; ++{inner}) {target} = ({out_type})0; }}\n")
+        head, pad = reduced(rest)
+        lines.append(head)
+        lines.append(f"{pad}{out_type} lc_column[{COLUMN_BLOCK_MAX}];\n")
+        lines.append(f"{pad}#pragma omp simd\n{pad}for (int64_t {inner} = lc_lo; {inner} < lc_c1; ++{inner}) "
+                     f"lc_column[{inner} - lc_lo] = ({out_type})({self.expr(column_factor)});\n")
+        lines.append(f"{pad}for (int64_t lc_i = 0; lc_i < lc_rn; ++lc_i) {{\n")
+        lines.append(f"{pad}    {unpack}const {out_type} lc_a = ({out_type})({self.expr(row_factor)});\n")
+        lines.append(f"{pad}    #pragma omp simd\n{pad}    for (int64_t {inner} = lc_lo; {inner} < lc_c1; ++{inner}) "
+                     f"{target} += lc_a * lc_column[{inner} - lc_lo];\n{pad}}}\n")
+        lines.append(closed(rest))
+        lines.append(f"{at}}}\n{indent}}}\n")
+        return "".join(lines)
 
     def row_and_column_factors(self, kernel: LoopKernel) -> tuple[Expr, Expr] | None:
         """(f, g) where a product's summed value is f * g, f reading no column variable (the last
