@@ -320,6 +320,10 @@ def test_clients_that_leave_mid_stream_free_their_blocks(live: Live) -> None:
     while live.free_blocks("tiny-gpt2") != start and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live.free_blocks("tiny-gpt2") == start
+    # and no step waits for the tokens they never read (scheduler.generating._Deliveries)
+    generation = live.services.engine.generation
+    pending = [served.deliveries.pending for served in generation._served.values()]
+    assert pending and not any(pending), pending
 
 
 def test_two_hundred_concurrent_streams_over_the_cache_budget_all_finish_and_free_every_block(

@@ -434,3 +434,85 @@ def test_the_service_refuses_past_its_waiting_limit_and_bills_each_sequence_once
     finally:
         gate.set()
         service.close()
+
+
+@pytest.mark.parametrize("fixture", ["llama", "gpt2", "qwen2"])
+def test_incremental_text_decodes_a_window_yet_hands_out_what_the_whole_decode_gives(fixture) -> None:
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "fixtures" / "generation" / fixture
+    codec = TextCodec.from_files(
+        {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".txt", ".model")}
+    )
+    rng = np.random.default_rng(3)
+    text = "Héllo wörld, 你好 — 🙂🙂 tabs\t and  spaces. Don't stop! ü ." * 3
+    cases = [codec.encode(text)[:n] for n in (1, 7, 40, 120)]
+    cases += [rng.integers(0, codec.vocab_size, n).tolist() for n in (1, 30, 150)]  # byte pieces too
+    for ids in cases:
+        whole = codec.decode(ids)
+        for stop in ((), ("ö",), ("stop",)):
+            pieces = IncrementalText(codec, stop)
+            streamed = "".join(pieces.add(i) for i in ids) + pieces.flush()
+            cut = whole.find(stop[0]) if stop else -1
+            assert streamed == (whole[:cut] if cut >= 0 else whole), (ids, stop)
+
+
+def test_a_decode_token_is_sent_before_a_newcomer_prompt_of_the_same_step_runs() -> None:
+
+    order: list[str] = []
+
+    def decoder(inputs):
+        rows, count = inputs["input_ids"].shape
+        order.append(f"run {rows}x{count}")
+        return toy_decoder(inputs)
+
+    generator = Generator(LAYOUT, decoder, FakeCodec(), DTYPES, GeneratorLimits(num_blocks=64, block_size=4))
+    try:
+        events: dict[str, list[TokenEvent]] = {"a": [], "b": []}
+        done = threading.Semaphore(0)
+
+        def sink_for(key: str):
+            def sink(event: TokenEvent) -> None:
+                events[key].append(event)
+                if event.token_id is not None:
+                    order.append(f"token {key}")
+                    if key == "a" and len(events["a"]) == 1:  # a's prompt ran: b joins the next step
+                        generator.submit(GenerationRequest("b", [5] * 9, params), sink_for("b"))
+                if event.finish_reason is not None:
+                    done.release()
+
+            return sink
+
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        generator.submit(GenerationRequest("a", [1, 2], params), sink_for("a"))
+        assert done.acquire(timeout=10) and done.acquire(timeout=10)
+        # in the step b's prompt joined, a's token went out between a's decode and b's prompt
+        joined = order.index("run 1x9")
+        assert order[joined - 2 : joined] == ["run 1x1", "token a"]
+        assert tokens_of(events["a"]) == reference([1, 2], 3)
+        assert all(e[-1].usage is not None and e[-1].usage.billed_seconds > 0 for e in events.values())
+    finally:
+        generator.close()
+
+
+def test_a_step_program_waits_for_the_tokens_before_it_to_be_written_up_to_its_limit() -> None:
+    import time
+
+    from scheduler.generating import _Deliveries
+
+    deliveries = _Deliveries(limit_s=5.0)
+    one, two = deliveries.open(), deliveries.open()
+    deliveries.handed(one)
+    deliveries.handed(two)
+    threading.Timer(0.05, deliveries.written, (one,)).start()
+    threading.Timer(0.1, deliveries.close, (two,)).start()  # a stream closed with a token unread
+    started = time.monotonic()
+    deliveries.wait()
+    assert 0.08 < time.monotonic() - started < 4 and deliveries.pending == 0
+    deliveries.handed(two)  # a closed stream's tokens are never waited for
+    assert deliveries.pending == 0
+    slow = _Deliveries(limit_s=0.05)
+    slow.handed(slow.open())  # never written: the step goes on after the limit
+    started = time.monotonic()
+    slow.wait()
+    assert time.monotonic() - started < 2
