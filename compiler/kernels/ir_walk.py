@@ -170,6 +170,9 @@ def exclusive_feeders(program: Program, number: int) -> tuple[int, ...]:
     if not isinstance(call, GemmCall):
         return ()
     operands = {call.a, call.b} - {call.c}
+    if call.loops is not None:
+        # an operand the loop form reads itself (a norm's output) is computed whichever form runs
+        operands -= {b for value in call.loops.values for b in expr_reads(value)}
     readers: dict[int, int] = {}
     for step, kernel in enumerate(program.kernels):
         for buffer in kernel_reads(kernel):
