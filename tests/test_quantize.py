@@ -194,3 +194,18 @@ def test_an_int8_upload_on_the_cpu_compiles_serves_and_shows_its_error(client, k
     assert response.status_code == 200, response.text
     got = np.asarray(response.json()["outputs"]["y"], np.float32)
     assert 0 < _relative(_onnxruntime(data, {"x": x}), got) <= INT8_TOLERANCE
+
+
+def test_two_programs_of_one_model_hold_one_copy_of_each_weight_they_share():
+    """A decoder's prompt and step programs are two artifacts of one graph: loaded in one
+    process, their weights (named by content) are held once."""
+    data = _mlp()
+    first, second = executable(compile_onnx(data, "cpu", precision="int8")), executable(
+        compile_onnx(data, "cpu", precision="int8", search=False)
+    )
+    held = lambda program: {id(w): w for w in program._weights}
+    shared = set(held(first)) & set(held(second))
+    # both int8 weights are held once (the scales and the bias too)
+    assert sum(held(first)[i].dtype == np.int8 for i in shared) == 2
+    x = {"x": np.ones((2, 64), np.float32)}
+    np.testing.assert_allclose(first.run(x)["y"], second.run(x)["y"], rtol=1e-4, atol=1e-4)

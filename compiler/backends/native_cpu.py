@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -165,6 +166,28 @@ def _own(array: np.ndarray) -> np.ndarray:
     return copy
 
 
+# the weights the programs loaded in this process hold, by name, dtype and shape: a weight's name
+# is a hash of its content (compiler.ir.GraphBuilder.constant) or of how it is derived from named
+# weights (folded, quantized, packed), so two programs of one model (a decoder's prompt and step
+# programs) hold one copy; "folded:..." names (a lowering's operands) are not, and are never shared
+_SHARED_WEIGHTS: weakref.WeakValueDictionary[tuple, np.ndarray] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_weight(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The weight as a program holds it (aligned, in memory of its own), the copy another loaded
+    program holds where there is one."""
+    if name.startswith("folded"):
+        return _own(_aligned(np.ascontiguousarray(array, dtype=dtype)))
+    key = (name, np.dtype(dtype).str, tuple(np.shape(array)))
+    with _SHARED_LOCK:
+        held = _SHARED_WEIGHTS.get(key)
+        if held is None:
+            held = _own(_aligned(np.ascontiguousarray(array, dtype=dtype)))
+            _SHARED_WEIGHTS[key] = held
+        return held
+
+
 class NativeProgram:
     """A built program bound to its weights; `run` is thread-safe (one call at a time)."""
 
@@ -191,7 +214,7 @@ class NativeProgram:
         self._weights: list[np.ndarray] = []
         for b in self.buffers:
             if b.role == "weight":
-                array = _own(_aligned(np.ascontiguousarray(weights[b.name], dtype=numpy_dtype(b.dtype))))
+                array = _shared_weight(b.name, weights[b.name], numpy_dtype(b.dtype))
                 self._weights.append(array)
                 self._pointers[b.id] = array.ctypes.data
         self._inputs = [b for b in self.buffers if b.role == "input"]
