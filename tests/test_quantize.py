@@ -209,3 +209,14 @@ def test_two_programs_of_one_model_hold_one_copy_of_each_weight_they_share():
     assert sum(held(first)[i].dtype == np.int8 for i in shared) == 2
     x = {"x": np.ones((2, 64), np.float32)}
     np.testing.assert_allclose(first.run(x)["y"], second.run(x)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_an_int8_compile_for_a_gpu_type_widens_the_weights_in_its_cuda_program():
+    """Without the GPU here, the CUDA program runs on the CPU emulation, every kernel in its first
+    schedule: verified against the quantized graph, its error against the float graph reported."""
+    artifact = compile_onnx(_mlp(), "h100", precision="int8")
+    assert artifact.report["precision"]["chosen"] == "int8"
+    assert 0 < artifact.report["precision"]["error_vs_float"] <= INT8_TOLERANCE
+    assert artifact.report["verify_max_abs_error"] < 1e-4  # the program against the quantized graph
+    source = "".join(k.get("source", "") for k in artifact.kernels if isinstance(k, dict))
+    assert "signed char" in source or "int8_t" in source  # the CUDA C reads the int8 weights
