@@ -53,6 +53,9 @@ STARTED_NOTICE_S = 2.0
 # on a stop, how long the sequences under way may run to their end before the runtime exits
 # (one that is cut is generated again by another runtime)
 DRAIN_GENERATION_S = 60.0
+# how often, at most, a runtime looks whether the gateway of the sequences it generates still
+# lives (its liveness key, scheduler.wire.gateway_key): one EXISTS per gateway and interval
+GATEWAY_CHECK_S = 0.5
 
 
 # acknowledges the answered entries ARGV[2..] of a pool stream (KEYS[1]) in its group (ARGV[1]),
@@ -141,6 +144,11 @@ class RuntimeProcess:
         self._generating: dict[str, Taken] = {}
         self._generating_lock = threading.Lock()
         self._cancels_read = "$"
+        # reply stream -> when its gateway's liveness key was last looked at (monotonic), and the
+        # gateways seen alive: only these are taken for dead when their key is gone (a gateway
+        # that never announced itself, of an older release, is never)
+        self._gateway_checked: dict[str, float] = {}
+        self._gateways_seen: set[str] = set()
 
     # -- announcing --
     def announce(self) -> None:
@@ -175,6 +183,7 @@ class RuntimeProcess:
         if self.generation is not None:
             self.generation.unload_idle()
             self._keep_generations_claimed()
+            self._free_orphans()
         self.announce()
 
     def _heartbeat_loop(self) -> None:
@@ -409,6 +418,8 @@ class RuntimeProcess:
             reply = wire.ReplyMessage(message.request_id, "token", event=event_to_json(index, event))
             index += 1
             if event.finish_reason is None:
+                if self._gateway_gone(message.reply_to):
+                    self._cancel_for(message.reply_to)
                 self.redis.xadd(message.reply_to, reply.to_fields(), maxlen=100_000, approximate=True)
                 return
             with self._generating_lock:
@@ -444,6 +455,38 @@ class RuntimeProcess:
                     taken = self._generating.get(request_id)
                 if taken is not None and self.generation is not None:
                     self.generation.cancel(int(taken.message.route["version_id"]), request_id)
+
+    def _gateway_gone(self, reply_to: str) -> bool:
+        """Whether the gateway a sequence's replies go to died (its liveness key expired: killed
+        with its streams open, it never sends their cancels); looked up at most every
+        GATEWAY_CHECK_S per gateway, and only ever true for a gateway seen alive before."""
+        now = time.monotonic()
+        if now - self._gateway_checked.get(reply_to, float("-inf")) < GATEWAY_CHECK_S:
+            return False
+        self._gateway_checked[reply_to] = now
+        if self.redis.exists(wire.gateway_key(reply_to)):
+            self._gateways_seen.add(reply_to)
+            return False
+        return reply_to in self._gateways_seen
+
+    def _cancel_for(self, reply_to: str) -> None:
+        """Frees every sequence whose replies go to a dead gateway, as if its client had left:
+        nobody reads them. Each ends at its next step, billed for what it generated."""
+        with self._generating_lock:
+            orphans = [t for t in self._generating.values() if t.message.reply_to == reply_to]
+        if orphans and self.generation is not None:
+            log.warning("the gateway of %d sequences (%s) is gone: freeing them", len(orphans), reply_to)
+            for taken in orphans:
+                self.generation.cancel(int(taken.message.route["version_id"]), taken.message.request_id)
+
+    def _free_orphans(self) -> None:
+        """At each heartbeat: the sequences of dead gateways, those that emit no tokens (waiting for
+        the KV cache) too."""
+        with self._generating_lock:
+            gateways = {t.message.reply_to for t in self._generating.values()}
+        for reply_to in gateways:
+            if self._gateway_gone(reply_to):
+                self._cancel_for(reply_to)
 
     def _keep_generations_claimed(self) -> None:
         """A sequence can outlive the claim time: its message is claimed again by this runtime

@@ -221,6 +221,7 @@ class StreamEngine:
         self._tasks = [
             self._loop.create_task(self._read_replies(), name="replies"),
             self._loop.create_task(self._consume_usage(), name="ledger"),
+            self._loop.create_task(self._beat(), name="gateway-beat"),
         ]
 
     def _unreachable(self, exc: Exception) -> Unavailable:
@@ -455,6 +456,22 @@ class StreamEngine:
                 except redis.RedisError:
                     pass  # trimmed by length anyway
 
+    async def _beat(self) -> None:
+        """Renews this gateway's liveness key: runtimes free the sequences of a gateway whose key
+        expired (one killed with streams open sends no cancel for them)."""
+        key = wire.gateway_key(self.reply_to)
+        while True:
+            try:
+                await self.redis.set(key, self.gateway_id, ex=wire.GATEWAY_TTL_S)
+            except redis.RedisError as exc:
+                log.warning("renewing the gateway's liveness key failed: %s", exc)
+            except asyncio.CancelledError:
+                return
+            try:
+                await asyncio.sleep(wire.GATEWAY_BEAT_S)
+            except asyncio.CancelledError:
+                return
+
     def _resolve(self, reply: wire.ReplyMessage) -> None:
         generation = self._generating.get(reply.request_id)
         if generation is not None:
@@ -539,7 +556,7 @@ class StreamEngine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await self.redis.delete(self.reply_to)
+            await self.redis.delete(self.reply_to, wire.gateway_key(self.reply_to))
         except redis.RedisError:
             pass
         await self.redis.aclose()

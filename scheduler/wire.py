@@ -23,6 +23,11 @@ CANCEL_STREAM = PREFIX + "cancels"
 # stream), gateways share the usage events
 RUNTIME_GROUP = "runtimes"
 LEDGER_GROUP = "ledger"
+# a gateway renews its liveness key (gateway_key) every GATEWAY_BEAT_S, to expire
+# GATEWAY_TTL_S after its last renewal: a runtime generating a sequence whose gateway's key has
+# expired (the gateway died, and no cancel will ever come) frees it, as if its client had left
+GATEWAY_BEAT_S = 1.0
+GATEWAY_TTL_S = 10
 
 
 def request_stream(version_id: int) -> str:
@@ -39,6 +44,12 @@ def pool_stream(device: str) -> str:
 
 def reply_stream(gateway_id: str) -> str:
     return f"{PREFIX}replies:{gateway_id}"
+
+
+def gateway_key(reply_to: str) -> str:
+    """A gateway's announcement, named by its reply stream (what a request message carries):
+    alive while it exists (it expires unless renewed)."""
+    return f"{PREFIX}gateway:{reply_to.removeprefix(PREFIX + 'replies:')}"
 
 
 def heartbeat_key(runtime_id: str) -> str:
