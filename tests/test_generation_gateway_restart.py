@@ -14,8 +14,8 @@ answered one, and the runtime holds nothing afterwards.
 The usage ledger: each killed stream is recorded exactly once (its usage event is emitted by the
 runtime when the cancelled sequence ends, and the new gateway's ledger consumer writes it), for
 its prompt and the tokens generated before the cancel, fewer than max_tokens: what the runtime
-really computed, as for a client that leaves. Nothing is half-written: the records of the later
-requests are written alongside them and are whole.
+really computed, as for a client that leaves (before the fix each ran to max_tokens, 120 here,
+and was billed for it). The requests after the restart are answered whole.
 """
 
 from __future__ import annotations
