@@ -136,7 +136,7 @@ class Ours:
     prompts' and the decode step's, as worker.compile does), run by a Generator with the
     service's default limits (scheduler.generating.GenerationSettings)."""
 
-    def __init__(self, folder: Path, config: LlamaConfig) -> None:
+    def __init__(self, folder: Path, config: LlamaConfig, precision: str = "exported") -> None:
         import onnx
 
         from compiler import compile_onnx, executable
@@ -145,10 +145,10 @@ class Ours:
         data = (folder / "model.onnx").read_bytes()
         inputs, _ = onnx_specs(onnx.load_from_string(data))
         started = time.perf_counter()
-        artifact = compile_onnx(data, "cpu", dims=decoder_dims(inputs))
+        artifact = compile_onnx(data, "cpu", dims=decoder_dims(inputs), precision=precision)
         decode_model = onnx.load_from_string(data)
         decode_step_graph(decode_model)
-        decode_artifact = compile_onnx(decode_model.SerializeToString(), "cpu")
+        decode_artifact = compile_onnx(decode_model.SerializeToString(), "cpu", precision=precision)
         self.compile_seconds = time.perf_counter() - started
         self.artifact = artifact
         self.program = executable(artifact)
@@ -474,18 +474,38 @@ def run(args) -> dict:
         _, got = ours.run(one, min(args.tokens, 16))
         if got[0] != want:
             raise AssertionError(f"our greedy tokens {got[0]} differ from onnxruntime's {want}")
+        print(f"compiling in precision int8 (load {loadavg()}) ...", file=sys.stderr, flush=True)
+        ours8 = Ours(folder, config, "int8")
+        quantized = ours8.artifact.report["precision"]
+        results["int8"] = {
+            "compile_seconds": ours8.compile_seconds,
+            "error_vs_float": quantized["error_vs_float"],
+            "weight_bytes_before": quantized["weight_bytes_before"],
+            "weight_bytes_after": quantized["weight_bytes_after"],
+        }
+        _, got8 = ours8.run(one, min(args.tokens, 16))
+        # how many greedy tokens int8 gives as the float model does before it first differs
+        results["int8"]["tokens_matching"] = next(
+            (i for i, (a, b) in enumerate(zip(got8[0], want)) if a != b), min(len(got8[0]), len(want))
+        )
         results["genai_version"] = og.__version__
         genai_model = og.Model(str(folder))
         _, genai_ids = genai_run(genai_model, one, min(args.tokens, 16))
         results["genai_tokens_match"] = genai_ids[0] == want
         ort_run(session, config, one[0], 4)
 
-        rates: dict[str, list[float]] = {k: [] for k in ("ours_1", "ours_n", "genai_1", "genai_n", "ort_1")}
+        rates: dict[str, list[float]] = {
+            k: [] for k in ("ours_1", "ours_n", "int8_1", "int8_n", "genai_1", "genai_n", "ort_1")
+        }
         for repeat in range(args.repeats):
             times, _ = ours.run(one, args.tokens)
             rates["ours_1"].append(decode_rate(times))
             times, _ = ours.run(many, args.tokens)
             rates["ours_n"].append(decode_rate(times))
+            times, _ = ours8.run(one, args.tokens)
+            rates["int8_1"].append(decode_rate(times))
+            times, _ = ours8.run(many, args.tokens)
+            rates["int8_n"].append(decode_rate(times))
             times, _ = genai_run(genai_model, one, args.tokens)
             rates["genai_1"].append(decode_rate(times))
             times, _ = genai_run(genai_model, many, args.tokens)
@@ -500,7 +520,7 @@ def run(args) -> dict:
             )
         results["rates"] = rates
         results["median"] = {k: statistics.median(v) for k, v in rates.items()}
-        del ours, genai_model, session
+        del ours, ours8, genai_model, session
         if not args.no_server:
             print(f"streaming through a live server (load {loadavg()}) ...", file=sys.stderr, flush=True)
             results["streaming"] = streaming_latency(folder, args.prompt, args.tokens, args.stream_repeats)
@@ -537,11 +557,20 @@ def table(results: dict, command: str) -> str:
             f"median of {results['repeats']} repeats."
         ),
         "",
-        f"| decode tokens/s | ours (compile_onnx + Generator) | onnxruntime-genai {results.get('genai_version', '')} | onnxruntime greedy loop |",
-        "|---|---:|---:|---:|",
-        f"| 1 stream | {m['ours_1']:.1f} | {m['genai_1']:.1f} | {m['ort_1']:.1f} |",
-        f"| {n} streams, aggregate | {m['ours_n']:.1f} | {m['genai_n']:.1f} (one batch of {n}) | n/a (batch 1 loop) |",
-        f"| {n} streams / 1 stream | {m['ours_n'] / m['ours_1']:.2f}x | {m['genai_n'] / m['genai_1']:.2f}x | |",
+        (
+            f"| decode tokens/s | ours (compile_onnx + Generator) | ours, precision int8 | "
+            f"onnxruntime-genai {results.get('genai_version', '')} | onnxruntime greedy loop |"
+        ),
+        "|---|---:|---:|---:|---:|",
+        f"| 1 stream | {m['ours_1']:.1f} | {m['int8_1']:.1f} | {m['genai_1']:.1f} | {m['ort_1']:.1f} |",
+        (
+            f"| {n} streams, aggregate | {m['ours_n']:.1f} | {m['int8_n']:.1f} | {m['genai_n']:.1f} (one batch of {n}) "
+            "| n/a (batch 1 loop) |"
+        ),
+        (
+            f"| {n} streams / 1 stream | {m['ours_n'] / m['ours_1']:.2f}x | {m['int8_n'] / m['int8_1']:.2f}x | "
+            f"{m['genai_n'] / m['genai_1']:.2f}x | |"
+        ),
         "",
     ]
     ratio_genai = m["ours_1"] / m["genai_1"]
@@ -553,6 +582,15 @@ def table(results: dict, command: str) -> str:
         + ("met." if ratio_batch >= 4 else "**missed**."),
         f"- ours / plain onnxruntime loop at 1 stream: {m['ours_1'] / m['ort_1']:.2f}x.",
     ]
+    q = results["int8"]
+    verdict.append(
+        f"- precision int8 (weight-only, per-channel scales; the embedding and every product's weight): "
+        f"{m['int8_1'] / m['ours_1']:.2f}x ours in float32 at 1 stream, {m['int8_n'] / m['ours_n']:.2f}x at {n} "
+        f"streams, {m['int8_1'] / m['genai_1']:.2f}x onnxruntime-genai (float32) at 1 stream; weights "
+        f"{q['weight_bytes_before'] / 1e6:.0f} MB -> {q['weight_bytes_after'] / 1e6:.0f} MB, error against the float "
+        f"model {q['error_vs_float']:.3g} of the largest logit (compile check), the first {q['tokens_matching']} greedy "
+        f"tokens equal to the float model's; compiled in {q['compile_seconds']:.0f} s."
+    )
     stream = results.get("streaming")
     if stream:
         verdict.append(
