@@ -1,9 +1,13 @@
-"""Checking that an uploaded file is an ONNX model this service can take, before it is stored.
+"""Checking that an uploaded file is an ONNX model this service can take, before it is stored
+(and, for a text-generation upload, that it is a decoder the runtime can serve with its
+tokenizer: registry.bundle.check_generative, which runs a merged decoder's branches).
 
 Parsing a model holds it whole in memory, about twice its size: a gateway that parsed every
 upload itself grew by hundreds of megabytes per concurrent upload. The gateway's check runs in a
 child process instead, under an address-space limit and a wall-time limit, so what an upload
-costs the gateway stays a few buffers whatever its size. Tools and tests check in-process.
+costs the gateway stays a few buffers whatever its size; a graph that crashes a runner (the
+merged-decoder check runs it) takes the child down, not the gateway. Tools and tests check
+in-process.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import resource
 import signal
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cloud.errors import InvalidModelFile
 from compiler import InvalidModel, UnsupportedModel
 from compiler.frontends.onnx import parse_model
+from registry.bundle import Bundle, check_generative
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +34,16 @@ CHECK_TIMEOUT_S = 120.0
 
 
 class ModelCheck(Protocol):
-    def __call__(self, path: Path) -> None:
-        """InvalidModelFile, naming why, unless the file at `path` is a usable ONNX model."""
+    def __call__(self, path: Path, bundle: Bundle | None = None) -> dict[str, Any] | None:
+        """InvalidModelFile, naming why, unless the file at `path` is a usable ONNX model; with a
+        generative upload's `bundle`, also unless it is a decoder served with that tokenizer, and
+        then what the version keeps of the bundle (registry.bundle.check_generative)."""
 
 
-def check_here(path: Path) -> None:
+def check_here(path: Path, bundle: Bundle | None = None) -> dict[str, Any] | None:
     """The check in this process (command-line tools, tests, workers)."""
     _refuse_unless_usable(path.read_bytes())
+    return None if bundle is None else check_generative(path, bundle)
 
 
 def _refuse_unless_usable(data: bytes) -> None:
@@ -45,12 +53,11 @@ def _refuse_unless_usable(data: bytes) -> None:
         raise InvalidModelFile(f"the uploaded file is not a usable ONNX model: {exc}") from None
 
 
-def _check_child(conn: Connection, path: str, memory_bytes: int) -> None:
+def _check_child(conn: Connection, path: str, memory_bytes: int, bundle: Bundle | None) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     try:
-        _refuse_unless_usable(Path(path).read_bytes())
-        conn.send(("ok", None))
+        conn.send(("ok", check_here(Path(path), bundle)))
     except InvalidModelFile as exc:
         conn.send(("invalid", exc.message))
     except MemoryError:
@@ -71,10 +78,10 @@ class CheckInChild:
         # the compile sandbox asks for a superset
         self._context.set_forkserver_preload(["compiler.pipeline"])
 
-    def __call__(self, path: Path) -> None:
+    def __call__(self, path: Path, bundle: Bundle | None = None) -> dict[str, Any] | None:
         receiver, sender = self._context.Pipe(duplex=False)
         child = self._context.Process(
-            target=_check_child, args=(sender, str(path), self.memory_bytes), daemon=True, name="model-check"
+            target=_check_child, args=(sender, str(path), self.memory_bytes, bundle), daemon=True, name="model-check"
         )
         child.start()
         sender.close()
@@ -94,6 +101,8 @@ class CheckInChild:
                 os.kill(child.pid, signal.SIGKILL)
             child.join()
             receiver.close()
+        if kind == "ok":
+            return message
         if kind == "invalid":
             raise InvalidModelFile(message)
         if kind == "crash":

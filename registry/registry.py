@@ -20,7 +20,7 @@ from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion, Tena
 from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady, QuotaExceeded
 from cloud.storage import ObjectStore, artifacts_prefix, bundle_key, graph_key, spool
 from compiler.targets import EXPORTED, check_precision
-from registry.bundle import GENERATION, Bundle, check_generative, check_task
+from registry.bundle import GENERATION, Bundle, check_task
 from registry.checks import ModelCheck, check_here
 
 # checked with fullmatch: `$` would also match before a final newline ("prod\n")
@@ -152,11 +152,13 @@ class Registry:
         with spool(source, max_bytes) as graph:
             if graph.size == 0:
                 raise InvalidModelFile("the uploaded file is empty")
-            self.check_model(graph.path)
             kept: dict[str, Any] | None = None
             if task == GENERATION:
                 bundle = bundle or Bundle({})
-                kept = {**check_generative(graph.path, bundle), "key": bundle_key(tenant_id, bundle.sha256), "files": sorted(bundle.files)}
+                checked = self.check_model(graph.path, bundle)
+                kept = {**checked, "key": bundle_key(tenant_id, bundle.sha256), "files": sorted(bundle.files)}
+            else:
+                self.check_model(graph.path)
             key = graph_key(tenant_id, graph.sha256)
             # uploads racing on a new name or the next number: within this process they take turns
             # (SQLite ignores FOR UPDATE); across processes the loser retries after a jittered

@@ -249,3 +249,19 @@ def test_an_uploaded_merged_decoder_traced_at_one_new_token_is_refused(live: Liv
     message = reply.json()["error"]["message"]
     assert "gives a different 'logits' from its no-past branch" in message and "--legacy" in message, message
     assert live.http.get("/v1/models/merged-one-token").status_code == 404
+
+
+def test_the_gateways_checker_child_runs_the_generative_checks() -> None:
+    """The branch check runs the uploaded graph: it runs in the gateway's checker child (memory and
+    time limits; a runner that dies takes the child down, not the gateway), which answers what the
+    version keeps, or the refusal."""
+    from registry.checks import CheckInChild
+
+    check = CheckInChild(memory_bytes=4 * 1024**3)
+    bundle = Bundle({k: v for k, v in _bundle_files(b"").items() if k != "model.onnx"})
+    kept = check(MERGED / "model.onnx", bundle)
+    assert kept["layout"]["cache_branch_input"] == "use_cache_branch"
+    assert kept["cache_branch_check"]["max_abs_logit_difference"] < 1e-4
+    with pytest.raises(InvalidModelFile, match=REFUSAL):
+        check(ONE_TOKEN / "model.onnx", bundle)
+    assert check(MERGED / "model.onnx") is None  # an inference upload: the graph's check alone
