@@ -153,6 +153,9 @@ def _quantizable(graph: Graph) -> tuple[dict[str, QuantizedWeight], dict[str, st
         if _other_readers(graph, i, users, read_by_product):
             kept[node.arg] = "read by something other than a matrix product"
             continue
+        if not np.all(np.isfinite(graph.weights[node.arg])):
+            kept[node.arg] = "it holds values that are not finite (inf or NaN), which no scale represents"
+            continue
         chosen[node.arg] = QuantizedWeight(node.arg, tuple(int(d) for d in node.shape), next(iter(axes)))
     return chosen, kept
 

@@ -220,3 +220,14 @@ def test_an_int8_compile_for_a_gpu_type_widens_the_weights_in_its_cuda_program()
     assert artifact.report["verify_max_abs_error"] < 1e-4  # the program against the quantized graph
     source = "".join(k.get("source", "") for k in artifact.kernels if isinstance(k, dict))
     assert "signed char" in source or "int8_t" in source  # the CUDA C reads the int8 weights
+
+
+def test_a_weight_holding_inf_or_nan_stays_float_and_says_why():
+    graph = load_graph(_mlp())
+    key = next(k for k, v in graph.weights.items() if v.shape == (64, 96))
+    graph.weights[key] = graph.weights[key].copy()
+    graph.weights[key][3, 5] = np.inf
+    quantized, report = quantize_weights(graph)
+    assert report["weights"] == 1
+    assert report["kept_float"] == {key: "it holds values that are not finite (inf or NaN), which no scale represents"}
+    assert quantized.weights[key].dtype == np.float32
