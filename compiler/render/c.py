@@ -559,6 +559,9 @@ class CRenderer:
         else:
             text += self.loops(loops)
         if call.epilogue is not None:
+            # workers run this function too: past its loop they return, and the caller, whose last
+            # lc_next waited for every task, applies the epilogue once (twice, a bias was added twice)
+            text += "    if (lc_is_worker) return;\n"
             batch = " * ".join(f"(int64_t)({dim(d)})" for d in call.batch) or "1"
             text += f"    const int64_t m = {dim(call.m)}, n = {dim(call.n)}, batch = {batch};\n"
             text += "    for (int64_t t = 0; t < batch; ++t) {\n" + self.epilogue(call, ("0", "m"), ("0", "n"), "        ") + "    }\n"
