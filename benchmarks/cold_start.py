@@ -482,10 +482,11 @@ the best and worst answers in brackets.
 
 The process start is most of a cold answer, and imports are most of the start. A runtime process
 no longer imports the gateway's layers (the database, the registry, Celery, the codecs) nor, on a
-CPU, the GPU's modules. all-MiniLM-L6-v2's 90 MB take most of a second from moto, a Python server
-on the same two cores: reading them in a thread while the process imported was tried, and on
-this machine it gained nothing (the download and the imports want the same cores), so it is not
-kept. The `compiler` package imports its pipeline (the search, egglog) only on first use, and a
+CPU, the GPU's modules, nor boto3 (its S3 client is botocore's own). The artifact's weights are
+read in place from the downloaded, hash-checked weights.npz (no copies, no zip CRC pass); its
+download from moto, a Python server on the same two cores, is the rest of the fetch (reading it in
+a thread while the process imported gained nothing here: both want the same cores). The project
+is compiled to bytecode first, as the image's `pip install .` leaves it. The `compiler` package imports its pipeline (the search, egglog) only on first use, and a
 runtime imports `executable` from `compiler/runnable.py`; the `luminal-cloud` entry point imports
 the SDK's HTTP client only for the client's commands. What remains is the imports of the runtime
 itself (numpy, the native backend, the scheduler's Redis client) and the weights' download.
