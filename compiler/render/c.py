@@ -45,7 +45,7 @@ from compiler.kernels.ir_walk import (
 from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import WindowGeometry, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
-from compiler.shape import Dim
+from compiler.shape import Dim, Shape
 
 C_TYPES = {
     "float32": "float",
@@ -567,16 +567,20 @@ class CRenderer:
             text += "    for (int64_t t = 0; t < batch; ++t) {\n" + self.epilogue(call, ("0", "m"), ("0", "n"), "        ") + "    }\n"
         return text
 
+    def sum_head(self, kernel: LoopKernel) -> tuple[int, Shape, str, list[str]]:
+        """A sum reduction's rank, reduced extents, output C type, and its work count's lines."""
+        rank = len(kernel.shape)
+        kind, extents = kernel.reduce
+        assert kind == "sum" and rank >= 1
+        total = " * ".join(f"(int64_t)({dim(d)})" for d in (*kernel.shape, *extents))
+        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
+        return rank, extents, out_type, [f"    const int64_t work = {total};\n", "    (void)work;\n"]
+
     def sums_inside_row(self, kernel: LoopKernel) -> str:
         """A sum reduction with the output's last axis as the vector loop and each element's sum
         (every reduced loop, constant trip counts unrolled by the C compiler) inside it: rows too
         short for the window form's split loops (a 7x7 window over a 4x4 image) still vectorize."""
-        rank = len(kernel.shape)
-        kind, extents = kernel.reduce
-        assert kind == "sum" and rank >= 1
-        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
-        total = " * ".join(f"(int64_t)({dim(d)})" for d in (*kernel.shape, *extents))
-        lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
+        rank, extents, out_type, lines = self.sum_head(kernel)
         cost = max(1, _operations(kernel.value) + 1)
         outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[: rank - 1])]
         lines.extend(self.parallel_for(outer, f"work * {cost} >= {PARALLEL_MIN_WORK}", f"work * {cost} >= lc_wake_work"))
@@ -602,12 +606,7 @@ class CRenderer:
         B[k, n]), a task is a block of columns for every row: B's piece of each summed row is
         computed once into a local and multiplies every output row, so an int8 weight is widened
         once per call whatever the row count; otherwise a task is a block of one output row."""
-        rank = len(kernel.shape)
-        kind, extents = kernel.reduce
-        assert kind == "sum" and rank >= 1
-        out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
-        total = " * ".join(f"(int64_t)({dim(d)})" for d in (*kernel.shape, *extents))
-        lines = [f"    const int64_t work = {total};\n", "    (void)work;\n"]
+        rank, extents, out_type, lines = self.sum_head(kernel)
         lines.append(f"    const int64_t lc_width = {dim(kernel.shape[-1])};\n")
         lines.append("    int64_t lc_cols = (lc_width + lc_threads - 1) / lc_threads;\n")
         lines.append(f"    if (lc_cols > {COLUMN_BLOCK_MAX}) lc_cols = {COLUMN_BLOCK_MAX};\n")
