@@ -52,6 +52,25 @@ def tokens_billed(settings, request_id: str) -> tuple[int, int]:
         db.dispose()
 
 
+def deploy_tiny_gpt2(http: httpx.Client) -> None:
+    """The tiny GPT-2 bundle uploaded as "tiny-gpt2" (task text-generation), once it is ready."""
+    bundle = {"model.onnx": (GPT2 / "model_torchscript.onnx").read_bytes()} | {
+        n: (GPT2 / n).read_bytes() for n in FILES
+    }
+    reply = http.post(
+        "/v1/models",
+        files={"file": ("gpt2.zip", zip_bytes(bundle), "application/zip")},
+        data={"name": "tiny-gpt2", "task": "text-generation"},
+    )
+    assert reply.status_code == 202, reply.text
+    wait_until(
+        lambda: http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] in ("ready", "failed"),
+        180,
+        "compile",
+    )
+    assert http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] == "ready"
+
+
 def holder(client: redis.Redis, runtimes: list):
     """The runtime process holding a generation's message (its consumer in the runtimes' group)."""
     for stream in (wire.request_stream(1), wire.pool_stream("cpu")):
@@ -78,23 +97,7 @@ def test_generation_runs_on_runtime_processes_survives_a_kill_and_frees_what_cli
         with BackgroundServer(stack.settings) as server:
             http = httpx.Client(base_url=server.url, headers=auth(stack.key), timeout=120)
             ai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=stack.key, max_retries=0, timeout=120)
-            bundle = {"model.onnx": (GPT2 / "model_torchscript.onnx").read_bytes()} | {
-                n: (GPT2 / n).read_bytes() for n in FILES
-            }
-            reply = http.post(
-                "/v1/models",
-                files={"file": ("gpt2.zip", zip_bytes(bundle), "application/zip")},
-                data={"name": "tiny-gpt2", "task": "text-generation"},
-            )
-            assert reply.status_code == 202, reply.text
-            wait_until(
-                lambda: (
-                    http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] in ("ready", "failed")
-                ),
-                180,
-                "compile",
-            )
-            assert http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] == "ready"
+            deploy_tiny_gpt2(http)
 
             # greedy text as transformers generates it, answered and streamed
             case = MANIFEST["models"]["gpt2"]["greedy"][3]

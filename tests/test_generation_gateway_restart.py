@@ -38,14 +38,13 @@ from sqlalchemy import select
 
 from api.services import open_database
 from cloud.db import UsageRecord
-from registry.bundle import zip_bytes
 from scheduler import wire
 from tests.conftest import auth
 from tests.processes import ServiceProcess, flushed_redis, free_port, settings_env
 from tests.test_distributed import Stack, distributed_settings, runtime_id, wait_until
-from tests.test_generation_distributed import FILES, GPT2, MANIFEST, codec, held_by
+from tests.test_generation_distributed import MANIFEST, codec, deploy_tiny_gpt2, held_by
 
-REDIS_DB = 7
+REDIS_DB = 15  # (test_generation_distributed.py's: the suite runs one test at a time)
 MAX_TOKENS = 120  # the tiny GPT-2 has 128 positions
 STREAMS = 3
 
@@ -95,21 +94,7 @@ def test_a_gateway_killed_mid_stream_frees_its_sequences_and_a_new_one_serves(tm
         rid = runtime_id(runtime)
         gateway = Gateway(stack, tmp_path / "gateway-1.log")
         with httpx.Client(base_url=gateway.url, headers=auth(stack.key), timeout=120) as http:
-            bundle = {"model.onnx": (GPT2 / "model_torchscript.onnx").read_bytes()} | {
-                n: (GPT2 / n).read_bytes() for n in FILES
-            }
-            reply = http.post(
-                "/v1/models",
-                files={"file": ("gpt2.zip", zip_bytes(bundle), "application/zip")},
-                data={"name": "tiny-gpt2", "task": "text-generation"},
-            )
-            assert reply.status_code == 202, reply.text
-            wait_until(
-                lambda: http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] in ("ready", "failed"),
-                180,
-                "compile",
-            )
-            assert http.get("/v1/models/tiny-gpt2").json()["versions"][-1]["status"] == "ready"
+            deploy_tiny_gpt2(http)
             # loaded and warm before the streams that matter
             warm = http.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "The", "max_tokens": 4})
             assert warm.status_code == 200, warm.text
