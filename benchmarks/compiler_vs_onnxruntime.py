@@ -11,7 +11,8 @@ corpus of architectures it was not tuned on, all in one run.
 For each row (a model of benchmarks/models.py at a batch and sequence size) it compiles the model
 once with our compiler for "cpu", checks our outputs against onnxruntime's (WRONG when the largest
 error exceeds 1e-3 of the output's largest magnitude), and times the program alone: ours,
-onnxruntime (CPUExecutionProvider), OpenVINO (its CPU plugin reading the same ONNX, latency hint)
+onnxruntime (CPUExecutionProvider), OpenVINO (its CPU plugin reading the same ONNX, latency hint,
+float32 precision)
 and PyTorch eager through onnx2torch where torch is importable. All of them get the same inputs and
 --threads threads (default: every core): onnxruntime's intra-op threads, OpenVINO's inference
 threads, and ours through OMP_NUM_THREADS, set before our first program loads.
@@ -235,7 +236,10 @@ def torch_runner(data: bytes) -> Callable[[dict[str, np.ndarray]], object] | Non
 def openvino_runner(data: bytes, feeds: dict[str, np.ndarray], threads: int) -> Callable[[dict[str, np.ndarray]], object] | None:
     """OpenVINO's CPU plugin on the ONNX model reshaped to the feeds' sizes (its CPU plugin pays for
     dynamic shapes on every call, and a row's sizes are fixed: its best case), latency hint,
-    `threads` inference threads; None where openvino is not installed."""
+    `threads` inference threads, float32 throughout; None where openvino is not installed.
+
+    Its CPU plugin otherwise runs products in bfloat16 wherever the CPU has it (AVX512_BF16, AMX),
+    with errors near 1e-2: not the float32 work ours and onnxruntime's do."""
     if openvino is None:
         return None
     import tempfile
@@ -245,11 +249,12 @@ def openvino_runner(data: bytes, feeds: dict[str, np.ndarray], threads: int) -> 
         file.flush()
         model = openvino.Core().read_model(file.name)
     model.reshape({name: list(value.shape) for name, value in feeds.items()})
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads}
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}
     request = openvino.Core().compile_model(model, "CPU", config).create_infer_request()
 
-    def run(feeds: dict[str, np.ndarray]) -> object:
-        return request.infer(feeds)
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = request.infer(feeds)
+        return {port.get_any_name(): value for port, value in outputs.items()}
 
     return run
 
@@ -314,7 +319,9 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int, t
     try:
         run_openvino = openvino_runner(data, feeds, threads)
         if run_openvino is not None:
-            run_openvino(feeds)
+            error, wrong = output_error(run_openvino(feeds), want)
+            if wrong:  # a runtime that answers differently is not doing the same work
+                result.notes.append(f"OpenVINO off by {error:.2g}")
             runners["openvino"] = lambda: run_openvino(feeds)
     except Exception as error:  # noqa: BLE001 -- a model OpenVINO cannot read must not end the run
         result.notes.append(f"OpenVINO: {type(error).__name__}: {str(error)[:120]}")
@@ -423,7 +430,8 @@ def section_body(
         f"its rows. Times are medians of at least {repeats} runs (more for quick rows: about {MIN_TIMED_S:g} s of runs",
         f"each) after 3 warm-ups, the runtimes taking turns in {ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a",
         "slow spell of the shared machine falls on all of them alike), the program alone; onnxruntime",
-        "(CPUExecutionProvider) and OpenVINO (CPU plugin, latency hint, reading the same ONNX) get the same",
+        "(CPUExecutionProvider) and OpenVINO (CPU plugin, latency hint, float32 inference precision: it",
+        "would run products in bfloat16 on CPUs that have it; reading the same ONNX) get the same",
         "inputs and as many threads as ours. The PyTorch column (eager, through",
         "onnx2torch) reads n/a where torch is not importable, as in the project's environment. The % of",
         "peak columns divide the MatMul, Gemm and Conv FLOPs counted from the graph, per second, by the",
