@@ -38,6 +38,14 @@ _PAST = re.compile(r"^past_key_values[._](\d+)[._](key|value)$")
 _PRESENT = re.compile(r"^present[._](\d+)[._](key|value)$")
 IDS, MASK, POSITIONS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 CACHE_BRANCH = "use_cache_branch"
+# a paged decode graph's inputs (paged_decode_graph): each layer's pools and the past's slots
+KV_SLOTS = "kv_slots"
+POOL_SLOTS = "kv_pool_slots"  # the pools' first axis: num_blocks * block_size
+
+
+def pool_input(layer: int, part: str) -> str:
+    """The name of a layer's key ("key") or value ("value") pool in a paged decode graph."""
+    return f"kv_pool.{layer}.{part}"
 
 
 @dataclass(frozen=True)
@@ -209,22 +217,21 @@ def decoder_dims(inputs: Sequence[TensorSpec]) -> dict[str, str]:
     """The symbol relation a decoder's declared inputs leave implicit: the attention mask spans
     the past and the new tokens (total_sequence_length = past_sequence_length + sequence_length).
     Without it the compiler treats the three as independent sizes; empty when the mask is
-    already declared as the sum or the graph has no mask."""
+    already declared as the sum or the graph has no mask. The past's length is its third axis,
+    or `kv_slots`' second in a paged decode graph (paged_decode_graph)."""
     by_name = {spec.name: spec for spec in inputs}
     mask, ids = by_name.get(MASK), by_name.get(IDS)
     past = next((spec for spec in inputs if _PAST.match(spec.name)), None)
-    if (
-        mask is None
-        or ids is None
-        or past is None
-        or len(mask.shape) != 2
-        or len(ids.shape) != 2
-        or len(past.shape) != 4
-    ):
+    slots = by_name.get(KV_SLOTS)
+    if past is not None and len(past.shape) == 4:
+        past_dim = past.shape[2]
+    elif slots is not None and len(slots.shape) == 2:
+        past_dim = slots.shape[1]
+    else:
         return {}
-    total, past_len = (
-        d.as_symbol() if isinstance(d, SymDim) else None for d in (mask.shape[1], past.shape[2])
-    )
+    if mask is None or ids is None or len(mask.shape) != 2 or len(ids.shape) != 2:
+        return {}
+    total, past_len = (d.as_symbol() if isinstance(d, SymDim) else None for d in (mask.shape[1], past_dim))
     seq_dim = ids.shape[1]
     seq = seq_dim.as_symbol() if isinstance(seq_dim, SymDim) else seq_dim  # 1 in a decode step's graph
     if total is None or past_len is None or seq is None or len({total, past_len, str(seq)}) < 3:
@@ -311,6 +318,115 @@ def decode_step_graph(model) -> bool:
     return True
 
 
+def paged_decode_graph(model, layout: CacheLayout) -> None:
+    """Makes a decoder's onnx.ModelProto read its past from the paged KV cache, in place (after
+    decode_step_graph, for the decode program). Each layer's past input becomes a read of its
+    pools, `kv_pool.L.key` / `.value` [kv_pool_slots, kv_heads, head_dim], the whole cache of
+    the layer as the runtime holds it (runtime.kv_cache), at `kv_slots` [batch, past] (int64:
+    the flat slot, block * block_size + slot, of each past position of each row; padding points
+    at any slot, hidden by the attention mask):
+
+        past = Transpose(Gather(pool, kv_slots, axis=0), perm=[0, 2, 1, 3])
+
+    and each present output, the Concat of the past and the new tokens along the past's axis,
+    returns the new tokens' keys or values only, [batch, kv_heads, seq, head_dim], which the
+    runtime writes into the pool: the past never leaves the pool. UnsupportedModel naming the
+    output whose present is not such a Concat (the caller keeps the unpaged program)."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    producers = {output: node for node in graph.node for output in node.output}
+    declared = {value.name: value for value in graph.input}
+    ids = declared.get(IDS)
+    if ids is None or len(ids.type.tensor_type.shape.dim) != 2:
+        raise _refuse(f"it has no input {IDS!r} of shape [batch, sequence]")
+    new_tokens = ids.type.tensor_type.shape.dim[1]
+    pasts = (*layout.past_keys, *layout.past_values)
+    presents = (*layout.present_keys, *layout.present_values)
+    missing = [name for name in pasts if name not in declared]
+    if missing:
+        raise _refuse(f"it takes no past input {missing[0]!r}")
+    new_of = {present: _new_tokens_of(present, past, producers) for past, present in zip(pasts, presents)}
+    first = declared[pasts[0]].type.tensor_type
+    batch, past_length = first.shape.dim[0], first.shape.dim[2]
+
+    def dim_of(dim) -> str | int:
+        return dim.dim_param or dim.dim_value
+
+    readers = []
+    for layer in range(layout.layers):
+        for part, past in (("key", layout.past_keys[layer]), ("value", layout.past_values[layer])):
+            pool = pool_input(layer, part)
+            graph.input.append(
+                helper.make_tensor_value_info(
+                    pool, first.elem_type, [POOL_SLOTS, layout.kv_heads, layout.head_dim]
+                )
+            )
+            readers.append(
+                helper.make_node("Gather", [pool, KV_SLOTS], [f"{pool}/read"], axis=0, name=f"{pool}/read")
+            )
+            # the consumers of the past read the transposed gather under the past's name
+            readers.append(
+                helper.make_node(
+                    "Transpose", [f"{pool}/read"], [past], perm=[0, 2, 1, 3], name=f"{pool}/past"
+                )
+            )
+    graph.input.append(
+        helper.make_tensor_value_info(KV_SLOTS, TensorProto.INT64, [dim_of(batch), dim_of(past_length)])
+    )
+    kept = [value for value in graph.input if value.name not in set(pasts)]
+    del graph.input[:]
+    graph.input.extend(kept)
+    with_past = {present: f"{present}/with_past" for present in presents}
+    for node in graph.node:  # the Concats still feed attention, under another name
+        node.input[:] = [with_past.get(name, name) for name in node.input]
+        node.output[:] = [with_past.get(name, name) for name in node.output]
+    for value in graph.value_info:
+        if value.name in with_past:
+            value.name = with_past[value.name]
+    returns = [
+        helper.make_node("Identity", [new_of[present]], [present], name=f"{present}/new_tokens")
+        for present in presents
+    ]
+    nodes = [*readers, *graph.node, *returns]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in graph.output:
+        if value.name in with_past:
+            value.type.tensor_type.shape.dim[2].CopyFrom(new_tokens)
+
+
+def _new_tokens_of(present: str, past: str, producers: dict) -> str:
+    """The new tokens' part of the Concat that makes `present` from `past` (through Identity
+    nodes and one-input Concats, which torch.onnx.export leaves), or UnsupportedModel naming it."""
+
+    def source(name: str):
+        node = producers.get(name)
+        while node is not None and (
+            node.op_type == "Identity" or (node.op_type == "Concat" and len(node.input) == 1)
+        ):
+            name = node.input[0]
+            node = producers.get(name)
+        return name, node
+
+    _, concat = source(present)
+    axis = None
+    if concat is not None and concat.op_type == "Concat":
+        axis = next((a.i for a in concat.attribute if a.name == "axis"), None)
+    if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or axis not in (2, -2):
+        made = "a graph input" if concat is None else f"a {concat.op_type} ({concat.name!r})"
+        raise _refuse(
+            f"output {present!r} is made by {made}, not a Concat of the past and the new tokens "
+            "along the past's axis, so its decode program cannot read the paged cache"
+        )
+    if source(concat.input[0])[0] != past:
+        raise _refuse(
+            f"output {present!r} is a Concat whose first operand is not the past {past!r}, "
+            "so its decode program cannot read the paged cache"
+        )
+    return concat.input[1]
+
+
 def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The declared inputs and outputs of an onnx.ModelProto as TensorSpecs (symbols by their
     declared names), for checking an upload before it is compiled."""
@@ -334,10 +450,14 @@ def onnx_specs(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 __all__ = [
     "CACHE_BRANCH",
+    "KV_SLOTS",
+    "POOL_SLOTS",
     "CacheLayout",
     "bind_cache_branch",
     "decode_step_graph",
     "decoder_dims",
     "find_cache_layout",
     "onnx_specs",
+    "paged_decode_graph",
+    "pool_input",
 ]

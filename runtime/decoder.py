@@ -1,7 +1,10 @@
-"""One step of a generative model on its device: the past of each row gathered from the paged
-KV cache, the compiled decoder run on the rows' new tokens, their keys and values written back
-into the rows' blocks, and each row's last logits returned. What runs when is the scheduler's
-(scheduler/generator.py); the cache and the program are the runtime's.
+"""One step of a generative model on its device: the compiled decoder run on the rows' new
+tokens, their keys and values written into the rows' blocks of the paged KV cache, and each
+row's last logits returned. A decode step (one token per row) runs the paged decode program
+where there is one: it reads each row's past from the pool through the rows' slots, and
+returns only the new tokens' keys and values. Any other step gathers the rows' past out of the
+pool into the program's past inputs. What runs when is the scheduler's
+(scheduler/generator.py); the cache and the programs are the runtime's.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler.kv_layout import CacheLayout
+from compiler.kv_layout import KV_SLOTS, CacheLayout, pool_input
 from runtime.kv_cache import PagedKVCache
 
 # runs the decoder once: inputs by name -> (outputs by name, device seconds)
@@ -29,7 +32,8 @@ class StepRow:
 
 
 class DecoderSteps:
-    """The decoder and its cache. Not thread-safe: one step loop drives it."""
+    """The decoder and its cache. Not thread-safe: one step loop drives it. `paged_step` runs
+    the paged decode program (compiler.kv_layout.paged_decode_graph), when there is one."""
 
     def __init__(
         self,
@@ -38,11 +42,14 @@ class DecoderSteps:
         input_dtypes: Mapping[str, str],
         num_blocks: int,
         block_size: int,
+        paged_step: StepRunner | None = None,
     ) -> None:
         self.layout = layout
         self.run_step = run_step
+        self.paged_step = paged_step
         self.input_dtypes = dict(input_dtypes)
         self.cache = PagedKVCache(layout, num_blocks, block_size)
+        self.paged_steps = 0  # steps the paged decode program ran
 
     @property
     def allocator(self):
@@ -52,10 +59,40 @@ class DecoderSteps:
         """Runs the decoder on `rows` (one batch; rows of equal length), stores the keys and
         values they made, and returns each row's last logits and the device seconds."""
         layout = self.layout
+        cache = self.cache
         count = len(rows[0].tokens)
+        tables = [r.blocks for r in rows]
+        starts = [r.start for r in rows]
         # a past of at least one slot (masked when empty): no program sees a zero-size tensor
-        width = max(1, max(r.start for r in rows))
-        past_keys, past_values = self.cache.gather([r.blocks for r in rows], [r.start for r in rows], width)
+        width = max(1, max(starts))
+        inputs = self._tokens(rows, width)
+        paged = self.paged_step is not None and count == 1
+        if paged:
+            inputs[KV_SLOTS] = cache.slots(tables, [0] * len(rows), starts, width)
+            for layer in range(layout.layers):
+                inputs[pool_input(layer, "key")], inputs[pool_input(layer, "value")] = cache.pools(layer)
+            outputs, seconds = self.paged_step(inputs)
+            self.paged_steps += 1
+            new = slice(None)  # the outputs hold the new tokens only
+        else:
+            past_keys, past_values = cache.gather(tables, starts, width)
+            for layer in range(layout.layers):
+                inputs[layout.past_keys[layer]] = past_keys[layer]
+                inputs[layout.past_values[layer]] = past_values[layer]
+            outputs, seconds = self.run_step(inputs)
+            new = slice(width, width + count)  # the outputs hold the past, then the new tokens
+        cache.write(
+            cache.slots(tables, starts, [s + count for s in starts], count),
+            [outputs[name][:, :, new] for name in layout.present_keys],
+            [outputs[name][:, :, new] for name in layout.present_values],
+        )
+        logits = outputs["logits"]
+        return [np.asarray(logits[b, -1], dtype=np.float32) for b in range(len(rows))], seconds
+
+    def _tokens(self, rows: Sequence[StepRow], width: int) -> dict[str, np.ndarray]:
+        """The step's input_ids, and its attention mask and positions where the graph takes them."""
+        layout = self.layout
+        count = len(rows[0].tokens)
         ids = np.array([list(r.tokens) for r in rows])
         inputs: dict[str, np.ndarray] = {"input_ids": ids.astype(self.input_dtypes.get("input_ids", "int64"))}
         if layout.mask_input is not None:
@@ -70,16 +107,7 @@ class DecoderSteps:
             inputs[layout.position_input] = positions.astype(
                 self.input_dtypes.get(layout.position_input, "int64")
             )
-        for layer in range(layout.layers):
-            inputs[layout.past_keys[layer]] = past_keys[layer]
-            inputs[layout.past_values[layer]] = past_values[layer]
-        outputs, seconds = self.run_step(inputs)
-        for b, row in enumerate(rows):
-            keys = [outputs[name][b, :, width : width + count] for name in layout.present_keys]
-            values = [outputs[name][b, :, width : width + count] for name in layout.present_values]
-            self.cache.write(row.blocks, row.start, keys, values)
-        logits = outputs["logits"]
-        return [np.asarray(logits[b, -1], dtype=np.float32) for b in range(len(rows))], seconds
+        return inputs
 
 
 __all__ = ["DecoderSteps", "StepRow", "StepRunner"]

@@ -3,8 +3,10 @@ every layer's keys and values live in one pool of `num_blocks` blocks of `block_
 and a sequence holds a block table, the blocks its tokens occupy in order. Sequences of any
 length share the pool without fragmentation; a finished sequence's blocks return at once.
 
-The allocator is plain bookkeeping; `PagedKVCache` adds the storage and moves a step's past in
-and its present out. On a CPU runtime the pool is host memory, which is the device's.
+The allocator is plain bookkeeping; `PagedKVCache` adds the storage, hands a paged decode
+program each layer's pools to read in place (or gathers a step's past for a program that takes
+it whole) and stores the new tokens' keys and values. On a CPU runtime the pool is host memory,
+which is the device's.
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The pool's storage: keys[layer, block, head, slot, dim] and values alike."""
+    """The pool's storage: keys[layer, block * block_size + slot, head, dim] and values alike,
+    so each layer's keys are one contiguous [num_blocks * block_size, heads, dim] array, the
+    pool a paged decode program reads in place (compiler.kv_layout.paged_decode_graph)."""
 
     def __init__(self, layout: CacheLayout, num_blocks: int, block_size: int) -> None:
         self.layout = layout
         self.allocator = BlockAllocator(num_blocks, block_size)
-        shape = (layout.layers, num_blocks, layout.kv_heads, block_size, layout.head_dim)
+        shape = (layout.layers, num_blocks * block_size, layout.kv_heads, layout.head_dim)
         dtype = np.dtype(layout.dtype if layout.dtype != "bfloat16" else "float32")
         self.keys = np.zeros(shape, dtype)
         self.values = np.zeros(shape, dtype)
@@ -74,43 +78,45 @@ class PagedKVCache:
     def block_size(self) -> int:
         return self.allocator.block_size
 
+    def pools(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's key and value pools, [num_blocks * block_size, heads, dim]: views, not copies."""
+        return self.keys[layer], self.values[layer]
+
+    def slots(
+        self, tables: Sequence[Sequence[int]], starts: Sequence[int], stops: Sequence[int], width: int
+    ) -> np.ndarray:
+        """[batch, width] int64: the pool slot (block * block_size + slot) of each of row b's
+        positions starts[b]..stops[b], right-aligned; the left padding points at slot 0 (finite
+        values, which a step's attention mask hides)."""
+        size = self.block_size
+        slots = np.zeros((len(tables), width), np.int64)
+        for b, (table, start, stop) in enumerate(zip(tables, starts, stops, strict=True)):
+            if stop > start:
+                positions = np.arange(start, stop)
+                slots[b, width - (stop - start) :] = (
+                    np.asarray(table, np.int64)[positions // size] * size + positions % size
+                )
+        return slots
+
     def gather(
         self, tables: Sequence[Sequence[int]], lengths: Sequence[int], width: int
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each layer's past for a step, [batch, heads, width, dim]: sequence b's `lengths[b]`
-        cached tokens right-aligned (left padding, which the step's attention mask hides; it
-        holds whatever block 0 holds, finite values the mask zeroes). One indexed copy for the
-        whole batch and every layer."""
-        size = self.block_size
-        blocks = np.zeros((len(tables), width), np.intp)
-        slots = np.zeros((len(tables), width), np.intp)
-        for b, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-            if length:
-                tokens = np.arange(length)
-                blocks[b, width - length :] = np.asarray(table, np.intp)[tokens // size]
-                slots[b, width - length :] = tokens % size
-        # [layers, blocks, heads, slots, dim] at (blocks, slots) -> [batch, width, layers, heads, dim]
-        keys = np.ascontiguousarray(self.keys[:, blocks, :, slots].transpose(2, 0, 3, 1, 4))
-        values = np.ascontiguousarray(self.values[:, blocks, :, slots].transpose(2, 0, 3, 1, 4))
+        cached tokens right-aligned (left padding, which the step's attention mask hides). One
+        indexed copy for the whole batch and every layer; a paged decode program reads the
+        pools instead."""
+        slots = self.slots(tables, [0] * len(tables), lengths, width)
+        # [layers, slots, heads, dim] at [batch, width] -> [layers, batch, heads, width, dim]
+        keys = np.ascontiguousarray(self.keys[:, slots].transpose(0, 1, 3, 2, 4))
+        values = np.ascontiguousarray(self.values[:, slots].transpose(0, 1, 3, 2, 4))
         return list(keys), list(values)
 
-    def write(
-        self, table: Sequence[int], start: int, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
-    ) -> None:
-        """Stores the new tokens of one sequence, [heads, n, dim] per layer, at positions
-        start..start+n of its block table (which must already hold them)."""
-        count = keys[0].shape[1]
-        size = self.block_size
-        position = start
-        while position < start + count:
-            block = table[position // size]
-            slot = position % size
-            take = min(size - slot, start + count - position)
-            offset = position - start
-            for layer in range(self.layout.layers):
-                self.keys[layer, block, :, slot : slot + take] = keys[layer][:, offset : offset + take]
-                self.values[layer, block, :, slot : slot + take] = values[layer][:, offset : offset + take]
-            position += take
+    def write(self, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Stores a step's new tokens, [batch, heads, n, dim] per layer, at `slots` [batch, n]
+        (PagedKVCache.slots of their positions): one indexed assignment per layer."""
+        for layer in range(self.layout.layers):
+            self.keys[layer][slots] = keys[layer].transpose(0, 2, 1, 3)
+            self.values[layer][slots] = values[layer].transpose(0, 2, 1, 3)
 
 
 def blocks_that_fit(layout: CacheLayout, block_size: int, memory_bytes: int) -> int:

@@ -1,10 +1,10 @@
 """Token generation: one step loop per loaded generative model.
 
 Each step the iteration scheduler (scheduler/continuous.py) says which sequences feed which
-tokens; the runtime's decoder step (runtime/decoder.py) gathers their past from the paged KV
-cache, runs the compiled decoder (the decodes as one batch, each prompt chunk on its own) and
-writes the new keys and values back; the loop samples, and hands each sequence's new text to
-its sink as it is made.
+tokens; the runtime's decoder step (runtime/decoder.py) runs the compiled decoder on them (the
+decodes as one batch, reading their past from the paged KV cache in place where the decode
+program is paged; each prompt chunk on its own) and writes the new keys and values into the
+cache; the loop samples, and hands each sequence's new text to its sink as it is made.
 Sequences join and leave between steps; a cancelled one is freed at the next step. Each step's
 device time is split over its sequences by the tokens each fed, and a finished sequence
 reports what it used (tokens and billed seconds) once.
@@ -131,11 +131,15 @@ class Generator:
         input_dtypes: Mapping[str, str],
         limits: GeneratorLimits = GeneratorLimits(),
         name: str = "generator",
+        paged_step: StepRunner | None = None,
     ) -> None:
+        """`paged_step` runs the paged decode program, when there is one (runtime.decoder)."""
         self.layout = layout
         self.codec = codec
         self.limits = limits
-        self.decoder = DecoderSteps(layout, run_step, input_dtypes, limits.num_blocks, limits.block_size)
+        self.decoder = DecoderSteps(
+            layout, run_step, input_dtypes, limits.num_blocks, limits.block_size, paged_step
+        )
         self.scheduler = IterationScheduler(
             self.decoder.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
         )

@@ -12,7 +12,7 @@ import pytest
 
 from compiler.artifact import TensorSpec
 from compiler.errors import UnsupportedModel
-from compiler.kv_layout import CacheLayout, find_cache_layout
+from compiler.kv_layout import KV_SLOTS, CacheLayout, find_cache_layout, pool_input
 from runtime.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import IncrementalText, TextCodec
@@ -63,6 +63,22 @@ def toy_decoder(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], f
             logits[b, q, total % VOCAB] = 1.0
     outputs["logits"] = logits
     return outputs, 0.001 * batch * count
+
+
+def toy_paged_decoder(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    """toy_decoder as a paged decode program (compiler.kv_layout.paged_decode_graph): the past
+    read from the layers' pools at kv_slots, the new tokens' keys and values returned alone."""
+    slots = inputs[KV_SLOTS]
+    unpaged = {
+        name: value for name, value in inputs.items() if name != KV_SLOTS and not name.startswith("kv_pool.")
+    }
+    for layer in range(2):
+        for part, past in (("key", LAYOUT.past_keys[layer]), ("value", LAYOUT.past_values[layer])):
+            unpaged[past] = inputs[pool_input(layer, part)][slots].transpose(0, 2, 1, 3)
+    outputs, seconds = toy_decoder(unpaged)
+    for name in (*LAYOUT.present_keys, *LAYOUT.present_values):
+        outputs[name] = outputs[name][:, :, -1:]
+    return outputs, seconds
 
 
 def reference(prompt: list[int], steps: int) -> list[int]:
@@ -125,8 +141,18 @@ def tokens_of(events: list[TokenEvent]) -> list[int]:
     ],
     ids=["roomy", "chunked", "preempting"],
 )
-def test_continuous_batching_generates_what_one_sequence_alone_would(limits: GeneratorLimits) -> None:
-    generator = Generator(LAYOUT, toy_decoder, FakeCodec(), DTYPES, limits)  # type: ignore[arg-type]
+@pytest.mark.parametrize("paged", [False, True], ids=["gathered", "paged"])
+def test_continuous_batching_generates_what_one_sequence_alone_would(
+    limits: GeneratorLimits, paged: bool
+) -> None:
+    generator = Generator(
+        LAYOUT,
+        toy_decoder,
+        FakeCodec(),  # type: ignore[arg-type]
+        DTYPES,
+        limits,
+        paged_step=toy_paged_decoder if paged else None,
+    )
     try:
         rng = np.random.default_rng(0)
         prompts = {
@@ -143,6 +169,7 @@ def test_continuous_batching_generates_what_one_sequence_alone_would(limits: Gen
             assert last.usage.prompt_tokens == len(prompt)
             assert last.usage.billed_seconds > 0
         assert generator.free_blocks == limits.num_blocks  # every block back in the pool
+        assert (generator.decoder.paged_steps > 0) == paged
         if limits.num_blocks == 12:
             assert sum(events[k][-1].usage.preemptions for k in prompts) > 0  # the pool did run short
     finally:
@@ -232,13 +259,20 @@ def test_paged_cache_gathers_what_was_written_across_blocks() -> None:
     rng = np.random.default_rng(1)
     keys = [rng.standard_normal((1, 7, 2)).astype(np.float32) for _ in range(2)]
     values = [rng.standard_normal((1, 7, 2)).astype(np.float32) for _ in range(2)]
-    cache.write(table, 0, [k[:, :4] for k in keys], [v[:, :4] for v in values])
-    cache.write(table, 4, [k[:, 4:] for k in keys], [v[:, 4:] for v in values])
+    for start, stop in ((0, 4), (4, 7)):  # two steps' writes, [batch, heads, n, dim] per layer
+        slots = cache.slots([table], [start], [stop], stop - start)
+        cache.write(slots, [k[None, :, start:stop] for k in keys], [v[None, :, start:stop] for v in values])
     past_k, past_v = cache.gather([table], [7], width=9)
     for layer in range(2):
         np.testing.assert_array_equal(past_k[layer][0, :, 2:], keys[layer])
         np.testing.assert_array_equal(past_v[layer][0, :, 2:], values[layer])
         assert np.isfinite(past_k[layer][0, :, :2]).all()  # padding: finite, hidden by the mask
+        # the pool a paged program reads is the cache itself, the same tokens at the same slots
+        key_pool, value_pool = cache.pools(layer)
+        assert np.shares_memory(key_pool, cache.keys) and key_pool.flags.c_contiguous
+        slots = cache.slots([table], [0], [7], 9)
+        np.testing.assert_array_equal(key_pool[slots[0, 2:]].transpose(1, 0, 2), keys[layer])
+        np.testing.assert_array_equal(value_pool[slots[0, 2:]].transpose(1, 0, 2), values[layer])
 
 
 def test_scheduler_decodes_before_prefilling_newcomers() -> None:
