@@ -29,6 +29,9 @@ from scheduler.pricing import UsageSink, price_for
 
 log = logging.getLogger(__name__)
 
+# a stream's first event once its sequence is accepted, before any token: no text, no finish
+ACCEPTED = TokenEvent()
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -233,23 +236,32 @@ class GenerationService:
         layout = CacheLayout.from_json(bundle["layout"])
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
-        # the decode program (one token per sequence) where the compile made one
+        # the decode program (one token per sequence) where the compile made one; a paged one
+        # (bundle "decode_paged") reads the KV cache in place and serves every one-token step
         decode_key = bundle.get("decode_artifact_key")
-        # one-token steps run whichever program measures faster at their batch size
-        chooser = ProgramChooser([decode_key, key] if decode_key else [key])
+        paged = decode_key is not None and bool(bundle.get("decode_paged"))
+        # else one-token steps run whichever program measures faster at their batch size
+        chooser = ProgramChooser([decode_key, key] if decode_key and not paged else [key])
         deliveries = _Deliveries(self.settings.delivery_wait_s)
         niced: list[bool] = []
 
-        def run_step(inputs):
+        def run_program(program: str, inputs, rows: int):
             if not niced:  # the step loop's thread, before its program's first run starts workers
                 _lower_priority(self.settings.step_nice)
                 niced.append(True)
+            deliveries.wait()
+            return runtime.run_batch(program, [inputs], [rows])
+
+        def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
             program = chooser.pick(rows) if tokens == 1 else key
-            deliveries.wait()
-            result = runtime.run_batch(program, [inputs], [rows])
+            result = run_program(program, inputs, rows)
             if tokens == 1:
                 chooser.record(rows, program, result.exec_seconds)
+            return result.outputs[0], result.exec_seconds
+
+        def paged_step(inputs):
+            result = run_program(decode_key, inputs, int(inputs["input_ids"].shape[0]))
             return result.outputs[0], result.exec_seconds
 
         block_tokens = self.settings.block_tokens
@@ -268,6 +280,7 @@ class GenerationService:
             {spec.name: spec.dtype for spec in signature.inputs},
             limits,
             name=f"{route.model_name}-v{route.version}",
+            paged_step=paged_step if paged else None,
         )
         with self._lock:
             served = self._served.get(route.version_id)
@@ -340,6 +353,9 @@ class GenerationService:
         await run_in_threadpool(start)
         finished = False
         try:
+            # the sequence is accepted (its refusals were raised above): a route may start its
+            # response now, so that its first token travels like the others, not behind headers
+            yield ACCEPTED
             while True:
                 event = await events.get()
                 yield event
@@ -405,6 +421,7 @@ class GenerationService:
 
 
 __all__ = [
+    "ACCEPTED",
     "GenerationService",
     "GenerationSettings",
     "ProgramChooser",
