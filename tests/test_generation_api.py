@@ -155,6 +155,41 @@ def test_streamed_completion_is_the_same_text_in_pieces_with_usage_last(live: Li
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 32
 
 
+def test_a_stream_opens_before_its_first_token_is_made(live: Live) -> None:
+    """The response (headers, the opening chunk) starts once the sequence is accepted, so its
+    first token travels to the client like the others rather than behind the response's start."""
+    import threading
+
+    live.ai.completions.create(model="tiny-gpt2", prompt="warm", max_tokens=1)  # loaded
+    served = list(live.services.engine.generation._served.values())
+    assert len(served) == 1
+    decoder = served[0].generator.decoder
+    release, original = threading.Event(), decoder.run_step
+
+    def held_step(inputs):
+        assert release.wait(60), "the test never released the step"
+        return original(inputs)
+
+    decoder.run_step = held_step
+    try:
+        body = {"model": "tiny-gpt2", "prompt": "The dog", "max_tokens": 3, "stream": True, "temperature": 0}
+        with live.http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            opening = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            assert not release.is_set()  # the step that makes the first token has not run
+            assert opening["choices"][0]["text"] == "" and opening["choices"][0]["finish_reason"] is None
+            release.set()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] or "" for line in rest[:-1])
+        want = live.ai.completions.create(model="tiny-gpt2", prompt="The dog", max_tokens=3, temperature=0)
+        assert text == want.choices[0].text
+    finally:
+        release.set()
+        decoder.run_step = original
+
+
 def test_chat_uses_the_bundles_template_streaming_and_not(live: Live) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The dog"}]
     answer = live.ai.chat.completions.create(model="tiny-gpt2", messages=messages, **GREEDY)
