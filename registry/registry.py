@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, NamedTuple
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.exc import StaleDataError
 
 from cloud.db import AliasEvent, Database, Model, ModelAlias, ModelVersion, Tenant
 from cloud.errors import Conflict, InvalidModelFile, InvalidRequest, NotFound, NotReady, QuotaExceeded
@@ -532,13 +533,16 @@ class Registry:
 
     def set_status(self, version_id: int, status: str, **fields: Any) -> None:
         assert status in STATUSES
-        with self.db.session() as session:
-            version = session.get(ModelVersion, version_id)
-            if version is None:
-                return  # deleted meanwhile
-            version.status = status
-            for name, value in fields.items():
-                setattr(version, name, value)
+        try:
+            with self.db.session() as session:
+                version = session.get(ModelVersion, version_id)
+                if version is None:
+                    return  # deleted meanwhile
+                version.status = status
+                for name, value in fields.items():
+                    setattr(version, name, value)
+        except StaleDataError:
+            return  # deleted between the read and the write: its compile's result goes nowhere
 
     def replace_artifact(
         self, version_id: int, replaced_key: str, artifact_key: str, signature: dict[str, Any], report: dict[str, Any]

@@ -228,6 +228,33 @@ def test_a_failing_progress_write_does_not_fail_the_compile(tmp_path: Path, monk
         services.close()
 
 
+def test_a_status_write_to_a_version_deleted_after_its_read_is_dropped(tmp_path: Path) -> None:
+    """A compile finishing while its version is deleted: the delete lands between set_status's
+    read and its write (an UPDATE of no row), which must not raise into the compile slot."""
+    from sqlalchemy import delete, event
+
+    from cloud.db import ModelVersion
+
+    services = build_services(make_settings(tmp_path / "data"))
+    try:
+        registry = services.registry
+        tenant = authenticate(services.db, f"Bearer {create_key(services.db, 'alice')}").id
+        version = registry.create_version(tenant, "mlp", io.BytesIO(mlp().SerializeToString()), "cpu")
+
+        def delete_first(session, context, instances) -> None:
+            with services.db.engine.begin() as other:
+                other.execute(delete(ModelVersion).where(ModelVersion.id == version.id))
+
+        event.listen(services.db._sessions, "before_flush", delete_first)
+        try:
+            registry.set_status(version.id, "ready", report={"chosen": "native-blas"})
+        finally:
+            event.remove(services.db._sessions, "before_flush", delete_first)
+        assert registry.get_version(version.id) is None
+    finally:
+        services.close()
+
+
 def test_a_late_progress_write_does_not_cover_the_final_report(tmp_path: Path) -> None:
     services = build_services(make_settings(tmp_path / "data"))
     try:
