@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # a compile's progress is written to its version at most this often
 PROGRESS_WRITE_INTERVAL_S = 1.0
+# the targets whose decode program reads the paged KV cache in place: a CPU program reads the
+# runtime's pool where it lies; a GPU program copies each input to the device every run, the
+# whole pool included, until its runtime holds the pool in device memory
+PAGED_TARGETS = frozenset({"cpu"})
 # where compiles are reported unless a caller says otherwise: the one metrics registry
 _METRICS: CompileObserver = PrometheusObserver()
 
@@ -218,7 +222,11 @@ def compile_version(
         decode_key, decode_report = decode
         report = {**report, "decode_phase": decode_report}
         if decode_key is not None:
-            extra["bundle"] = {**(version.bundle or {}), "decode_artifact_key": decode_key}
+            extra["bundle"] = {
+                **(version.bundle or {}),
+                "decode_artifact_key": decode_key,
+                "decode_paged": bool(decode_report["paged"]),
+            }
     registry.set_status(
         version_id,
         "ready",
@@ -289,9 +297,30 @@ def _decode_phase(
 ) -> tuple[str | None, dict[str, Any]]:
     """A generative version's second program: its graph with one new token per sequence
     (compiler.kv_layout.decode_step_graph), searched and verified like the first, which then
-    serves the prompts (prefill) only. A decode program that fails to compile leaves the first
-    serving both: the report says why."""
+    serves the prompts (prefill) only. On the CPU it reads the paged KV cache in place
+    (compiler.kv_layout.paged_decode_graph); a graph that cannot be paged, and any GPU target,
+    gets the decode program that takes its past whole. The report's "paged" says which (with
+    "paged_refused" saying why not, when it was refused). A decode program that fails to compile
+    leaves the first serving both: the report says why."""
+    refused = None
+    if version.target in PAGED_TARGETS:
+        try:
+            artifact, _ = _compiled_or_cached(
+                version,
+                store,
+                f"{key}-decode-paged",
+                compile_fn,
+                None,
+                transform=_as_paged_decode_step,
+            )
+            return f"{key}-decode-paged", {**_decode_report(artifact), "paged": True}
+        except CompileCancelled:
+            raise
+        except (CompilerError, ValueError) as exc:
+            log.warning("the paged decode program of version %s was refused: %s", version.id, exc)
+            refused = str(exc)
     decode_key = f"{key}-decode"
+    unpaged = {"paged": False, **({"paged_refused": refused} if refused else {})}
     try:
         artifact, _ = _compiled_or_cached(
             version, store, decode_key, compile_fn, None, transform=_as_decode_step
@@ -300,10 +329,12 @@ def _decode_phase(
         raise
     except (CompilerError, ValueError) as exc:
         log.warning("the decode program of version %s did not compile: %s", version.id, exc)
-        return None, {"chosen": None, "error": str(exc)}
-    return decode_key, {
-        key: artifact.report.get(key) for key in ("chosen", "seconds", "kernels", "verify_max_abs_error")
-    }
+        return None, {"chosen": None, "error": str(exc), **unpaged}
+    return decode_key, {**_decode_report(artifact), **unpaged}
+
+
+def _decode_report(artifact: Artifact) -> dict[str, Any]:
+    return {key: artifact.report.get(key) for key in ("chosen", "seconds", "kernels", "verify_max_abs_error")}
 
 
 def _merged_decoder(version: ModelVersion) -> bool:
@@ -335,6 +366,20 @@ def _as_decode_step(graph: Path) -> None:
     model = onnx.load(str(graph))
     if not decode_step_graph(model):
         raise ValueError("the graph's input_ids has no symbolic sequence dimension to fix")
+    onnx.save(model, str(graph))
+
+
+def _as_paged_decode_step(graph: Path) -> None:
+    """The decode step's graph reading its past from the paged KV cache (found as the upload
+    check finds it); UnsupportedModel naming what breaks it."""
+    import onnx
+
+    from compiler.kv_layout import decode_step_graph, find_cache_layout, onnx_specs, paged_decode_graph
+
+    model = onnx.load(str(graph))
+    if not decode_step_graph(model):
+        raise ValueError("the graph's input_ids has no symbolic sequence dimension to fix")
+    paged_decode_graph(model, find_cache_layout(*onnx_specs(model)))
     onnx.save(model, str(graph))
 
 
