@@ -353,23 +353,28 @@ def paged_decode_graph(model, layout: CacheLayout) -> None:
     def dim_of(dim) -> str | int:
         return dim.dim_param or dim.dim_value
 
+    # the runtime holds a bfloat16 cache in float32 (NumPy has no bfloat16): the pools are
+    # declared as it holds them, so that the program reads them without a conversion
+    pool_type = TensorProto.FLOAT if first.elem_type == TensorProto.BFLOAT16 else first.elem_type
     readers = []
     for layer in range(layout.layers):
         for part, past in (("key", layout.past_keys[layer]), ("value", layout.past_values[layer])):
             pool = pool_input(layer, part)
             graph.input.append(
-                helper.make_tensor_value_info(
-                    pool, first.elem_type, [POOL_SLOTS, layout.kv_heads, layout.head_dim]
+                helper.make_tensor_value_info(pool, pool_type, [POOL_SLOTS, layout.kv_heads, layout.head_dim])
+            )
+            read = f"{pool}/read"
+            readers.append(helper.make_node("Gather", [pool, KV_SLOTS], [read], axis=0, name=read))
+            if pool_type != first.elem_type:
+                readers.append(
+                    helper.make_node(
+                        "Cast", [read], [f"{read}/cast"], to=first.elem_type, name=f"{read}/cast"
+                    )
                 )
-            )
-            readers.append(
-                helper.make_node("Gather", [pool, KV_SLOTS], [f"{pool}/read"], axis=0, name=f"{pool}/read")
-            )
+                read = f"{read}/cast"
             # the consumers of the past read the transposed gather under the past's name
             readers.append(
-                helper.make_node(
-                    "Transpose", [f"{pool}/read"], [past], perm=[0, 2, 1, 3], name=f"{pool}/past"
-                )
+                helper.make_node("Transpose", [read], [past], perm=[0, 2, 1, 3], name=f"{pool}/past")
             )
     graph.input.append(
         helper.make_tensor_value_info(KV_SLOTS, TensorProto.INT64, [dim_of(batch), dim_of(past_length)])

@@ -272,3 +272,52 @@ def test_the_service_runs_one_token_steps_on_a_paged_decode_program() -> None:
         assert service.free_blocks(1) == 64
     finally:
         service.close()
+
+
+def test_a_bfloat16_cache_is_read_from_float32_pools_as_the_runtime_holds_it() -> None:
+    """runtime.kv_cache holds a bfloat16 cache in float32: the pools are declared so, and cast."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["new"], to=bf16),
+        helper.make_node("Unsqueeze", ["new", "axes"], ["new4"]),
+        helper.make_node("Expand", ["new4", "shape"], ["new_kv"]),
+        *(
+            helper.make_node("Concat", [f"past_key_values.0.{part}", "new_kv"], [f"present.0.{part}"], axis=2)
+            for part in ("key", "value")
+        ),
+        helper.make_node("Cast", ["input_ids"], ["ids_float"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["ids_float", "last"], ["logits"]),
+    ]
+    past = ["batch", 1, "past", 2]
+    graph = helper.make_graph(
+        nodes,
+        "bf16",
+        [
+            helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"]),
+            *(helper.make_tensor_value_info(f"past_key_values.0.{p}", bf16, past) for p in ("key", "value")),
+        ],
+        [
+            helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", "seq", 1]),
+            *(
+                helper.make_tensor_value_info(f"present.0.{p}", bf16, ["batch", 1, "total", 2])
+                for p in ("key", "value")
+            ),
+        ],
+        [
+            helper.make_tensor("axes", onnx.TensorProto.INT64, [2], [1, 3]),
+            helper.make_tensor("shape", onnx.TensorProto.INT64, [4], [1, 1, 1, 2]),
+            helper.make_tensor("last", onnx.TensorProto.INT64, [1], [2]),
+        ],
+    )
+    model = helper.make_model(graph)
+    decode_step_graph(model)
+    paged_decode_graph(model, find_cache_layout(*onnx_specs(model)))
+    inputs, outputs = onnx_specs(model)
+    types = {spec.name: (spec.dtype, tuple(map(str, spec.shape))) for spec in (*inputs, *outputs)}
+    assert types[pool_input(0, "key")] == ("float32", ("kv_pool_slots", "1", "2"))
+    assert types[KV_SLOTS] == ("int64", ("batch", "past"))
+    assert types["present.0.value"] == ("bfloat16", ("batch", "1", "1", "2"))
+    casts = [
+        node for node in model.graph.node if node.op_type == "Cast" and node.input[0].startswith("kv_pool.")
+    ]
+    assert len(casts) == 2 and all(node.attribute[0].i == bf16 for node in casts)
