@@ -55,25 +55,35 @@ static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR
    another CPU reads the same weights */
 #define LC_PW 16
 
-/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times B's panel, kc deep: B's
-   row p in LC_PW-wide pieces, piece q at b + q * b_piece + p * b_step (a run-time packing's LC_NR-wide
-   rows: b_piece LC_PW, b_step LC_NR; a packed weight's panels: b_piece kc * LC_PW, b_step LC_PW) */
-static inline __attribute__((always_inline)) void lc_tile(int64_t kc, const float *restrict a, const float *restrict b,
-                                                          int64_t b_piece, int64_t b_step,
-                                                          float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times B's panel, kc deep, its
+   first `vectors` vectors: B's row p in LC_PW-wide pieces, piece q at b + q * b_piece + p * b_step (a
+   run-time packing's LC_NR-wide rows: b_piece LC_PW, b_step LC_NR; a packed weight's panels: b_piece
+   kc * LC_PW, b_step LC_PW) */
+static inline __attribute__((always_inline)) void lc_tile_n(int64_t kc, const float *restrict a, const float *restrict b,
+                                                            int64_t b_piece, int64_t b_step, float *restrict c,
+                                                            int64_t ldc, int add, int64_t mr, int64_t nr, int vectors) {
     lc_vec acc[LC_MR][LC_NR / LC_VW];
     for (int i = 0; i < LC_MR; ++i)
         for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
     for (int64_t p = 0; p < kc; ++p) {
         lc_vec bv[LC_NR / LC_VW];
-        for (int j = 0; j < LC_NR / LC_VW; ++j)
+        for (int j = 0; j < vectors; ++j)
             bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * b_piece + p * b_step + (LC_VW * j) % LC_PW);
         for (int i = 0; i < LC_MR; ++i) {
             const float ai = a[p * LC_MR + i];
-            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+            for (int j = 0; j < vectors; ++j) acc[i][j] += ai * bv[j];
         }
     }
     lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* lc_tile_n in as few vectors as the tile's nr columns need (the last columns of a product) */
+static inline __attribute__((always_inline)) void lc_tile(int64_t kc, const float *restrict a, const float *restrict b,
+                                                          int64_t b_piece, int64_t b_step,
+                                                          float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+    if (nr <= LC_VW) lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, 1);
+    else if (nr <= 2 * LC_VW && LC_NR > 2 * LC_VW) lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, 2);
+    else lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, LC_NR / LC_VW);
 }
 
 /* the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
@@ -83,9 +93,11 @@ static void lc_micro(int64_t kc, const float *restrict a, const float *restrict 
 }
 
 /* c[mr x nr] (row stride ldc) = (or +=) A's rows (i, p) at a[i * ars + p * acs] times B's rows p at
-   b + p * ldb, LC_NR columns each, read in place: no packing */
-static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
-                                   int64_t ldb, float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+   b + p * ldb, the first `vectors` vectors of LC_NR columns each, read in place: no packing */
+static inline __attribute__((always_inline)) void lc_micro_direct_n(int64_t kc, const float *a, int64_t ars, int64_t acs,
+                                                                    const float *b, int64_t ldb, float *restrict c,
+                                                                    int64_t ldc, int add, int64_t mr, int64_t nr,
+                                                                    int vectors) {
     lc_vec acc[LC_MR][LC_NR / LC_VW];
     const float *row[LC_MR];
     for (int i = 0; i < LC_MR; ++i) {
@@ -94,13 +106,22 @@ static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int6
     }
     for (int64_t p = 0; p < kc; ++p) {
         lc_vec bv[LC_NR / LC_VW];
-        for (int j = 0; j < LC_NR / LC_VW; ++j) bv[j] = *(const lc_vecu *)(b + p * ldb + LC_VW * j);
+        for (int j = 0; j < vectors; ++j) bv[j] = *(const lc_vecu *)(b + p * ldb + LC_VW * j);
         for (int i = 0; i < LC_MR; ++i) {
             const float ai = row[i][p * acs];
-            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+            for (int j = 0; j < vectors; ++j) acc[i][j] += ai * bv[j];
         }
     }
     lc_store_tile(acc, c, ldc, add, mr, nr);
+}
+
+/* lc_micro_direct_n as wide as the tile's columns need: a last strip a vector or two wide (49 columns
+   are a tile and 1) multiplies no padding vectors */
+static inline void lc_micro_direct(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
+                                   int64_t ldb, float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+    if (nr <= LC_VW) lc_micro_direct_n(kc, a, ars, acs, b, ldb, c, ldc, add, mr, nr, 1);
+    else if (nr <= 2 * LC_VW && LC_NR > 2 * LC_VW) lc_micro_direct_n(kc, a, ars, acs, b, ldb, c, ldc, add, mr, nr, 2);
+    else lc_micro_direct_n(kc, a, ars, acs, b, ldb, c, ldc, add, mr, nr, LC_NR / LC_VW);
 }
 
 /* A's (i, p) at a[i * ars + p * acs], for i < mc, p < kc, into mr-tall panels (zero-padded) */
@@ -293,27 +314,37 @@ CONV_SGEMM = r"""
 #define LC_CONV_NC (LC_CNR * (128 / LC_CNR > 0 ? 128 / LC_CNR : 1))
 #define LC_CONV_L1 (48 * 1024)
 
-/* c[LC_CMR x LC_CNR] (row stride LC_CONV_NC) = (or +=) A's packed panel (kc x LC_CMR) times B's rows p
-   at b + off[p] */
-static void lc_micro_rows(int64_t kc, const float *restrict a, const float *b, const int64_t *restrict off,
-                          float *restrict c, int add) {
+/* c[LC_CMR x LC_VW * vectors] (row stride LC_CONV_NC) = (or +=) A's packed panel (kc x LC_CMR) times
+   B's rows p at b + off[p] */
+static inline __attribute__((always_inline)) void lc_micro_rows_n(int64_t kc, const float *restrict a, const float *b,
+                                                                  const int64_t *restrict off, float *restrict c,
+                                                                  int add, int vectors) {
     lc_vec acc[LC_CMR][LC_CNR / LC_VW];
     for (int i = 0; i < LC_CMR; ++i)
         for (int j = 0; j < LC_CNR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
     for (int64_t p = 0; p < kc; ++p) {
         const float *bp = b + off[p];
         lc_vec bv[LC_CNR / LC_VW];
-        for (int j = 0; j < LC_CNR / LC_VW; ++j) bv[j] = *(const lc_vecu *)(bp + LC_VW * j);
+        for (int j = 0; j < vectors; ++j) bv[j] = *(const lc_vecu *)(bp + LC_VW * j);
         for (int i = 0; i < LC_CMR; ++i) {
             const float ai = a[p * LC_CMR + i];
-            for (int j = 0; j < LC_CNR / LC_VW; ++j) acc[i][j] += ai * bv[j];
+            for (int j = 0; j < vectors; ++j) acc[i][j] += ai * bv[j];
         }
     }
     for (int i = 0; i < LC_CMR; ++i)
-        for (int j = 0; j < LC_CNR / LC_VW; ++j) {
+        for (int j = 0; j < vectors; ++j) {
             lc_vec *dst = (lc_vec *)(c + i * LC_CONV_NC + LC_VW * j);
             *dst = add ? *dst + acc[i][j] : acc[i][j];
         }
+}
+
+/* lc_micro_rows_n for `columns` (at most LC_CNR) columns, in as few vectors as they need: the last
+   tile of a block of a small image's rows (14 rows of 16 are 4 tiles and 32 columns) */
+static void lc_micro_rows(int64_t kc, const float *restrict a, const float *b, const int64_t *restrict off,
+                          float *restrict c, int add, int64_t columns) {
+    if (columns <= LC_VW) lc_micro_rows_n(kc, a, b, off, c, add, 1);
+    else if (columns <= 2 * LC_VW && LC_CNR > 2 * LC_VW) lc_micro_rows_n(kc, a, b, off, c, add, 2);
+    else lc_micro_rows_n(kc, a, b, off, c, add, LC_CNR / LC_VW);
 }
 
 /* a number per run of a convolution kernel: the key of each thread's packed A */
@@ -392,7 +423,8 @@ static void lc_conv_rows(const int64_t *g, const float *x, int64_t m, const floa
             const int64_t kc = k - pc < kc_even ? k - pc : kc_even;
             for (int64_t i0 = 0; i0 < m; i0 += LC_CMR)
                 for (int64_t j0 = jc; j0 < jend; j0 += LC_CNR)
-                    lc_micro_rows(kc, packed + i0 * k + pc * LC_CMR, xq + j0, off + pc, sum + i0 * LC_CONV_NC + j0 - jc, pc > 0);
+                    lc_micro_rows(kc, packed + i0 * k + pc * LC_CMR, xq + j0, off + pc, sum + i0 * LC_CONV_NC + j0 - jc, pc > 0,
+                                  jend - j0);
         }
         for (int64_t j = jc; j < jend;) {  /* the chunk's outputs: runs of columns within one output row */
             const int64_t x = j % qw;
