@@ -2,8 +2,9 @@
 tokens, their keys and values written into the rows' blocks of the paged KV cache, and each
 row's last logits returned. A decode step (one token per row) runs the paged decode program
 where there is one: it reads each row's past from the pool through the rows' slots, and
-returns only the new tokens' keys and values. Any other step gathers the rows' past out of the
-pool into the program's past inputs. What runs when is the scheduler's
+returns only the new tokens' keys and values. Any other step (and a decode step the service
+finds faster on the general program) gathers the rows' past out of the pool into the
+program's past inputs. What runs when is the scheduler's
 (scheduler/generator.py); the cache and the programs are the runtime's.
 """
 
@@ -33,7 +34,9 @@ class StepRow:
 
 class DecoderSteps:
     """The decoder and its cache. Not thread-safe: one step loop drives it. `paged_step` runs
-    the paged decode program (compiler.kv_layout.paged_decode_graph), when there is one."""
+    the paged decode program (compiler.kv_layout.paged_decode_graph), when there is one, for the
+    one-token steps whose row count `paged_for` accepts (the others gather their past for
+    `run_step`: the service runs whichever program measures faster at each batch size)."""
 
     def __init__(
         self,
@@ -43,10 +46,12 @@ class DecoderSteps:
         num_blocks: int,
         block_size: int,
         paged_step: StepRunner | None = None,
+        paged_for: Callable[[int], bool] = lambda rows: True,
     ) -> None:
         self.layout = layout
         self.run_step = run_step
         self.paged_step = paged_step
+        self.paged_for = paged_for
         self.input_dtypes = dict(input_dtypes)
         self.cache = PagedKVCache(layout, num_blocks, block_size)
         self.paged_steps = 0  # steps the paged decode program ran
@@ -66,7 +71,7 @@ class DecoderSteps:
         # a past of at least one slot (masked when empty): no program sees a zero-size tensor
         width = max(1, max(starts))
         inputs = self._tokens(rows, width)
-        paged = self.paged_step is not None and count == 1
+        paged = self.paged_step is not None and count == 1 and self.paged_for(len(rows))
         if paged:
             inputs[KV_SLOTS] = cache.slots(tables, [0] * len(rows), starts, width)
             for layer in range(layout.layers):

@@ -237,11 +237,11 @@ class GenerationService:
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
         # the decode program (one token per sequence) where the compile made one; a paged one
-        # (bundle "decode_paged") reads the KV cache in place and serves every one-token step
+        # (bundle "decode_paged") reads the KV cache in place (the general program gathers it)
         decode_key = bundle.get("decode_artifact_key")
         paged = decode_key is not None and bool(bundle.get("decode_paged"))
-        # else one-token steps run whichever program measures faster at their batch size
-        chooser = ProgramChooser([decode_key, key] if decode_key and not paged else [key])
+        # one-token steps run whichever program measures faster at their batch size
+        chooser = ProgramChooser([decode_key, key] if decode_key else [key])
         deliveries = _Deliveries(self.settings.delivery_wait_s)
         niced: list[bool] = []
 
@@ -254,14 +254,17 @@ class GenerationService:
 
         def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
-            program = chooser.pick(rows) if tokens == 1 else key
+            # a paged decode program takes the pools, never a gathered past
+            program = chooser.pick(rows) if tokens == 1 and not paged else key
             result = run_program(program, inputs, rows)
             if tokens == 1:
                 chooser.record(rows, program, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
         def paged_step(inputs):
-            result = run_program(decode_key, inputs, int(inputs["input_ids"].shape[0]))
+            rows = int(inputs["input_ids"].shape[0])
+            result = run_program(decode_key, inputs, rows)
+            chooser.record(rows, decode_key, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
         block_tokens = self.settings.block_tokens
@@ -281,6 +284,7 @@ class GenerationService:
             limits,
             name=f"{route.model_name}-v{route.version}",
             paged_step=paged_step if paged else None,
+            paged_for=lambda rows: chooser.pick(rows) == decode_key,
         )
         with self._lock:
             served = self._served.get(route.version_id)

@@ -132,13 +132,15 @@ class Generator:
         limits: GeneratorLimits = GeneratorLimits(),
         name: str = "generator",
         paged_step: StepRunner | None = None,
+        paged_for: Callable[[int], bool] = lambda rows: True,
     ) -> None:
-        """`paged_step` runs the paged decode program, when there is one (runtime.decoder)."""
+        """`paged_step` runs the paged decode program, when there is one, for the one-token
+        steps whose row count `paged_for` accepts (runtime.decoder.DecoderSteps)."""
         self.layout = layout
         self.codec = codec
         self.limits = limits
         self.decoder = DecoderSteps(
-            layout, run_step, input_dtypes, limits.num_blocks, limits.block_size, paged_step
+            layout, run_step, input_dtypes, limits.num_blocks, limits.block_size, paged_step, paged_for
         )
         self.scheduler = IterationScheduler(
             self.decoder.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
