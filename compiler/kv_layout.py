@@ -350,8 +350,8 @@ def paged_decode_graph(model, layout: CacheLayout) -> None:
     first = declared[pasts[0]].type.tensor_type
     batch, past_length = first.shape.dim[0], first.shape.dim[2]
 
-    def dim_of(dim) -> str | int:
-        return dim.dim_param or dim.dim_value
+    def dim_of(dim) -> str | int | None:
+        return dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)  # None: unnamed
 
     # the runtime holds a bfloat16 cache in float32 (NumPy has no bfloat16): the pools are
     # declared as it holds them, so that the program reads them without a conversion

@@ -4,8 +4,8 @@ row's last logits returned. A decode step (one token per row) runs the paged dec
 where there is one: it reads each row's past from the pool through the rows' slots, and
 returns only the new tokens' keys and values. Any other step (and a decode step the service
 finds faster on the general program) gathers the rows' past out of the pool into the
-program's past inputs. What runs when is the scheduler's
-(scheduler/generator.py); the cache and the programs are the runtime's.
+program's past inputs. What runs when is the scheduler's (scheduler/generator.py); the cache
+and the programs are the runtime's.
 """
 
 from __future__ import annotations
