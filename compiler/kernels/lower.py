@@ -375,7 +375,10 @@ class _Lowering:
         # they are left out of the call's batch, rows, columns and sum; elsewhere they stay (the
         # attention rules read a product's batch axis by axis)
         ones = {c for c, d in sizes.items() if isinstance(d, int) and d == 1}
-        if ones and not _splits_into_dot_products(out_axes, a_letters, b_letters, sizes):
+        if ones and not (
+            _splits_into_dot_products(out_axes, a_letters, b_letters, sizes)
+            or _ones_widen_the_batch(out_axes, a_letters, b_letters, ones)
+        ):
             ones = set()
         out_letters = "".join(c for c in out_axes if c not in ones)
         only_a = set(a_letters) - set(b_letters) - set(out_letters) - ones
@@ -608,6 +611,24 @@ def _splits_into_dot_products(out_letters: str, a_letters: str, b_letters: str, 
     if in_place is not None:
         batch, m_letters, n_letters, _ = in_place
     return numel(sizes[c] for c in m_letters + n_letters) == 1 and numel(sizes[c] for c in batch) != 1
+
+
+def _batch_of_split(out_letters: str, a_letters: str, b_letters: str) -> list[str]:
+    """The batch letters of the product as lower_contraction splits it to write in place."""
+    batch = [c for c in out_letters if c in a_letters and c in b_letters]
+    m_letters = [c for c in out_letters if c in a_letters and c not in b_letters]
+    n_letters = [c for c in out_letters if c in b_letters and c not in a_letters]
+    in_place = _in_place_split(out_letters, batch, m_letters, n_letters)
+    return in_place[0] if in_place is not None else batch
+
+
+def _ones_widen_the_batch(out_letters: str, a_letters: str, b_letters: str, ones: set[str]) -> bool:
+    """Whether letters of extent 1 push rows into the batch: a decoding step's [batch, 1, k]
+    times a weight read as [1, k, n] is one matrix-vector product per sequence, each streaming the
+    whole weight, where without the 1 it is one product of `batch` rows."""
+    kept = [c for c in _batch_of_split(out_letters, a_letters, b_letters) if c not in ones]
+    dropped = _batch_of_split(*("".join(c for c in w if c not in ones) for w in (out_letters, a_letters, b_letters)))
+    return len(dropped) < len(kept)
 
 
 def _axis_letters(letters: str, squeezed: Sequence[int], ones: set[str], rank: int) -> list[str | None]:
