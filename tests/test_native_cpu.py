@@ -354,6 +354,33 @@ def test_matrix_vector_products_stream_the_matrix_through_gemv(n: int, trans_a: 
     _check_gemm(executable(artifact), weight, k, trans_a, trans_b, (1, 2, 1000), rng)
 
 
+def test_one_token_per_sequence_times_a_weight_is_one_product_of_every_sequence() -> None:
+    """A decoding step's [batch, 1, k] @ [k, n]: the axis of extent 1 is read by both operands (the
+    weight as [1, k, n]), which must not make each sequence a matrix-vector product of its own,
+    every one streaming the whole weight."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.kernels.ir import GemmCall
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((64, 96)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "decode-step",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 96])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    (call,) = [k for k in lower(load_graph(data)).kernels if isinstance(k, GemmCall)]
+    assert call.batch == () and str(call.m) == "batch" and (call.n, call.k) == (96, 64)
+    program = executable(compile_onnx(data, candidates=("native-blas",)))
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for batch in (1, 5):
+        x = rng.standard_normal((batch, 1, 64)).astype(np.float32)
+        np.testing.assert_allclose(program.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
 def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> None:
     from onnx import TensorProto
 
