@@ -236,12 +236,12 @@ class GenerationService:
         layout = CacheLayout.from_json(bundle["layout"])
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
-        # the decode program (one token per sequence) where the compile made one; a paged one
-        # (bundle "decode_paged") reads the KV cache in place (the general program gathers it)
+        # the decode programs (one token per sequence) the compile made: one takes its past
+        # gathered, as the general program does; a paged one reads the KV cache in place
         decode_key = bundle.get("decode_artifact_key")
-        paged = decode_key is not None and bool(bundle.get("decode_paged"))
-        # one-token steps run whichever program measures faster at their batch size
-        chooser = ProgramChooser([decode_key, key] if decode_key else [key])
+        paged_key = bundle.get("decode_paged_key")
+        # one-token steps run whichever program measures fastest at their batch size
+        chooser = ProgramChooser([k for k in (paged_key, decode_key) if k] + [key])
         deliveries = _Deliveries(self.settings.delivery_wait_s)
         niced: list[bool] = []
 
@@ -254,8 +254,8 @@ class GenerationService:
 
         def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
-            # a paged decode program takes the pools, never a gathered past
-            program = chooser.pick(rows) if tokens == 1 and not paged else key
+            # (a one-token step comes here when the chooser's pick is not the paged program)
+            program = chooser.pick(rows) if tokens == 1 else key
             result = run_program(program, inputs, rows)
             if tokens == 1:
                 chooser.record(rows, program, result.exec_seconds)
@@ -263,8 +263,8 @@ class GenerationService:
 
         def paged_step(inputs):
             rows = int(inputs["input_ids"].shape[0])
-            result = run_program(decode_key, inputs, rows)
-            chooser.record(rows, decode_key, result.exec_seconds)
+            result = run_program(paged_key, inputs, rows)
+            chooser.record(rows, paged_key, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
         block_tokens = self.settings.block_tokens
@@ -283,8 +283,8 @@ class GenerationService:
             {spec.name: spec.dtype for spec in signature.inputs},
             limits,
             name=f"{route.model_name}-v{route.version}",
-            paged_step=paged_step if paged else None,
-            paged_for=lambda rows: chooser.pick(rows) == decode_key,
+            paged_step=paged_step if paged_key else None,
+            paged_for=lambda rows: chooser.pick(rows) == paged_key,
         )
         with self._lock:
             served = self._served.get(route.version_id)

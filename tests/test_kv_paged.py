@@ -174,13 +174,16 @@ def test_the_worker_compiles_a_paged_decode_program_or_keeps_the_gathered_one(
     store = LocalObjectStore(tmp_path)
     store.put("graph", model.SerializeToString())
     version = SimpleNamespace(id=1, target="cpu", bundle={}, graph_key="graph", precision=EXPORTED)
-    decode_key, report = _decode_phase(version, store, "program", compile_here)
+    keys, report = _decode_phase(version, store, "program", compile_here)
     assert report["chosen"], report
-    assert report["paged"] is pageable
+    assert keys["decode_artifact_key"] == "program-decode"  # the gathered one, always
     if pageable:
-        assert decode_key == "program-decode-paged" and "paged_refused" not in report
+        assert keys["decode_paged_key"] == "program-decode-paged" and report["paged"]["chosen"]
+        assert "paged_refused" not in report
     else:
-        assert decode_key == "program-decode" and "'present.1.value'" in report["paged_refused"]
+        assert "decode_paged_key" not in keys and report["paged"] is False
+        assert "'present.1.value'" in report["paged_refused"]
+    decode_key = keys.get("decode_paged_key", keys["decode_artifact_key"])
     decode = executable(load_artifact(store, decode_key, Artifact.from_files))
     prefill = executable(
         compile_onnx(model.SerializeToString(), "cpu", dims=decoder_dims(onnx_specs(model)[0]))
@@ -211,9 +214,10 @@ def test_the_worker_compiles_a_paged_decode_program_or_keeps_the_gathered_one(
     assert generator.free_blocks == limits.num_blocks  # every block back in the pool
 
 
-def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_the_general_one() -> None:
-    """Each one-token step runs on whichever measures faster (ProgramChooser tries both): the
-    paged program with the pools and kv_slots, the general one with the past gathered."""
+def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathered_one() -> None:
+    """Each one-token step runs on whichever measures fastest (ProgramChooser tries each): the
+    paged program with the pools and kv_slots, the gathered decode program and the general one
+    with the past gathered."""
     from scheduler.generating import GenerationService, GenerationSettings
     from scheduler.observer import NO_OBSERVER
 
@@ -247,8 +251,8 @@ def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_the_gen
         bundle={
             "layout": LAYOUT.to_json(),
             "context_length": 512,
-            "decode_artifact_key": "decode",
-            "decode_paged": True,
+            "decode_paged_key": "decode",
+            "decode_artifact_key": "gathered",
         },
     )
     finished = threading.Event()
@@ -269,7 +273,8 @@ def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_the_gen
         for token in tokens:  # toy_decoder's next token: the sum of the tokens and the position
             assert token == (sum(prompt) + len(prompt) - 1) % 97
             prompt.append(token)
-        assert ("prefill", 3) in ran and ("decode", 1) in ran and ("prefill", 1) in ran
+        # every one-token program is tried: the paged one, the gathered decode one, the general one
+        assert ("prefill", 3) in ran and ("decode", 1) in ran and ("prefill", 1) in ran and ("gathered", 1) in ran
         assert all(tokens_fed == 1 for key, tokens_fed in ran if key == "decode")
         assert service.free_blocks(1) == 64
     finally:

@@ -219,14 +219,10 @@ def compile_version(
     )
     extra: dict[str, Any] = {}
     if decode is not None:
-        decode_key, decode_report = decode
+        decode_keys, decode_report = decode
         report = {**report, "decode_phase": decode_report}
-        if decode_key is not None:
-            extra["bundle"] = {
-                **(version.bundle or {}),
-                "decode_artifact_key": decode_key,
-                "decode_paged": bool(decode_report["paged"]),
-            }
+        if decode_keys:
+            extra["bundle"] = {**(version.bundle or {}), **decode_keys}
     registry.set_status(
         version_id,
         "ready",
@@ -294,43 +290,40 @@ def _artifact_key_of(version: ModelVersion, options: Mapping[str, object], unmea
 
 def _decode_phase(
     version: ModelVersion, store: ObjectStore, key: str, compile_fn: CompileFn
-) -> tuple[str | None, dict[str, Any]]:
-    """A generative version's second program: its graph with one new token per sequence
-    (compiler.kv_layout.decode_step_graph), searched and verified like the first, which then
-    serves the prompts (prefill) only. On the CPU it reads the paged KV cache in place
-    (compiler.kv_layout.paged_decode_graph); a graph that cannot be paged, and any GPU target,
-    gets the decode program that takes its past whole. The report's "paged" says which (with
-    "paged_refused" saying why not, when it was refused). A decode program that fails to compile
-    leaves the first serving both: the report says why."""
-    refused = None
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """A generative version's decode programs, its graph with one new token per sequence
+    (compiler.kv_layout.decode_step_graph), searched and verified like the first: one that takes
+    its past whole and, on the CPU, one that reads the paged KV cache in place
+    (compiler.kv_layout.paged_decode_graph). The service measures them and the first on the
+    one-token steps and runs the fastest at each batch size. Returns the bundle's keys
+    (decode_artifact_key, decode_paged_key) of those that compiled, and the report: the gathered
+    program's choice, with "paged" the paged one's (False where there is none, "paged_refused"
+    saying why). A decode program that fails to compile leaves the others serving."""
+    keys: dict[str, str] = {}
+    paged: dict[str, Any] = {"paged": False}
     if version.target in PAGED_TARGETS:
         try:
             artifact, _ = _compiled_or_cached(
-                version,
-                store,
-                f"{key}-decode-paged",
-                compile_fn,
-                None,
-                transform=_as_paged_decode_step,
+                version, store, f"{key}-decode-paged", compile_fn, None, transform=_as_paged_decode_step
             )
-            return f"{key}-decode-paged", {**_decode_report(artifact), "paged": True}
+            keys["decode_paged_key"] = f"{key}-decode-paged"
+            paged = {"paged": _decode_report(artifact)}
         except CompileCancelled:
             raise
         except (CompilerError, ValueError) as exc:
             log.warning("the paged decode program of version %s was refused: %s", version.id, exc)
-            refused = str(exc)
-    decode_key = f"{key}-decode"
-    unpaged = {"paged": False, **({"paged_refused": refused} if refused else {})}
+            paged["paged_refused"] = str(exc)
     try:
         artifact, _ = _compiled_or_cached(
-            version, store, decode_key, compile_fn, None, transform=_as_decode_step
+            version, store, f"{key}-decode", compile_fn, None, transform=_as_decode_step
         )
     except CompileCancelled:
         raise
     except (CompilerError, ValueError) as exc:
         log.warning("the decode program of version %s did not compile: %s", version.id, exc)
-        return None, {"chosen": None, "error": str(exc), **unpaged}
-    return decode_key, {**_decode_report(artifact), **unpaged}
+        return keys, {"chosen": None, "error": str(exc), **paged}
+    keys["decode_artifact_key"] = f"{key}-decode"
+    return keys, {**_decode_report(artifact), **paged}
 
 
 def _decode_report(artifact: Artifact) -> dict[str, Any]:
