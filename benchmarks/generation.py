@@ -132,52 +132,78 @@ def genai_config(config: LlamaConfig) -> dict:
 
 
 class Ours:
-    """The export compiled as the service compiles it (compile_onnx's defaults; two programs, the
-    prompts' and the decode step's, as worker.compile does), run by a Generator with the
-    service's default limits (scheduler.generating.GenerationSettings)."""
+    """The export compiled as the service compiles it for the CPU (compile_onnx's defaults; the
+    prompts' program and the two decode step programs, one taking its past gathered and one
+    reading the paged cache in place, as worker.compile does), run by a Generator with the
+    service's default limits (scheduler.generating.GenerationSettings), one-token steps on
+    whichever program measures fastest at their batch size, as the service picks them."""
 
     def __init__(self, folder: Path, config: LlamaConfig, precision: str = "exported") -> None:
         import onnx
 
         from compiler import compile_onnx, executable
-        from compiler.kv_layout import decode_step_graph, decoder_dims, find_cache_layout, onnx_specs
+        from compiler.errors import CompilerError
+        from compiler.kv_layout import (
+            decode_step_graph,
+            decoder_dims,
+            find_cache_layout,
+            onnx_specs,
+            paged_decode_graph,
+        )
 
         data = (folder / "model.onnx").read_bytes()
         inputs, _ = onnx_specs(onnx.load_from_string(data))
         started = time.perf_counter()
         artifact = compile_onnx(data, "cpu", dims=decoder_dims(inputs), precision=precision)
+        self.layout = find_cache_layout(artifact.signature.inputs, artifact.signature.outputs)
         decode_model = onnx.load_from_string(data)
         decode_step_graph(decode_model)
-        decode_artifact = compile_onnx(decode_model.SerializeToString(), "cpu", precision=precision)
+        self.programs = {
+            "prefill": executable(artifact),
+            "decode": executable(compile_onnx(decode_model.SerializeToString(), "cpu", precision=precision)),
+        }
+        try:
+            paged_decode_graph(decode_model, self.layout)
+            paged = compile_onnx(
+                decode_model.SerializeToString(), "cpu", dims=decoder_dims(onnx_specs(decode_model)[0]), precision=precision
+            )
+            self.programs["paged"] = executable(paged)
+        except (CompilerError, ValueError) as exc:  # as the worker: the gathered programs serve
+            print(f"no paged decode program: {exc}", file=sys.stderr)
         self.compile_seconds = time.perf_counter() - started
         self.artifact = artifact
-        self.program = executable(artifact)
-        self.decode_program = executable(decode_artifact)
-        self.layout = find_cache_layout(artifact.signature.inputs, artifact.signature.outputs)
         self.dtypes = {spec.name: spec.dtype for spec in artifact.signature.inputs}
         self.config = config
         self.folder = folder
+        self.chosen: dict[int, str] = {}  # the one-token program chosen per batch-size bucket
 
     def generator(self):
         from runtime.kv_cache import blocks_that_fit
         from runtime.tokenizer import TextCodec
-        from scheduler.generating import GenerationSettings
+        from scheduler.generating import GenerationSettings, ProgramChooser
         from scheduler.generator import Generator, GeneratorLimits
 
         settings = GenerationSettings()
-        from scheduler.generating import ProgramChooser
+        programs = self.programs
+        chooser = ProgramChooser([name for name in ("paged", "decode") if name in programs] + ["prefill"])
+        self._chooser = chooser
 
-        programs = {"prefill": self.program, "decode": self.decode_program}
-        chooser = ProgramChooser(["decode", "prefill"])  # as the service picks for one-token steps
+        def timed(name: str, inputs):
+            started = time.perf_counter()
+            outputs = programs[name].run(inputs)
+            return outputs, time.perf_counter() - started
 
         def run_step(inputs):
             rows, tokens = inputs["input_ids"].shape
             name = chooser.pick(rows) if tokens == 1 else "prefill"
-            started = time.perf_counter()
-            outputs = programs[name].run(inputs)
-            seconds = time.perf_counter() - started
+            outputs, seconds = timed(name, inputs)
             if tokens == 1:
                 chooser.record(rows, name, seconds)
+            return outputs, seconds
+
+        def paged_step(inputs):
+            outputs, seconds = timed("paged", inputs)
+            chooser.record(inputs["input_ids"].shape[0], "paged", seconds)
             return outputs, seconds
 
         limits = GeneratorLimits(
@@ -189,7 +215,16 @@ class Ours:
             context_length=self.config.context,
         )
         codec = TextCodec.from_files(word_tokenizer_files(self.config))
-        return Generator(self.layout, run_step, codec, self.dtypes, limits, name="benchmark")
+        return Generator(
+            self.layout,
+            run_step,
+            codec,
+            self.dtypes,
+            limits,
+            name="benchmark",
+            paged_step=paged_step if "paged" in programs else None,
+            paged_for=lambda rows: chooser.pick(rows) == "paged",
+        )
 
     def run(self, batch: list[list[int]], tokens: int) -> tuple[list[list[float]], list[list[int]]]:
         """All of `batch` submitted at once: each stream's token times and tokens."""
@@ -220,6 +255,7 @@ class Ours:
                     raise RuntimeError("our generation did not finish in 600 s")
         finally:
             generator.close()
+            self.chosen.update(self._chooser.chosen())
         return times, ids
 
 
@@ -520,6 +556,10 @@ def run(args) -> dict:
             )
         results["rates"] = rates
         results["median"] = {k: statistics.median(v) for k, v in rates.items()}
+        results["one_token_programs"] = {
+            "float32": dict(sorted(ours.chosen.items())),
+            "int8": dict(sorted(ours8.chosen.items())),
+        }
         del ours, ours8, genai_model, session
         if not args.no_server:
             print(f"streaming through a live server (load {loadavg()}) ...", file=sys.stderr, flush=True)
@@ -610,6 +650,16 @@ def table(results: dict, command: str) -> str:
         f"- our compile of the export (compile_onnx's defaults, as the service compiles): "
         f"{results['compile_seconds']:.0f} s, candidate chosen: {results.get('candidate')}."
     )
+    if results.get("one_token_programs"):
+        verdict.append(
+            "- one-token steps ran on (per batch-size bucket, as the service measures and picks among the paged "
+            "decode program, the gathered one and the general one): "
+            + "; ".join(
+                f"{precision} " + ", ".join(f"{bucket}: {name}" for bucket, name in chosen.items())
+                for precision, chosen in results["one_token_programs"].items()
+            )
+            + "."
+        )
     notes = [
         "",
         "Per-repeat tokens/s: "
