@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler.kv_layout import KV_SLOTS, CacheLayout, pool_input
-from runtime.kv_cache import PagedKVCache
+from compiler.kv_layout import KV_SLOTS, CacheLayout
+from runtime.kv_cache import KVStorage, PagedKVCache
 
 # runs the decoder once: inputs by name -> (outputs by name, device seconds)
 StepRunner = Callable[[dict[str, np.ndarray]], tuple[dict[str, np.ndarray], float]]
@@ -36,7 +36,9 @@ class DecoderSteps:
     """The decoder and its cache. Not thread-safe: one step loop drives it. `paged_step` runs
     the paged decode program (compiler.kv_layout.paged_decode_graph), when there is one, for the
     one-token steps whose row count `paged_for` accepts (the others gather their past for
-    `run_step`: the service runs whichever program measures faster at each batch size)."""
+    `run_step`: the service runs whichever program measures faster at each batch size). With a
+    `storage` in a GPU's memory (runtime.cuda.DeviceKVStorage), `paged_step` is the runner that
+    storage takes (KVStorage.run_paged); the default, host memory, takes a StepRunner."""
 
     def __init__(
         self,
@@ -45,20 +47,25 @@ class DecoderSteps:
         input_dtypes: Mapping[str, str],
         num_blocks: int,
         block_size: int,
-        paged_step: StepRunner | None = None,
+        paged_step: Callable | None = None,
         paged_for: Callable[[int], bool] = lambda rows: True,
+        storage: KVStorage | None = None,
     ) -> None:
         self.layout = layout
         self.run_step = run_step
         self.paged_step = paged_step
         self.paged_for = paged_for
         self.input_dtypes = dict(input_dtypes)
-        self.cache = PagedKVCache(layout, num_blocks, block_size)
+        self.cache = PagedKVCache(layout, num_blocks, block_size, storage)
         self.paged_steps = 0  # steps the paged decode program ran
 
     @property
     def allocator(self):
         return self.cache.allocator
+
+    def close(self) -> None:
+        """The cache's memory goes back (a GPU's pools); no step may run after."""
+        self.cache.close()
 
     def run(self, rows: Sequence[StepRow]) -> tuple[list[np.ndarray], float]:
         """Runs the decoder on `rows` (one batch; rows of equal length), stores the keys and
@@ -72,13 +79,12 @@ class DecoderSteps:
         width = max(1, max(starts))
         inputs = self._tokens(rows, width)
         paged = self.paged_step is not None and count == 1 and self.paged_for(len(rows))
+        new_slots = cache.slots(tables, starts, [s + count for s in starts], count)
         if paged:
             inputs[KV_SLOTS] = cache.slots(tables, [0] * len(rows), starts, width)
-            for layer in range(layout.layers):
-                inputs[pool_input(layer, "key")], inputs[pool_input(layer, "value")] = cache.pools(layer)
-            outputs, seconds = self.paged_step(inputs)
+            # the storage passes the pools and stores the new tokens (the outputs hold those only)
+            outputs, seconds = cache.run_paged(self.paged_step, inputs, new_slots)
             self.paged_steps += 1
-            new = slice(None)  # the outputs hold the new tokens only
         else:
             past_keys, past_values = cache.gather(tables, starts, width)
             for layer in range(layout.layers):
@@ -86,11 +92,11 @@ class DecoderSteps:
                 inputs[layout.past_values[layer]] = past_values[layer]
             outputs, seconds = self.run_step(inputs)
             new = slice(width, width + count)  # the outputs hold the past, then the new tokens
-        cache.write(
-            cache.slots(tables, starts, [s + count for s in starts], count),
-            [outputs[name][:, :, new] for name in layout.present_keys],
-            [outputs[name][:, :, new] for name in layout.present_values],
-        )
+            cache.write(
+                new_slots,
+                [outputs[name][:, :, new] for name in layout.present_keys],
+                [outputs[name][:, :, new] for name in layout.present_values],
+            )
         logits = outputs["logits"]
         return [np.asarray(logits[b, -1], dtype=np.float32) for b in range(len(rows))], seconds
 

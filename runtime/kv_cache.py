@@ -5,18 +5,20 @@ length share the pool without fragmentation; a finished sequence's blocks return
 
 The allocator is plain bookkeeping; `PagedKVCache` adds the storage, hands a paged decode
 program each layer's pools to read in place (or gathers a step's past for a program that takes
-it whole) and stores the new tokens' keys and values. On a CPU runtime the pool is host memory,
-which is the device's.
+it whole) and stores the new tokens' keys and values. On a CPU runtime the pools are host memory,
+which is the device's (HostKVStorage); on a GPU runtime they are the GPU's
+(runtime.cuda.DeviceKVStorage) and never travel through the host between steps.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.kv_layout import CacheLayout
+from compiler.kv_layout import CacheLayout, pool_input
 
 
 class OutOfBlocks(Exception):
@@ -61,26 +63,119 @@ class BlockAllocator:
             self._free.extend(reversed(blocks))
 
 
-class PagedKVCache:
-    """The pool's storage: keys[layer, block * block_size + slot, head, dim] and values alike,
-    so each layer's keys are one contiguous [num_blocks * block_size, heads, dim] array, the
-    pool a paged decode program reads in place (compiler.kv_layout.paged_decode_graph)."""
+def pool_dtype(layout: CacheLayout) -> np.dtype:
+    """The dtype the pools hold: the cache's, bfloat16 in float32 (as paged_decode_graph reads them)."""
+    return np.dtype(layout.dtype if layout.dtype != "bfloat16" else "float32")
 
-    def __init__(self, layout: CacheLayout, num_blocks: int, block_size: int) -> None:
+
+class KVStorage(Protocol):
+    """Where the pools lie: host memory (HostKVStorage, a CPU runtime's, which is its device's) or
+    a GPU's memory (runtime.cuda.DeviceKVStorage). Slots are PagedKVCache.slots."""
+
+    # the number of token slots each pool holds (num_blocks * block_size)
+    pool_slots: int
+    # whether run_paged's step runs a function on the loaded program (Runtime.run_on_device),
+    # rather than the program on host inputs (a StepRunner)
+    runs_on_device: bool
+
+    def pools(self, layer: int) -> tuple[Any, Any]:
+        """The layer's key and value pools, [pool_slots, heads, dim], as a paged program reads them."""
+
+    def gather(self, slots: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each layer's keys and values at `slots` [batch, width], [batch, heads, width, dim], on the host."""
+
+    def write(self, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Stores host arrays of new tokens, [batch, heads, n, dim] per layer, at `slots` [batch, n]."""
+
+    def run_paged(self, step: Callable, inputs: dict[str, Any], new_slots: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Runs a paged decode step on `inputs` (tokens and kv_slots) with the pools, stores its new
+        keys and values at `new_slots` and returns its outputs (the logits at least) and device seconds."""
+
+    def close(self) -> None:
+        """The pools' memory goes back (a device's; host memory goes with the object)."""
+
+
+class HostKVStorage:
+    """The pools in host memory: keys[layer, slot, head, dim] and values alike, so each layer's keys
+    are one contiguous [pool_slots, heads, dim] array a paged program reads in place."""
+
+    runs_on_device = False
+
+    def __init__(self, layout: CacheLayout, pool_slots: int) -> None:
+        self.layout = layout
+        self.pool_slots = pool_slots
+        shape = (layout.layers, pool_slots, layout.kv_heads, layout.head_dim)
+        self.keys = np.zeros(shape, pool_dtype(layout))
+        self.values = np.zeros(shape, pool_dtype(layout))
+
+    def pools(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.keys[layer], self.values[layer]  # views, not copies
+
+    def gather(self, slots: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        # one indexed copy for the whole batch and every layer:
+        # [layers, slots, heads, dim] at [batch, width] -> [layers, batch, heads, width, dim]
+        keys = np.ascontiguousarray(self.keys[:, slots].transpose(0, 1, 3, 2, 4))
+        values = np.ascontiguousarray(self.values[:, slots].transpose(0, 1, 3, 2, 4))
+        return list(keys), list(values)
+
+    def write(self, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        for layer in range(self.layout.layers):  # one indexed assignment per layer
+            self.keys[layer][slots] = keys[layer].transpose(0, 2, 1, 3)
+            self.values[layer][slots] = values[layer].transpose(0, 2, 1, 3)
+
+    def run_paged(
+        self, step: Callable[[dict[str, np.ndarray]], tuple[dict[str, np.ndarray], float]],
+        inputs: dict[str, Any], new_slots: np.ndarray,
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """`step` runs the program on host arrays: the pools are passed as they lie, and the new
+        tokens' keys and values it returns are stored after."""
+        layout = self.layout
+        for layer in range(layout.layers):
+            inputs[pool_input(layer, "key")], inputs[pool_input(layer, "value")] = self.pools(layer)
+        outputs, seconds = step(inputs)
+        self.write(
+            new_slots, [outputs[name] for name in layout.present_keys], [outputs[name] for name in layout.present_values]
+        )
+        return outputs, seconds
+
+    def close(self) -> None:
+        pass  # host memory goes with the object
+
+
+class PagedKVCache:
+    """The allocator and the pools' storage (host memory unless a device's `storage` is given):
+    hands a paged decode program each layer's pools to read in place
+    (compiler.kv_layout.paged_decode_graph), gathers a step's past for a program that takes it
+    whole, and stores the new tokens' keys and values."""
+
+    def __init__(
+        self, layout: CacheLayout, num_blocks: int, block_size: int, storage: KVStorage | None = None
+    ) -> None:
         self.layout = layout
         self.allocator = BlockAllocator(num_blocks, block_size)
-        shape = (layout.layers, num_blocks * block_size, layout.kv_heads, layout.head_dim)
-        dtype = np.dtype(layout.dtype if layout.dtype != "bfloat16" else "float32")
-        self.keys = np.zeros(shape, dtype)
-        self.values = np.zeros(shape, dtype)
+        self.storage = HostKVStorage(layout, num_blocks * block_size) if storage is None else storage
+        if self.storage.pool_slots != num_blocks * block_size:
+            raise ValueError(
+                f"the storage holds {self.storage.pool_slots} slots; {num_blocks} blocks of {block_size} need "
+                f"{num_blocks * block_size}"
+            )
 
     @property
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    def pools(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's key and value pools, [num_blocks * block_size, heads, dim]: views, not copies."""
-        return self.keys[layer], self.values[layer]
+    @property
+    def keys(self) -> np.ndarray:
+        """[layers, slots, heads, dim]: the host storage's key pools."""
+        return self.storage.keys
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.storage.values
+
+    def pools(self, layer: int) -> tuple[Any, Any]:
+        """The layer's key and value pools, [num_blocks * block_size, heads, dim], where they lie."""
+        return self.storage.pools(layer)
 
     def slots(
         self, tables: Sequence[Sequence[int]], starts: Sequence[int], stops: Sequence[int], width: int
@@ -102,21 +197,21 @@ class PagedKVCache:
         self, tables: Sequence[Sequence[int]], lengths: Sequence[int], width: int
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each layer's past for a step, [batch, heads, width, dim]: sequence b's `lengths[b]`
-        cached tokens right-aligned (left padding, which the step's attention mask hides). One
-        indexed copy for the whole batch and every layer; a paged decode program reads the
-        pools instead."""
-        slots = self.slots(tables, [0] * len(tables), lengths, width)
-        # [layers, slots, heads, dim] at [batch, width] -> [layers, batch, heads, width, dim]
-        keys = np.ascontiguousarray(self.keys[:, slots].transpose(0, 1, 3, 2, 4))
-        values = np.ascontiguousarray(self.values[:, slots].transpose(0, 1, 3, 2, 4))
-        return list(keys), list(values)
+        cached tokens right-aligned (left padding, which the step's attention mask hides); a
+        paged decode program reads the pools instead."""
+        return self.storage.gather(self.slots(tables, [0] * len(tables), lengths, width))
 
     def write(self, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
         """Stores a step's new tokens, [batch, heads, n, dim] per layer, at `slots` [batch, n]
-        (PagedKVCache.slots of their positions): one indexed assignment per layer."""
-        for layer in range(self.layout.layers):
-            self.keys[layer][slots] = keys[layer].transpose(0, 2, 1, 3)
-            self.values[layer][slots] = values[layer].transpose(0, 2, 1, 3)
+        (PagedKVCache.slots of their positions)."""
+        self.storage.write(slots, keys, values)
+
+    def run_paged(self, step: Callable, inputs: dict[str, Any], new_slots: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """A paged decode step (KVStorage.run_paged): `step` is the runner the storage takes."""
+        return self.storage.run_paged(step, inputs, new_slots)
+
+    def close(self) -> None:
+        self.storage.close()
 
 
 def blocks_that_fit(layout: CacheLayout, block_size: int, memory_bytes: int) -> int:
@@ -124,4 +219,6 @@ def blocks_that_fit(layout: CacheLayout, block_size: int, memory_bytes: int) -> 
     return max(1, memory_bytes // layout.block_bytes(block_size))
 
 
-__all__ = ["BlockAllocator", "OutOfBlocks", "PagedKVCache", "blocks_that_fit"]
+__all__ = [
+    "BlockAllocator", "HostKVStorage", "KVStorage", "OutOfBlocks", "PagedKVCache", "blocks_that_fit", "pool_dtype",
+]

@@ -8,14 +8,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from compiler import Artifact, Signature
+from compiler.kv_layout import CacheLayout
 from runtime.batching import concat_requests, split_outputs
+from runtime.kv_cache import HostKVStorage, KVStorage
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class DoesNotFit(Exception):
@@ -213,3 +217,28 @@ class Runtime:
             self._done_with(program)
         return BatchResult(split_outputs(signature, outputs, rows), exec_seconds, load_seconds)
 
+    def run_on_device(self, key: str, work: Callable[[object], T]) -> T:
+        """`work(program)` on the loaded program (the device's own: a CudaProgram on a GPU), the
+        program held loaded and the device to itself: a generation step whose inputs already lie
+        in device memory (runtime.cuda.DeviceKVStorage.run_paged)."""
+        loaded, _ = self._ensure_loaded(key)
+        try:
+            with self._device_lock:
+                while True:
+                    try:
+                        return work(loaded.program)
+                    except MemoryError:
+                        # as in run_batch: other programs' weights leave first
+                        with self._load_lock:
+                            if not self._drop_unused(keep=key):
+                                raise
+        finally:
+            self._done_with(loaded)
+
+    def kv_storage(self, layout: CacheLayout, pool_slots: int) -> KVStorage:
+        """A generative model's KV cache pools in this device's memory: a GPU's own (its device's
+        kv_storage), else host memory, which a CPU program reads in place."""
+        in_device_memory = getattr(self.device, "kv_storage", None)
+        if in_device_memory is None:
+            return HostKVStorage(layout, pool_slots)
+        return in_device_memory(layout, pool_slots, self._device_lock)

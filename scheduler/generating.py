@@ -245,11 +245,14 @@ class GenerationService:
         deliveries = _Deliveries(self.settings.delivery_wait_s)
         niced: list[bool] = []
 
-        def run_program(program: str, inputs, rows: int):
+        def before_run() -> None:
             if not niced:  # the step loop's thread, before its program's first run starts workers
                 _lower_priority(self.settings.step_nice)
                 niced.append(True)
             deliveries.wait()
+
+        def run_program(program: str, inputs, rows: int):
+            before_run()
             return runtime.run_batch(program, [inputs], [rows])
 
         def run_step(inputs):
@@ -267,6 +270,13 @@ class GenerationService:
             chooser.record(rows, paged_key, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
+        def paged_step_on_device(run):
+            # the pools lie in the GPU's memory: the step runs there (DeviceKVStorage.run_paged)
+            before_run()
+            outputs, seconds = runtime.run_on_device(paged_key, run)
+            chooser.record(len(outputs["logits"]), paged_key, seconds)
+            return outputs, seconds
+
         block_tokens = self.settings.block_tokens
         limits = GeneratorLimits(
             num_blocks=blocks_that_fit(layout, block_tokens, self.settings.kv_cache_bytes),
@@ -276,16 +286,27 @@ class GenerationService:
             prefill_chunk=min(self.settings.prefill_tokens, self.settings.step_tokens),
             context_length=int(bundle.get("context_length") or 2048),
         )
-        generator = Generator(
-            layout,
-            run_step,
-            self.load_codec(bundle),
-            {spec.name: spec.dtype for spec in signature.inputs},
-            limits,
-            name=f"{route.model_name}-v{route.version}",
-            paged_step=paged_step if paged_key else None,
-            paged_for=lambda rows: chooser.pick(rows) == paged_key,
-        )
+        # the cache in the device's memory: a GPU's pools never travel through the host (a
+        # runtime that offers no storage, as the tests' stand-ins, leaves it in host memory)
+        make_storage = getattr(runtime, "kv_storage", None)
+        storage = None if make_storage is None else make_storage(layout, limits.num_blocks * limits.block_size)
+        on_device = storage is not None and storage.runs_on_device
+        try:
+            generator = Generator(
+                layout,
+                run_step,
+                self.load_codec(bundle),
+                {spec.name: spec.dtype for spec in signature.inputs},
+                limits,
+                name=f"{route.model_name}-v{route.version}",
+                paged_step=(paged_step_on_device if on_device else paged_step) if paged_key else None,
+                paged_for=lambda rows: chooser.pick(rows) == paged_key,
+                kv_storage=storage,
+            )
+        except BaseException:
+            if storage is not None:
+                storage.close()
+            raise
         with self._lock:
             served = self._served.get(route.version_id)
             if served is not None:  # another request started it meanwhile

@@ -22,6 +22,7 @@ import numpy as np
 
 from compiler.kv_layout import CacheLayout
 from runtime.decoder import DecoderSteps, StepRow, StepRunner
+from runtime.kv_cache import KVStorage
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import IncrementalText, TextCodec
 from scheduler.continuous import Chunk, IterationScheduler, SequenceState, split_by_tokens
@@ -131,16 +132,26 @@ class Generator:
         input_dtypes: Mapping[str, str],
         limits: GeneratorLimits = GeneratorLimits(),
         name: str = "generator",
-        paged_step: StepRunner | None = None,
+        paged_step: Callable | None = None,
         paged_for: Callable[[int], bool] = lambda rows: True,
+        kv_storage: KVStorage | None = None,
     ) -> None:
         """`paged_step` runs the paged decode program, when there is one, for the one-token
-        steps whose row count `paged_for` accepts (runtime.decoder.DecoderSteps)."""
+        steps whose row count `paged_for` accepts (runtime.decoder.DecoderSteps); `kv_storage`
+        holds the cache's pools (host memory unless given: a GPU runtime's Runtime.kv_storage),
+        freed by `close`."""
         self.layout = layout
         self.codec = codec
         self.limits = limits
         self.decoder = DecoderSteps(
-            layout, run_step, input_dtypes, limits.num_blocks, limits.block_size, paged_step, paged_for
+            layout,
+            run_step,
+            input_dtypes,
+            limits.num_blocks,
+            limits.block_size,
+            paged_step,
+            paged_for,
+            kv_storage,
         )
         self.scheduler = IterationScheduler(
             self.decoder.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk
@@ -206,11 +217,15 @@ class Generator:
             return len(self._sequences) + len(self._inbox)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Cancels every sequence and stops the loop."""
+        """Cancels every sequence, stops the loop and frees the cache's memory."""
         with self._wake:
             self._closed = True
             self._wake.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():  # a step still runs on the pools: they must outlive it
+            log.warning("the step loop of %s did not stop in %s s; its KV cache stays allocated", self._thread.name, timeout_s)
+            return
+        self.decoder.close()
 
     # -- the loop --
 

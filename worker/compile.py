@@ -21,7 +21,7 @@ from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx, pi
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
 from compiler.pipeline import CANDIDATES, COMPILER_VERSION, SEARCH, Progress
-from compiler.targets import EXPORTED
+from compiler.targets import EXPORTED, KNOWN_TARGETS
 from compiler.tuning import KNOWN_CANDIDATES
 from registry import UNMEASURED, Registry
 from registry.bundle import GENERATION
@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 # a compile's progress is written to its version at most this often
 PROGRESS_WRITE_INTERVAL_S = 1.0
 # the targets whose decode program reads the paged KV cache in place: a CPU program reads the
-# runtime's pool where it lies; a GPU program copies each input to the device every run, the
-# whole pool included, until its runtime holds the pool in device memory
-PAGED_TARGETS = frozenset({"cpu"})
+# runtime's pools in host memory, a GPU program the pools its runtime holds in device memory
+# (runtime.cuda.DeviceKVStorage: only the step's tokens and slots are copied in)
+PAGED_TARGETS = frozenset(KNOWN_TARGETS)
 # where compiles are reported unless a caller says otherwise: the one metrics registry
 _METRICS: CompileObserver = PrometheusObserver()
 
@@ -293,7 +293,7 @@ def _decode_phase(
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """A generative version's decode programs, its graph with one new token per sequence
     (compiler.kv_layout.decode_step_graph), searched and verified like the first: one that takes
-    its past whole and, on the CPU, one that reads the paged KV cache in place
+    its past whole and one that reads the paged KV cache in place
     (compiler.kv_layout.paged_decode_graph). The service measures them and the first on the
     one-token steps and runs the fastest at each batch size. Returns the bundle's keys
     (decode_artifact_key, decode_paged_key) of those that compiled, and the report: the gathered

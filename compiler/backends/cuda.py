@@ -27,7 +27,7 @@ from compiler.backends.layout import ArenaPlan, bind_inputs, describe
 from compiler.dtypes import numpy_dtype
 from compiler.errors import CompilerError
 from compiler.kernels.ir import Buffer, Program
-from compiler.render.cuda import MAX_GRID_X, CudaSource
+from compiler.render.cuda import MAX_GRID_X, PRELUDE, CudaSource
 from compiler.shape import dim_from_json, evaluate, shape_from_json
 
 # -default-device: every function not marked otherwise is __device__ (the prelude's helpers)
@@ -171,6 +171,10 @@ class Driver(Protocol):
 
     def unload(self, module: Any) -> None:
         """The module (and whatever the driver keeps for its calls) leaves the device."""
+
+    def load_source(self, source: str, functions: list[str]) -> Any:
+        """A module built here from CUDA C (NVRTC for this GPU; the emulator's compiler without
+        one) holding `functions`: the runtime's own small kernels (SlotCopies)."""
 
 
 # a library launch's entries that are names, not dims
@@ -513,6 +517,98 @@ class CudaProgram:
         return plan
 
 
+# ---- the runtime's own kernels: KV-cache slots copied on the device --------------------------
+
+# one thread per element; a grid past MAX_GRID_X blocks strides
+SLOT_COPY_THREADS = 128
+# element i of a [batch, heads, n, dim] tensor and its place in a [pool_slots, heads, dim] pool at
+# slots[batch, n] (S.v: elements, heads, n, dim)
+_SLOT_INDEX = """
+        const int64_t d = i % S.v[3], t = (i / S.v[3]) % S.v[2], h = (i / (S.v[3] * S.v[2])) % S.v[1];
+        const int64_t b = i / (S.v[3] * S.v[2] * S.v[1]);
+        const int64_t at = (b2[b * S.v[2] + t] * S.v[1] + h) * S.v[3] + d;"""
+_SLOT_LOOP = "for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < S.v[0]; i += (int64_t)gridDim.x * blockDim.x) {"
+# (name, source element type, destination element type, the copy): scatters write new tokens
+# into a pool (a bfloat16 value widened to the float32 a pool holds it in), gathers read a pool
+_SLOT_KERNELS = (
+    ("k0_scatter_16", "uint16_t", "uint16_t", "b1[at] = b0[i];"),
+    ("k1_scatter_32", "uint32_t", "uint32_t", "b1[at] = b0[i];"),
+    ("k2_scatter_bf16_f32", "uint16_t", "uint32_t", "b1[at] = (uint32_t)b0[i] << 16;"),
+    ("k3_gather_16", "uint16_t", "uint16_t", "b1[i] = b0[at];"),
+    ("k4_gather_32", "uint32_t", "uint32_t", "b1[i] = b0[at];"),
+)
+
+
+def slot_copy_source() -> str:
+    """The slot copies as CUDA C, in the rendered programs' form (their prelude, lc_symbols, one
+    `b<n>` pointer per buffer), so that NVRTC and the emulator build them as they build those."""
+    kernels = "".join(
+        f'extern "C" __global__ void __launch_bounds__({SLOT_COPY_THREADS}) {name}(const lc_symbols S, '
+        f"const {source} *__restrict__ b0, {destination} *__restrict__ b1, const int64_t *__restrict__ b2) {{\n"
+        f"    {_SLOT_LOOP}{_SLOT_INDEX}\n        {copy}\n    }}\n}}\n"
+        for name, source, destination, copy in _SLOT_KERNELS
+    )
+    return PRELUDE + "typedef struct { int64_t v[4]; } lc_symbols;\n" + kernels
+
+
+class SlotCopies:
+    """Copies between tokens laid out [batch, heads, n, dim] and a KV pool [pool_slots, heads, dim]
+    at slots [batch, n], on the device (a paged decode step's new keys and values go into the pool
+    without leaving the GPU): one kernel launch per tensor, the module built once per driver."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.module = driver.load_source(slot_copy_source(), [name for name, *_ in _SLOT_KERNELS])
+
+    def scatter(self, copies: list[tuple[DeviceTensor, DeviceTensor]], slots: DeviceTensor) -> float:
+        """Each (tokens [batch, heads, n, dim], pool) pair's tokens written into its pool at `slots`
+        [batch, n]; the device seconds."""
+        return self._run([(self._scatter_kernel(tokens.dtype, pool.dtype), tokens, pool) for tokens, pool in copies], slots)
+
+    def gather(self, copies: list[tuple[DeviceTensor, DeviceTensor]], slots: DeviceTensor) -> float:
+        """Each (pool, out [batch, heads, width, dim]) pair's out filled from its pool at `slots`
+        [batch, width]; the device seconds."""
+        return self._run([(self._gather_kernel(pool.dtype, out.dtype), pool, out) for pool, out in copies], slots)
+
+    def close(self) -> None:
+        self.driver.unload(self.module)
+
+    @staticmethod
+    def _scatter_kernel(tokens: str, pool: str) -> str:
+        if tokens == "bfloat16" and pool == "float32":
+            return "k2_scatter_bf16_f32"
+        return SlotCopies._same_width("scatter", tokens, pool)
+
+    @staticmethod
+    def _gather_kernel(pool: str, out: str) -> str:
+        return SlotCopies._same_width("gather", pool, out)
+
+    @staticmethod
+    def _same_width(kind: str, source: str, destination: str) -> str:
+        size = numpy_dtype(source).itemsize
+        if source != destination or size not in (2, 4):
+            raise ValueError(f"no slot {kind} from {source} to {destination} (2- and 4-byte elements of one dtype)")
+        return {("scatter", 2): "k0_scatter_16", ("scatter", 4): "k1_scatter_32", ("gather", 2): "k3_gather_16", ("gather", 4): "k4_gather_32"}[kind, size]
+
+    def _run(self, launches: list[tuple[str, DeviceTensor, DeviceTensor]], slots: DeviceTensor) -> float:
+        calls = []
+        for function, source, destination in launches:
+            # the [batch, heads, n, dim] side gives the sizes
+            tokens = source if "scatter" in function else destination
+            batch, heads, count, dim = tokens.shape
+            elements = batch * heads * count * dim
+            if not elements:
+                continue
+            blocks = min(-(-elements // SLOT_COPY_THREADS), MAX_GRID_X)
+            symbols = np.array([elements, heads, count, dim], np.int64)
+            calls.append(LaunchCall(function, (blocks, 1, 1), SLOT_COPY_THREADS, symbols, (source.address, destination.address, slots.address)))
+        if not calls:
+            return 0.0
+        # the same copies are the same calls: a GPU driver replays the graph it captured for them
+        key = tuple((c.function, c.grid, c.pointers, tuple(c.symbols.tolist())) for c in calls)
+        return self.driver.execute(self.module, calls, key)
+
+
 # LaunchCall lists a plan keeps made (one per arena address and placement of device inputs)
 MAX_CALL_LISTS = 4
 
@@ -558,6 +654,6 @@ class _CallPlan:
 
 
 __all__ = [
-    "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "DeviceTensor", "Driver", "LaunchCall", "StagingPool", "compile_cuda",
-    "gemm_arguments", "kernel_record", "staging_size",
+    "ARENA_ALIGNMENT", "CudaBuildFailed", "CudaProgram", "DeviceTensor", "Driver", "LaunchCall", "SlotCopies", "StagingPool",
+    "compile_cuda", "gemm_arguments", "kernel_record", "slot_copy_source", "staging_size",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from compiler.backends.cublas import Cublas, CublasUnavailable
-from compiler.backends.cuda import LaunchCall
+from compiler.backends.cuda import LaunchCall, compile_cuda
 from compiler.errors import CompilerError
 
 # captured graphs a loaded program keeps (one per distinct call layout: batch and sequence sizes)
@@ -109,6 +109,12 @@ class CudaDriver:
         loaded = CudaModule(module, functions)
         loaded.bad_index, _ = _ok(self.cu.cuModuleGetGlobal(module, b"lc_bad_index"), "the module's lc_bad_index")
         return loaded
+
+    def load_source(self, source: str, functions: list[str]) -> CudaModule:
+        """`source` built by NVRTC for this GPU's compute capability and loaded."""
+        ptx, cubin = compile_cuda(source, self.arch)
+        kernel = {"arch": self.arch, "launches": [{"kernel": name} for name in functions]}
+        return self.load(kernel, {"program.cubin": cubin, "program.ptx": ptx})
 
     def unload(self, module: CudaModule) -> None:
         """The module's captured graphs and code leave the device."""

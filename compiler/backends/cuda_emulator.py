@@ -333,6 +333,9 @@ class EmulatedDriver:
     def host_free(self, block: np.ndarray) -> None:
         del self.host_blocks[block.ctypes.data]
 
+    def load_source(self, source: str, functions: list[str]) -> ctypes.CDLL:
+        return _build(source)
+
     def unload(self, module: ctypes.CDLL) -> None:
         pass  # the library stays mapped: others built from the same source share it
 

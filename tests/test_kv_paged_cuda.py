@@ -1,0 +1,195 @@
+"""On a GPU runtime the KV cache is the runtime's state in device memory
+(runtime.cuda.DeviceKVStorage), run here on the CUDA emulator's driver: the pools are allocated
+once through the program's driver, the paged decode program reads them in place, the new tokens'
+keys and values are scattered into them on the device, the fallback programs get their past
+gathered there, and closing the generator frees them. Greedy generation of the tiny GPT-2
+through all of it gives transformers' tokens, and no pool byte is ever downloaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+
+from cloud.storage import LocalObjectStore, load_artifact
+from compiler import Artifact, compile_onnx
+from compiler.backends.cuda import DeviceTensor, SlotCopies
+from compiler.backends.cuda_emulator import EmulatedDriver
+from compiler.kv_layout import decoder_dims, find_cache_layout, onnx_specs
+from compiler.targets import EXPORTED
+from runtime import CudaDevice, Runtime
+from runtime.kv_cache import HostKVStorage, PagedKVCache
+from runtime.sampling import SamplingParams
+from scheduler.generating import GenerationService, GenerationSettings
+from scheduler.generator import GenerationRequest, TokenEvent
+from scheduler.observer import NO_OBSERVER
+from tests.test_generation_core import LAYOUT
+from tests.test_generation_models import codec_of
+from worker.compile import _decode_phase, compile_here
+
+FIXTURES = Path(__file__).parent / "fixtures" / "generation"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+GPT2 = FIXTURES / "gpt2/model_torchscript.onnx"
+# emulated steps are slow: a few prompts, a few tokens each (greedy: the reference's first ones)
+CASES = MANIFEST["models"]["gpt2"]["greedy"][:3]
+NEW_TOKENS = 8
+
+
+class RecordingDriver(EmulatedDriver):
+    """The emulated device, recording each download's source range and what is still allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.downloads: list[tuple[int, int]] = []
+
+    def download(self, address: int, array: np.ndarray) -> None:
+        self.downloads.append((address, array.nbytes))
+        super().download(address, array)
+
+    def live(self) -> set[int]:
+        return set(self._blocks)
+
+
+@pytest.fixture(scope="module")
+def gpu_programs(tmp_path_factory) -> dict[str, Artifact]:
+    """The tiny GPT-2 for an H100 as the worker ships it: its general program, and the paged decode
+    program the worker's decode phase compiles for a GPU target now."""
+    store = LocalObjectStore(tmp_path_factory.mktemp("store"))
+    data = GPT2.read_bytes()
+    store.put("graph", data)
+    version = SimpleNamespace(id=1, target="h100", bundle={}, graph_key="graph", precision=EXPORTED)
+    keys, report = _decode_phase(version, store, "program", compile_here)
+    assert keys == {"decode_paged_key": "program-decode-paged", "decode_artifact_key": "program-decode"}, (
+        report
+    )
+    assert report["paged"]["chosen"] and "paged_refused" not in report
+    general = compile_onnx(data, "h100", dims=decoder_dims(onnx_specs(onnx.load_from_string(data))[0]))
+    return {
+        "prefill": general,
+        "decode-paged": load_artifact(store, keys["decode_paged_key"], Artifact.from_files),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_device_pools_store_and_gather_what_host_pools_do(dtype: str) -> None:
+    layout = dataclasses.replace(LAYOUT, dtype=dtype)
+    driver = RecordingDriver()
+    device = Runtime(CudaDevice("h100", driver), {}.__getitem__).kv_storage(layout, 8 * 3)
+    caches = [PagedKVCache(layout, 8, 3, device), PagedKVCache(layout, 8, 3, HostKVStorage(layout, 8 * 3))]
+    rng = np.random.default_rng(1)
+    shape = (2, layout.kv_heads, 7, layout.head_dim)
+    keys = [rng.standard_normal(shape).astype(dtype) for _ in range(layout.layers)]
+    values = [rng.standard_normal(shape).astype(dtype) for _ in range(layout.layers)]
+    tables = [[5, 3, 7], [2, 6, 1]]  # block 0 unused: the padding reads its slot 0
+    for cache in caches:
+        for start, stop in ((0, 4), (4, 7)):  # two steps' writes, [batch, heads, n, dim] per layer
+            slots = cache.slots(tables, [start] * 2, [stop] * 2, stop - start)
+            cache.write(slots, [k[:, :, start:stop] for k in keys], [v[:, :, start:stop] for v in values])
+    gathered = [cache.gather(tables, [7, 5], width=9) for cache in caches]
+    for part in range(2):
+        for layer in range(layout.layers):
+            on_device, on_host = gathered[0][part][layer], gathered[1][part][layer]
+            assert on_device.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(on_device, on_host)
+    np.testing.assert_array_equal(gathered[0][0][1][0, :, 2:], keys[1][0])
+    np.testing.assert_array_equal(gathered[0][1][0][1, :, 4:], values[0][1, :, :5])
+    assert np.all(gathered[0][0][0][1, :, :4] == 0)  # the padding: a fresh device pool is zeros too
+    pools = {caches[0].pools(layer)[i].address for layer in range(layout.layers) for i in range(2)}
+    assert not any(address in pools for address, _ in driver.downloads)
+    caches[0].close()
+    assert not driver.live()
+
+
+def test_a_bfloat16_token_is_scattered_into_a_float32_pool_widened() -> None:
+    driver = EmulatedDriver()
+    copies = SlotCopies(driver)
+    values = np.array([1.5, -2.25, 3.0, 0.0078125], np.float32).reshape(1, 1, 2, 2)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # exact in bfloat16
+    tokens, pool, slots = driver.alloc(bits.nbytes), driver.alloc(4 * 2 * 4), driver.alloc(16)
+    driver.upload(tokens, bits)
+    driver.upload(pool, np.zeros((4, 1, 2), np.float32))
+    driver.upload(slots, np.array([[3, 1]], np.int64))
+    copies.scatter(
+        [(DeviceTensor(tokens, (1, 1, 2, 2), "bfloat16"), DeviceTensor(pool, (4, 1, 2), "float32"))],
+        DeviceTensor(slots, (1, 2), "int64"),
+    )
+    got = np.empty((4, 1, 2), np.float32)
+    driver.download(pool, got)
+    np.testing.assert_array_equal(got[[3, 1], 0], values[0, 0])
+    assert not got[[0, 2]].any()
+    with pytest.raises(ValueError, match="no slot gather from float32 to float16"):
+        copies.gather(
+            [(DeviceTensor(pool, (4, 1, 2), "float32"), DeviceTensor(tokens, (1, 1, 2, 2), "float16"))],
+            DeviceTensor(slots, (1, 2), "int64"),
+        )
+
+
+def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu_programs) -> None:
+    driver = RecordingDriver()
+    runtime = Runtime(CudaDevice("h100", driver), gpu_programs.__getitem__)
+    layout = find_cache_layout(*onnx_specs(onnx.load(str(GPT2))))
+    settings = GenerationSettings(
+        kv_cache_bytes=32 * layout.block_bytes(4), block_tokens=4, step_tokens=24, prefill_tokens=8
+    )
+    service = GenerationService(
+        {"h100": runtime}, lambda bundle: codec_of("gpt2"), None, {"h100": 1.0}, settings, NO_OBSERVER
+    )
+    route = SimpleNamespace(
+        version_id=1,
+        target="h100",
+        artifact_key="prefill",
+        model_name="gpt2",
+        version=1,
+        tenant_id=7,
+        tenant_name="t",
+        bundle={"layout": layout.to_json(), "context_length": 128, "decode_paged_key": "decode-paged"},
+    )
+    events: dict[int, list[TokenEvent]] = {i: [] for i in range(len(CASES))}
+    finished = threading.Semaphore(0)
+
+    def sink(i: int):
+        def take(event: TokenEvent) -> None:
+            events[i].append(event)
+            if event.finish_reason:
+                finished.release()
+
+        return take
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, min_tokens=NEW_TOKENS)
+    generator = service.generator(route)
+    storage = generator.decoder.cache.storage
+    pools = [tensor for layer in range(layout.layers) for tensor in storage.pools(layer)]
+    assert storage.runs_on_device and {p.address for p in pools} <= driver.live()
+    try:
+        for i, case in enumerate(CASES):
+            service.start(route, GenerationRequest(f"r{i}", case["prompt_ids"], params), sink(i))
+        for _ in CASES:
+            assert finished.acquire(timeout=300)
+        for i, case in enumerate(CASES):
+            got = [e.token_id for e in events[i] if e.token_id is not None]
+            assert got == case["generated_ids"][:NEW_TOKENS], f"prompt {case['prompt_ids']}"
+        # one-token steps ran on the paged program reading the pools in place, and on the general
+        # one with their past gathered on the device (the chooser tries both)
+        assert generator.decoder.paged_steps > 0
+        assert service.free_blocks(1) == generator.decoder.allocator.num_blocks
+        # no byte of a pool ever came to the host: the paged steps downloaded their logits, the
+        # fallbacks their gathered past
+        pool_bytes = int(np.prod(pools[0].shape)) * 4
+        for address, nbytes in driver.downloads:
+            overlapped = [
+                p.address for p in pools if p.address < address + nbytes and address < p.address + pool_bytes
+            ]
+            assert not overlapped, f"{nbytes} bytes downloaded from the pool at {overlapped[0]}"
+    finally:
+        service.close()
+    # closing the generator freed its pools; unloading the programs frees the rest
+    assert not {p.address for p in pools} & driver.live()
+    for key in runtime.loaded_keys:
+        runtime.unload(key)
+    assert not driver.live()
