@@ -39,7 +39,7 @@ from compiler.kernels.ir import (
     ix_max,
     ix_mod,
 )
-from compiler.kernels.ir_walk import expr_variables, linear, plan_slots, renamed, strides_of
+from compiler.kernels.ir_walk import expr_variables, linear, plan_slots, renamed, strides_of, walk
 from compiler.reference import eval_node
 from compiler.shape import (
     Dim,
@@ -280,7 +280,9 @@ class _Lowering:
             data_idx = idx[:axis] + [picked] + idx[axis + rank :]
             return self.expr(data, data_idx, extents)
         if op in UNARY_OPS or op in BINARY_OPS:
-            return Apply(op.value, tuple(self.expr(s, idx, extents) for s in node.srcs), node.dtype)
+            args = tuple(self.expr(s, idx, extents) for s in node.srcs)
+            joined = joined_parts(*args, extents) if op is Op.ADD else None
+            return joined if joined is not None else Apply(op.value, args, node.dtype)
         if op is Op.CAST:
             return Apply("cast", (self.expr(node.srcs[0], idx, extents),), node.dtype)
         if op in (Op.SUM_REDUCE, Op.MAX_REDUCE):
@@ -510,7 +512,7 @@ class _Lowering:
             if strided is not None:
                 strides, ld = strided
                 return value.buffer, trans, tuple(strides.get(c, 0) for c in batch), None, ld
-        order = own_batch + rows + cols
+        trans, order = False, own_batch + rows + cols
         packed_shape = tuple(sizes[c] for c in order)
         dequantized = self.dequantizes(base)
         folded = None if dequantized else self.constant_value(base)
@@ -525,6 +527,9 @@ class _Lowering:
         else:
             # blocks split the leading n axis: windows are read in place, int8 weights widened in cache
             panels = right and bool(cols) and (self.reads_windows(base) or dequantized)
+            if not panels and self.reads_along_rows(base, axis_letter, rows, cols, sizes):
+                trans, order = True, own_batch + cols + rows
+                packed_shape = tuple(sizes[c] for c in order)
             extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
             idx = [Ix() if c is None else var_of[c] for c in axis_letter]
@@ -533,7 +538,7 @@ class _Lowering:
             if not panels and key in self.packed:
                 # the same operand of another product (a layer norm's output feeding the query, key
                 # and value projections): computed and stored once
-                return self.packed[key], False, self.batch_strides(batch, order, sizes), None, None
+                return self.packed[key], trans, self.batch_strides(batch, order, sizes), None, None
             buffer = self.new_buffer(dtype, packed_shape, "panel" if panels else "temp")
             kernel = LoopKernel(buffer, packed_shape, value, None, base)
             if panels:
@@ -541,7 +546,25 @@ class _Lowering:
                 return buffer, False, self.batch_strides(batch, order, sizes), Panels(kernel, axes, len(rows)), None
             self.kernels.append(kernel)
             self.packed[key] = buffer
-        return buffer, False, self.batch_strides(batch, order, sizes), None, None
+        return buffer, trans, self.batch_strides(batch, order, sizes), None, None
+
+    def reads_along_rows(
+        self, base: int, axis_letter: list[str | None], rows: list[str], cols: list[str], sizes: dict[str, Dim]
+    ) -> bool:
+        """Whether an operand's loads step by one along its last row letter rather than its last
+        column letter (attention's K^T over keys stored [key, head size]): packed as [cols, rows]
+        for a transposed call, its copy then reads and writes contiguously, not a transpose."""
+        if not rows or not cols:
+            return False
+        extents = {c: sizes[c] for c in axis_letter if c is not None}
+        value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], extents)
+        along_rows = along_cols = 0
+        for e in walk(value):
+            if isinstance(e, Load):
+                steps = dict(e.index.terms)
+                along_rows += steps.get(rows[-1]) == 1
+                along_cols += steps.get(cols[-1]) == 1
+        return along_rows > along_cols
 
     def dequantizes(self, i: int) -> bool:
         """Whether a value widens an integer weight into floats (compiler.quantize's int8 weights):
@@ -690,6 +713,45 @@ def as_index(e: Expr, buffers: Sequence[Buffer]) -> Ix | None:
     return None
 
 
+def joined_parts(a: Expr, b: Expr, extents: dict[str, Dim]) -> Expr | None:
+    """a + b as one read where both are the same value, each zero outside one range of the same
+    index and the two ranges adjacent (a concatenation of a tensor with itself: the repeat of key
+    and value heads for grouped-query attention): the value guarded to the union of the ranges,
+    or not guarded where the union holds every value the index takes. None otherwise."""
+    if not (isinstance(a, Guarded) and isinstance(b, Guarded)) or a.value != b.value or a.dtype != b.dtype:
+        return None
+    if len(a.guards) != 1 or len(b.guards) != 1 or a.fill != 0 or b.fill != 0:
+        return None
+    (ga, na), (gb, nb) = a.guards[0], b.guards[0]
+    if ga.terms != gb.terms:
+        return None
+    # guard (g, n) with g = t + c holds for t in [-c, n - c)
+    if dim_sub(dim_sub(nb, gb.const), dim_sub(0, ga.const)) == 0:
+        (ga, na), (gb, nb) = (gb, nb), (ga, na)  # b's range ends where a's begins: b first
+    if dim_sub(dim_sub(na, ga.const), dim_sub(0, gb.const)) != 0:
+        return None
+    low, high = dim_sub(0, ga.const), dim_sub(nb, gb.const)
+    top = _index_top(Ix(ga.terms), extents)
+    if top is not None and provably_le(low, 0) and provably_le(dim_add(top, 1), high):
+        return a.value
+    return Guarded(((ga, dim_add(na, nb)),), a.value, a.fill, a.dtype)
+
+
+def _index_top(ix: Ix, extents: dict[str, Dim]) -> Dim | None:
+    """The largest value of an index of nonnegative terms (loop variables, remainders), or None."""
+    top: Dim = ix.const
+    for var, coef in ix.terms:
+        if not isinstance(coef, int) or coef < 0:
+            return None
+        if isinstance(var, str):
+            top = dim_add(top, dim_mul(coef, dim_sub(extents[var], 1)))
+        elif var.op == "mod":
+            top = dim_add(top, dim_mul(coef, dim_sub(var.args[1], 1)))
+        else:
+            return None
+    return top
+
+
 def _strided(value: Expr, batch: list[str], outer: list[str], inner: list[str], sizes: dict[str, Dim]):
     """({batch letter: stride}, row stride) when `value` loads a matrix whose inner letters are
     contiguous and whose one outer letter steps by a stride of at least the inner extent (rows of a
@@ -827,6 +889,7 @@ __all__ = [
     "NATIVE_DTYPES",
     "NotNative",
     "as_index",
+    "joined_parts",
     "lower",
     "reshape_index",
     "view_index",

@@ -1,0 +1,203 @@
+"""Code generation for a decoding step's attention on the CPU: the KV cache's concatenation, the
+repeat of key and value heads for grouped-query attention, and a gather of rows through an index,
+each compiled natively and checked against onnxruntime at several symbolic sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler import compile_onnx, executable
+from compiler.frontends.onnx import load_graph
+from compiler.kernels.ir import GemmCall, Guarded, Load, LoopKernel
+from compiler.kernels.ir_walk import walk
+from compiler.kernels.lower import lower
+
+FLOAT = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> bytes:
+    graph = helper.make_graph(nodes, "decode-attention", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _check(data: bytes, feeds_list: list[dict[str, np.ndarray]], rtol: float = 1e-5) -> None:
+    artifact = compile_onnx(data, candidates=("native-blas",))
+    assert artifact.report["chosen"] == "native-blas", artifact.report["rejected"]
+    program = executable(artifact)
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for feeds in feeds_list:
+        want = session.run(None, feeds)
+        got = program.run(feeds)
+        for output, expected in zip(session.get_outputs(), want):
+            np.testing.assert_allclose(got[output.name], expected, rtol=rtol, atol=1e-5, err_msg=output.name)
+
+
+@pytest.mark.parametrize("axis", [2, 3, 1])
+def test_a_concatenation_along_an_inner_axis_of_symbolic_size_copies_each_part(axis: int) -> None:
+    """present = Concat(past, new) as a decode step writes its KV cache, along the sequence axis
+    (2), the last axis (3, rotate_half's) and the heads (1); sizes change between runs of the
+    same program and each size runs twice in a row."""
+    past_shape = ["batch", 4, "past", 8]
+    new_shape = ["batch", 4, 1, 8]
+    out_shape = ["batch", 4, "total", 8]
+    if axis != 2:
+        past_shape = ["batch", 4, 3, 8]
+        past_shape[axis] = "past"
+        new_shape = ["batch", 4, 3, 8]
+        new_shape[axis] = 1
+        out_shape = ["batch", 4, 3, 8]
+        out_shape[axis] = "total"
+    data = _model(
+        [helper.make_node("Concat", ["past", "new"], ["present"], axis=axis)],
+        [
+            helper.make_tensor_value_info("past", FLOAT, past_shape),
+            helper.make_tensor_value_info("new", FLOAT, new_shape),
+        ],
+        [helper.make_tensor_value_info("present", FLOAT, out_shape)],
+    )
+    rng = np.random.default_rng(axis)
+    feeds_list = []
+    for batch, past in ((1, 5), (3, 17), (2, 1), (1, 5)):
+        shape = [batch, 4, past, 8] if axis == 2 else [batch, 4, 3, 8]
+        shape[axis] = past
+        new = list(shape)
+        new[axis] = 1
+        feeds = {
+            "past": rng.standard_normal(shape).astype(np.float32),
+            "new": rng.standard_normal(new).astype(np.float32),
+        }
+        feeds_list += [feeds, feeds]
+    _check(data, feeds_list)
+
+
+def _grouped_attention_scores(copies: int, spelled_by: str) -> bytes:
+    """q [batch, 8, 1, 16] @ K^T, K [batch, 8 / copies, total, 16] repeated to 8 heads the way
+    exported Llama graphs spell it (Unsqueeze, Concat of copies or Expand, Reshape)."""
+    kv_heads = 8 // copies
+    nodes = [helper.make_node("Unsqueeze", ["k", "two"], ["k5"])]
+    if spelled_by == "concat":
+        nodes.append(helper.make_node("Concat", ["k5"] * copies, ["repeated"], axis=2))
+    else:
+        nodes.append(helper.make_node("Expand", ["k5", "expand_shape"], ["repeated"]))
+    nodes += [
+        helper.make_node("Reshape", ["repeated", "heads_shape"], ["k_heads"]),
+        helper.make_node("Transpose", ["k_heads"], ["k_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
+        helper.make_node("MatMul", ["scores", "k_heads"], ["mixed"]),
+    ]
+    initializers = [
+        numpy_helper.from_array(np.array([2], np.int64), "two"),
+        numpy_helper.from_array(np.array([1, 1, copies, 1, 1], np.int64), "expand_shape"),
+        numpy_helper.from_array(np.array([0, 8, -1, 16], np.int64), "heads_shape"),
+    ]
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("q", FLOAT, ["batch", 8, 1, 16]),
+            helper.make_tensor_value_info("k", FLOAT, ["batch", kv_heads, "total", 16]),
+        ],
+        [
+            helper.make_tensor_value_info("scores", FLOAT, ["batch", 8, 1, "total"]),
+            helper.make_tensor_value_info("mixed", FLOAT, ["batch", 8, 1, 16]),
+        ],
+        initializers,
+    )
+
+
+@pytest.mark.parametrize("copies, spelled_by", [(2, "concat"), (4, "concat"), (2, "expand")])
+def test_repeated_key_heads_feed_the_product_as_plain_copies(copies: int, spelled_by: str) -> None:
+    data = _grouped_attention_scores(copies, spelled_by)
+    program = lower(load_graph(data))
+    loops = [k for k in program.kernels if isinstance(k, LoopKernel)]
+    # the repeat is one read of K per element, not a sum of guarded reads of each copy
+    assert not any(isinstance(e, Guarded) for k in loops for e in walk(k.value))
+    # K^T is packed as the transposed operand of its call: the copy steps along K's rows
+    (scores,) = [k for k in program.kernels if isinstance(k, GemmCall) and k.trans_b]
+    (copy,) = [k for k in loops if k.out == scores.b]
+    last = f"o{len(copy.shape) - 1}"
+    assert isinstance(copy.value, Load) and dict(copy.value.index.terms)[last] == 1
+    rng = np.random.default_rng(copies)
+    feeds_list = []
+    for batch, total in ((1, 7), (3, 33), (2, 1)):
+        feeds = {
+            "q": rng.standard_normal((batch, 8, 1, 16)).astype(np.float32),
+            "k": rng.standard_normal((batch, 8 // copies, total, 16)).astype(np.float32),
+        }
+        feeds_list += [feeds, feeds]
+    _check(data, feeds_list, rtol=1e-4)
+
+
+def test_a_concatenation_of_different_reads_of_one_tensor_is_not_a_repeat() -> None:
+    """Concat(x, x) along an axis x already has: the parts read x at different offsets, and the sum
+    of guarded parts must stay (only copies of the same element merge)."""
+    data = _model(
+        [
+            helper.make_node("Concat", ["x", "x", "x"], ["y"], axis=1),
+            helper.make_node("ReduceSum", ["y", "axes"], ["s"], keepdims=0),
+        ],
+        [helper.make_tensor_value_info("x", FLOAT, ["batch", "n", 4])],
+        [
+            helper.make_tensor_value_info("y", FLOAT, ["batch", "m", 4]),
+            helper.make_tensor_value_info("s", FLOAT, ["batch", 4]),
+        ],
+        [numpy_helper.from_array(np.array([1], np.int64), "axes")],
+    )
+    rng = np.random.default_rng(5)
+    _check(
+        data, [{"x": rng.standard_normal((b, n, 4)).astype(np.float32)} for b, n in ((1, 3), (2, 9), (2, 9))]
+    )
+
+
+def test_rows_gathered_through_an_index_feed_a_reduction() -> None:
+    """A paged KV cache's read: rows of a pool picked by slot numbers, then reduced against a query
+    (the scores), then summed."""
+    data = _model(
+        [
+            helper.make_node("Gather", ["pool", "slots"], ["rows"], axis=0),
+            helper.make_node("Mul", ["rows", "q"], ["products"]),
+            helper.make_node("ReduceSum", ["products", "last"], ["scores"], keepdims=0),
+            helper.make_node("ReduceMax", ["scores"], ["best"], axes=[1], keepdims=0),
+        ],
+        [
+            helper.make_tensor_value_info("pool", FLOAT, ["slots_total", 16]),
+            helper.make_tensor_value_info("slots", TensorProto.INT64, ["batch", "past"]),
+            helper.make_tensor_value_info("q", FLOAT, ["batch", 1, 16]),
+        ],
+        [
+            helper.make_tensor_value_info("scores", FLOAT, ["batch", "past"]),
+            helper.make_tensor_value_info("best", FLOAT, ["batch"]),
+        ],
+        [numpy_helper.from_array(np.array([2], np.int64), "last")],
+    )
+    rng = np.random.default_rng(7)
+    feeds_list = []
+    for batch, past in ((1, 5), (4, 40), (4, 40), (2, 3)):
+        pool = rng.standard_normal((64, 16)).astype(np.float32)
+        slots = rng.integers(0, 64, (batch, past)).astype(np.int64)
+        feeds_list.append(
+            {"pool": pool, "slots": slots, "q": rng.standard_normal((batch, 1, 16)).astype(np.float32)}
+        )
+    _check(data, feeds_list)
+
+
+def test_copies_of_one_value_over_ranges_with_a_gap_stay_apart() -> None:
+    """Pad(u) at the first and at the last of three places, added: the same element guarded to two
+    ranges that do not touch, whose sum is zero between them."""
+    data = _model(
+        [
+            helper.make_node("Pad", ["u", "first"], ["at_first"]),
+            helper.make_node("Pad", ["u", "last"], ["at_last"]),
+            helper.make_node("Add", ["at_first", "at_last"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("u", FLOAT, ["batch", 1, 4])],
+        [helper.make_tensor_value_info("y", FLOAT, ["batch", 3, 4])],
+        [
+            numpy_helper.from_array(np.array([0, 0, 0, 0, 2, 0], np.int64), "first"),
+            numpy_helper.from_array(np.array([0, 2, 0, 0, 0, 0], np.int64), "last"),
+        ],
+    )
+    rng = np.random.default_rng(9)
+    _check(data, [{"u": rng.standard_normal((b, 1, 4)).astype(np.float32)} for b in (1, 3)])
