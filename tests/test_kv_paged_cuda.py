@@ -76,7 +76,7 @@ def gpu_programs(tmp_path_factory) -> dict[str, Artifact]:
     }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_device_pools_store_and_gather_what_host_pools_do(dtype: str) -> None:
     layout = dataclasses.replace(LAYOUT, dtype=dtype)
     driver = RecordingDriver()
@@ -193,3 +193,95 @@ def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu
     for key in runtime.loaded_keys:
         runtime.unload(key)
     assert not driver.live()
+
+
+_DRIVE = r"""
+import ctypes, sys, threading
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import compiler.backends.cuda_driver as cuda_driver
+from compiler.backends.cuda_driver import CudaDriver
+from runtime.cuda import DeviceKVStorage
+from tests.test_generation_core import LAYOUT
+
+# NVRTC is not for a process with the stand-in loaded: the PTX the test built, which the
+# stand-in parses (it refuses cubins), stands for both images
+ptx = open(sys.argv[2], "rb").read()
+cuda_driver.compile_cuda = lambda source, arch: (ptx, ptx + b"\0")
+fake = ctypes.CDLL("libcuda.so.1")
+
+def state():
+    values = (ctypes.c_int * 4)()
+    fake.fake_cuda_state(values)
+    return dict(zip(("retained", "captures", "modules", "bytes"), values))
+
+driver = CudaDriver(0)
+storage = DeviceKVStorage(driver, LAYOUT, 12, threading.Lock())
+print("STATE", state())
+print("POOLS", " ".join(int(t.address).to_bytes(8, "little").hex() for t in storage.keys + storage.values))
+keys = [np.ones((2, 1, 1, 2), np.float32) * (layer + 1) for layer in range(2)]
+storage.write(np.array([[3], [9]], np.int64), keys, keys)
+past_keys, past_values = storage.gather(np.array([[0, 3], [0, 9]], np.int64))
+assert [p.shape for p in past_keys + past_values] == [(2, 1, 2, 2)] * 4
+print("STATE", state())
+storage.close()
+driver.close()
+print("STATE", state())
+"""
+
+
+def test_device_pools_go_through_the_driver_adapter_against_a_stand_in_libcuda(tmp_path) -> None:
+    """compiler.backends.cuda_driver's side (load_source, the pools' allocations, the copies'
+    graphs) through cuda-bindings against tests/fake_libcuda.c, which logs launches rather than
+    running them."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from compiler.backends.cuda import compile_cuda, slot_copy_source
+
+    root = Path(__file__).resolve().parents[1]
+    build = subprocess.run(
+        [
+            os.environ.get("CC", "gcc"),
+            "-shared",
+            "-fPIC",
+            "-O1",
+            str(root / "tests" / "fake_libcuda.c"),
+            "-o",
+            str(tmp_path / "libcuda.so.1"),
+            "-ldl",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert build.returncode == 0, build.stderr
+    ptx, cubin = compile_cuda(slot_copy_source(), "sm_90")  # what load_source builds on an H100
+    assert cubin[:4] == b"\x7fELF"
+    (tmp_path / "slots.ptx").write_bytes(ptx)
+    (tmp_path / "drive.py").write_text(_DRIVE)
+    log = tmp_path / "launches.log"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "FAKE_CUDA_LOG": str(log)}
+    command = [sys.executable, str(tmp_path / "drive.py"), str(root), str(tmp_path / "slots.ptx")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    states = [ast.literal_eval(line[6:]) for line in lines if line.startswith("STATE ")]
+    pools = next(line[6:] for line in lines if line.startswith("POOLS ")).split()
+    # four pools of 12 slots of [1, 2] float32, and the copies' module
+    assert states[0] == {"retained": 1, "captures": 0, "modules": 1, "bytes": 4 * 12 * 2 * 4}
+    # a write and a gather, each one graph of a launch per pool; then everything freed
+    assert states[1]["captures"] == 2
+    assert states[2] == {"retained": 0, "captures": 2, "modules": 0, "bytes": 0}
+    write, gather = [block.strip().splitlines() for block in log.read_text().split("--\n") if block.strip()]
+    # each line: function, grid, block, symbols (elements, heads, n, dim), then the three pointers
+    scatters, gathers = ([line.split() for line in block] for block in (write, gather))
+    # the tokens [2, 1, 1, 2] into each pool at [2, 1] slots, one slots tensor for all
+    assert [line[:7] for line in scatters] == [["k1_scatter_32", "1", "1", "1", "128", "1", "1"]] * 4
+    assert {line[7] for line in scatters} == {np.array([4, 1, 1, 2], "<i8").tobytes().hex()}
+    assert [line[9] for line in scatters] == pools and len({line[10] for line in scatters}) == 1
+    # each pool at [2, 2] slots into [2, 1, 2, 2]
+    assert [line[0] for line in gathers] == ["k5_gather_32"] * 4 and [line[8] for line in gathers] == pools
+    assert {line[7] for line in gathers} == {np.array([8, 1, 2, 2], "<i8").tobytes().hex()}

@@ -534,9 +534,16 @@ _SLOT_KERNELS = (
     ("k0_scatter_16", "uint16_t", "uint16_t", "b1[at] = b0[i];"),
     ("k1_scatter_32", "uint32_t", "uint32_t", "b1[at] = b0[i];"),
     ("k2_scatter_bf16_f32", "uint16_t", "uint32_t", "b1[at] = (uint32_t)b0[i] << 16;"),
-    ("k3_gather_16", "uint16_t", "uint16_t", "b1[i] = b0[at];"),
-    ("k4_gather_32", "uint32_t", "uint32_t", "b1[i] = b0[at];"),
+    ("k3_scatter_64", "uint64_t", "uint64_t", "b1[at] = b0[i];"),
+    ("k4_gather_16", "uint16_t", "uint16_t", "b1[i] = b0[at];"),
+    ("k5_gather_32", "uint32_t", "uint32_t", "b1[i] = b0[at];"),
+    ("k6_gather_64", "uint64_t", "uint64_t", "b1[i] = b0[at];"),
 )
+# the copy of an element of 2, 4 or 8 bytes, whatever its type
+_SAME_WIDTH = {
+    ("scatter", 2): "k0_scatter_16", ("scatter", 4): "k1_scatter_32", ("scatter", 8): "k3_scatter_64",
+    ("gather", 2): "k4_gather_16", ("gather", 4): "k5_gather_32", ("gather", 8): "k6_gather_64",
+}
 
 
 def slot_copy_source() -> str:
@@ -585,10 +592,10 @@ class SlotCopies:
 
     @staticmethod
     def _same_width(kind: str, source: str, destination: str) -> str:
-        size = numpy_dtype(source).itemsize
-        if source != destination or size not in (2, 4):
-            raise ValueError(f"no slot {kind} from {source} to {destination} (2- and 4-byte elements of one dtype)")
-        return {("scatter", 2): "k0_scatter_16", ("scatter", 4): "k1_scatter_32", ("gather", 2): "k3_gather_16", ("gather", 4): "k4_gather_32"}[kind, size]
+        function = _SAME_WIDTH.get((kind, numpy_dtype(source).itemsize))
+        if source != destination or function is None:
+            raise ValueError(f"no slot {kind} from {source} to {destination} (elements of 2, 4 or 8 bytes of one dtype)")
+        return function
 
     def _run(self, launches: list[tuple[str, DeviceTensor, DeviceTensor]], slots: DeviceTensor) -> float:
         calls = []
