@@ -5,7 +5,8 @@ where there is one: it reads each row's past from the pool through the rows' slo
 returns only the new tokens' keys and values. Any other step (and a decode step the service
 finds faster on the general program) gathers the rows' past out of the pool into the
 program's past inputs. What runs when is the scheduler's (scheduler/generator.py); the cache
-and the programs are the runtime's.
+and the programs are the runtime's: on a GPU runtime the pools stay in device memory
+(runtime.cuda.DeviceKVStorage) and a paged step runs there.
 """
 
 from __future__ import annotations

@@ -132,7 +132,14 @@ def test_a_bfloat16_token_is_scattered_into_a_float32_pool_widened() -> None:
 
 def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu_programs) -> None:
     driver = RecordingDriver()
-    runtime = Runtime(CudaDevice("h100", driver), gpu_programs.__getitem__)
+    batches: list[tuple[str, int]] = []  # (program, tokens per row) of the steps run from the host
+
+    class RecordingRuntime(Runtime):
+        def run_batch(self, key, requests, rows, busy=False):
+            batches.append((key, requests[0]["input_ids"].shape[1]))
+            return super().run_batch(key, requests, rows, busy)
+
+    runtime = RecordingRuntime(CudaDevice("h100", driver), gpu_programs.__getitem__)
     layout = find_cache_layout(*onnx_specs(onnx.load(str(GPT2))))
     settings = GenerationSettings(
         kv_cache_bytes=32 * layout.block_bytes(4), block_tokens=4, step_tokens=24, prefill_tokens=8
@@ -176,7 +183,8 @@ def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu
             assert got == case["generated_ids"][:NEW_TOKENS], f"prompt {case['prompt_ids']}"
         # one-token steps ran on the paged program reading the pools in place, and on the general
         # one with their past gathered on the device (the chooser tries both)
-        assert generator.decoder.paged_steps > 0
+        assert generator.decoder.paged_steps > 0 and ("prefill", 1) in batches
+        assert all(key == "prefill" for key, _ in batches)  # the paged program never runs from the host
         assert service.free_blocks(1) == generator.decoder.allocator.num_blocks
         # no byte of a pool ever came to the host: the paged steps downloaded their logits, the
         # fallbacks their gathered past
