@@ -133,8 +133,8 @@ def genai_config(config: LlamaConfig) -> dict:
 
 class Ours:
     """The export compiled as the service compiles it for the CPU (compile_onnx's defaults; the
-    prompts' program and the two decode step programs, one taking its past gathered and one
-    reading the paged cache in place, as worker.compile does), run by a Generator with the
+    prompts' program and the decode step programs: one taking its past gathered, one reading the
+    paged cache in place, one for a single sequence, as worker.compile does), run by a Generator with the
     service's default limits (scheduler.generating.GenerationSettings), one-token steps on
     whichever program measures fastest at their batch size, as the service picks them."""
 
@@ -147,6 +147,7 @@ class Ours:
             decode_step_graph,
             decoder_dims,
             find_cache_layout,
+            one_sequence_graph,
             onnx_specs,
             paged_decode_graph,
         )
@@ -162,6 +163,9 @@ class Ours:
             "prefill": executable(artifact),
             "decode": executable(compile_onnx(decode_model.SerializeToString(), "cpu", precision=precision)),
         }
+        one_model = onnx.ModelProto.FromString(decode_model.SerializeToString())
+        one_sequence_graph(one_model)
+        self.programs["one"] = executable(compile_onnx(one_model.SerializeToString(), "cpu", precision=precision))
         try:
             paged_decode_graph(decode_model, self.layout)
             paged = compile_onnx(
@@ -185,7 +189,9 @@ class Ours:
 
         settings = GenerationSettings()
         programs = self.programs
-        chooser = ProgramChooser([name for name in ("paged", "decode") if name in programs] + ["prefill"])
+        chooser = ProgramChooser(
+            [name for name in ("paged", "one", "decode") if name in programs] + ["prefill"], one_row=["one"]
+        )
         self._chooser = chooser
 
         def timed(name: str, inputs):
@@ -653,7 +659,7 @@ def table(results: dict, command: str) -> str:
     if results.get("one_token_programs"):
         verdict.append(
             "- one-token steps ran on (per batch-size bucket, as the service measures and picks among the paged "
-            "decode program, the gathered one and the general one): "
+            "decode program, the one-sequence one, the gathered one and the general one): "
             + "; ".join(
                 f"{precision} " + ", ".join(f"{bucket}: {name}" for bucket, name in chosen.items())
                 for precision, chosen in results["one_token_programs"].items()

@@ -318,6 +318,25 @@ def decode_step_graph(model) -> bool:
     return True
 
 
+def one_sequence_graph(model) -> bool:
+    """Makes a decode step's onnx.ModelProto (after decode_step_graph) take one sequence, in
+    place: the batch dimension (input_ids' first) is 1 wherever an input or output declares it,
+    so the search measures and picks the products' forms for a single stream (a matrix-vector
+    loop reading an int8 weight in place, say), which the batch's program trades for the forms
+    best at many rows. False when there is no such symbol to fix."""
+    ids = next((v for v in model.graph.input if v.name == IDS), None)
+    if ids is None or not ids.type.tensor_type.shape.dim:
+        return False
+    batch = ids.type.tensor_type.shape.dim[0].dim_param
+    if not batch:
+        return False
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == batch:
+                dim.dim_value = 1  # clears dim_param (a oneof)
+    return True
+
+
 def paged_decode_graph(model, layout: CacheLayout) -> None:
     """Makes a decoder's onnx.ModelProto read its past from the paged KV cache, in place (after
     decode_step_graph, for the decode program). Each layer's past input becomes a read of its
@@ -462,6 +481,7 @@ __all__ = [
     "decode_step_graph",
     "decoder_dims",
     "find_cache_layout",
+    "one_sequence_graph",
     "onnx_specs",
     "paged_decode_graph",
     "pool_input",

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,12 +69,14 @@ class ProgramChooser:
     themselves: the decode program is searched at one batch size, and a product's best form for
     one sequence (a matrix-vector loop) is not its best for sixty-four. Per batch-size bucket
     (powers of two), each program runs TRIES steps in turn, then the one of least median time
-    runs them all; the programs give the same tokens (each verified), so trying costs no answer."""
+    runs them all; the programs give the same tokens (each verified), so trying costs no answer.
+    Programs in `one_row` take a single sequence and are tried for one-row steps only."""
 
     TRIES = 3
 
-    def __init__(self, programs: list[str]) -> None:
+    def __init__(self, programs: list[str], one_row: Collection[str] = ()) -> None:
         self.programs = programs
+        self.one_row = frozenset(one_row)
         self._times: dict[int, dict[str, list[float]]] = {}
         self._chosen: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -83,24 +85,29 @@ class ProgramChooser:
     def bucket(rows: int) -> int:
         return 1 << max(0, rows - 1).bit_length()
 
+    def _serving(self, bucket: int) -> list[str]:
+        return [p for p in self.programs if bucket == 1 or p not in self.one_row]
+
     def pick(self, rows: int) -> str:
         bucket = self.bucket(rows)
+        serving = self._serving(bucket)
         with self._lock:
             chosen = self._chosen.get(bucket)
-            if chosen is not None or len(self.programs) == 1:
-                return chosen or self.programs[0]
-            times = self._times.setdefault(bucket, {p: [] for p in self.programs})
-            return min(self.programs, key=lambda p: len(times[p]))
+            if chosen is not None or len(serving) == 1:
+                return chosen or serving[0]
+            times = self._times.setdefault(bucket, {p: [] for p in serving})
+            return min(serving, key=lambda p: len(times[p]))
 
     def record(self, rows: int, program: str, seconds: float) -> None:
         bucket = self.bucket(rows)
+        serving = self._serving(bucket)
         with self._lock:
-            if bucket in self._chosen or len(self.programs) == 1:
+            if bucket in self._chosen or len(serving) == 1:
                 return
-            times = self._times.setdefault(bucket, {p: [] for p in self.programs})
+            times = self._times.setdefault(bucket, {p: [] for p in serving})
             times[program].append(seconds)
             if all(len(t) >= self.TRIES for t in times.values()):
-                self._chosen[bucket] = min(self.programs, key=lambda p: sorted(times[p])[len(times[p]) // 2])
+                self._chosen[bucket] = min(serving, key=lambda p: sorted(times[p])[len(times[p]) // 2])
 
     def chosen(self) -> dict[int, str]:
         with self._lock:
@@ -241,7 +248,10 @@ class GenerationService:
         decode_key = bundle.get("decode_artifact_key")
         paged_key = bundle.get("decode_paged_key")
         # one-token steps run whichever program measures fastest at their batch size
-        chooser = ProgramChooser([k for k in (paged_key, decode_key) if k] + [key])
+        one_key = bundle.get("decode_one_key")  # and one for a single sequence
+        chooser = ProgramChooser(
+            [k for k in (paged_key, one_key, decode_key) if k] + [key], one_row=[one_key] if one_key else []
+        )
         deliveries = _Deliveries(self.settings.delivery_wait_s)
         niced: list[bool] = []
 

@@ -396,6 +396,21 @@ def test_one_token_steps_run_the_program_that_measures_faster_at_their_batch_siz
     assert ProgramChooser(["only"]).pick(5) == "only"
 
 
+def test_a_program_for_one_sequence_is_tried_and_run_on_one_row_steps_only() -> None:
+    from scheduler.generating import ProgramChooser
+
+    chooser = ProgramChooser(["one", "decode", "general"], one_row=["one"])
+    speed = {"one": 1.0, "decode": 2.0, "general": 3.0}
+    ran: dict[int, set[str]] = {1: set(), 16: set()}
+    for rows in [1, 16, 3] * 12:
+        program = chooser.pick(rows)
+        ran[ChooserBucket.of(rows) if rows > 1 else 1].add(program)
+        chooser.record(rows, program, speed[program])
+    assert ran == {1: {"one", "decode", "general"}, 16: {"decode", "general"}}
+    assert chooser.chosen() == {1: "one", 4: "decode", 16: "decode"}
+    assert chooser.pick(2) != "one"
+
+
 class ChooserBucket:
     @staticmethod
     def of(rows: int) -> int:

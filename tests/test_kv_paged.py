@@ -177,6 +177,7 @@ def test_the_worker_compiles_a_paged_decode_program_or_keeps_the_gathered_one(
     keys, report = _decode_phase(version, store, "program", compile_here)
     assert report["chosen"], report
     assert keys["decode_artifact_key"] == "program-decode"  # the gathered one, always
+    assert keys["decode_one_key"] == "program-decode-one" and report["one_sequence"]["chosen"]
     if pageable:
         assert keys["decode_paged_key"] == "program-decode-paged" and report["paged"]["chosen"]
         assert "paged_refused" not in report
@@ -212,6 +213,16 @@ def test_the_worker_compiles_a_paged_decode_program_or_keeps_the_gathered_one(
     assert (generator.decoder.paged_steps > 0) == pageable
     assert bool(decode_steps) != pageable  # a paged program serves every one-token step
     assert generator.free_blocks == limits.num_blocks  # every block back in the pool
+    # the one-sequence program: its inputs' batch is 1, and a stream alone decodes on it
+    one = load_artifact(store, keys["decode_one_key"], Artifact.from_files)
+    assert [spec.shape[0] for spec in one.signature.inputs] == [1] * len(one.signature.inputs)
+    one_sequence = executable(one)
+
+    def run_one(inputs):
+        return (one_sequence if inputs["input_ids"].shape[1] == 1 else prefill).run(inputs), 0.0
+
+    alone, generator = generate(model, run_one, None, limits, cases[:1])
+    assert alone[0] == cases[0]["generated_ids"]
 
 
 def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathered_one() -> None:

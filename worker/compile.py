@@ -293,12 +293,15 @@ def _decode_phase(
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """A generative version's decode programs, its graph with one new token per sequence
     (compiler.kv_layout.decode_step_graph), searched and verified like the first: one that takes
-    its past whole and one that reads the paged KV cache in place
-    (compiler.kv_layout.paged_decode_graph). The service measures them and the first on the
-    one-token steps and runs the fastest at each batch size. Returns the bundle's keys
-    (decode_artifact_key, decode_paged_key) of those that compiled, and the report: the gathered
-    program's choice, with "paged" the paged one's (False where there is none, "paged_refused"
-    saying why). A decode program that fails to compile leaves the others serving."""
+    its past whole, one that reads the paged KV cache in place
+    (compiler.kv_layout.paged_decode_graph), and one for a single sequence
+    (compiler.kv_layout.one_sequence_graph: its products searched for one row). The service
+    measures them and the first on the one-token steps and runs the fastest at each batch size.
+    Returns the bundle's keys (decode_artifact_key, decode_paged_key, decode_one_key) of those
+    that compiled, and the report: the gathered program's choice, with "paged" and
+    "one_sequence" the others' (False where there is none, "paged_refused" and
+    "one_sequence_error" saying why). A decode program that fails to compile leaves the others
+    serving."""
     keys: dict[str, str] = {}
     paged: dict[str, Any] = {"paged": False}
     if version.target in PAGED_TARGETS:
@@ -323,7 +326,19 @@ def _decode_phase(
         log.warning("the decode program of version %s did not compile: %s", version.id, exc)
         return keys, {"chosen": None, "error": str(exc), **paged}
     keys["decode_artifact_key"] = f"{key}-decode"
-    return keys, {**_decode_report(artifact), **paged}
+    report = {**_decode_report(artifact), **paged, "one_sequence": False}
+    try:
+        artifact, _ = _compiled_or_cached(
+            version, store, f"{key}-decode-one", compile_fn, None, transform=_as_one_sequence_step
+        )
+        keys["decode_one_key"] = f"{key}-decode-one"
+        report["one_sequence"] = _decode_report(artifact)
+    except CompileCancelled:
+        raise
+    except (CompilerError, ValueError) as exc:
+        log.warning("the one-sequence decode program of version %s did not compile: %s", version.id, exc)
+        report["one_sequence_error"] = str(exc)
+    return keys, report
 
 
 def _decode_report(artifact: Artifact) -> dict[str, Any]:
@@ -359,6 +374,18 @@ def _as_decode_step(graph: Path) -> None:
     model = onnx.load(str(graph))
     if not decode_step_graph(model):
         raise ValueError("the graph's input_ids has no symbolic sequence dimension to fix")
+    onnx.save(model, str(graph))
+
+
+def _as_one_sequence_step(graph: Path) -> None:
+    """The decode step's graph for one sequence (compiler.kv_layout.one_sequence_graph)."""
+    import onnx
+
+    from compiler.kv_layout import decode_step_graph, one_sequence_graph
+
+    model = onnx.load(str(graph))
+    if not (decode_step_graph(model) and one_sequence_graph(model)):
+        raise ValueError("the graph's input_ids has no symbolic batch and sequence dimensions to fix")
     onnx.save(model, str(graph))
 
 
