@@ -14,6 +14,7 @@ from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import GemmCall, Guarded, Load, LoopKernel
 from compiler.kernels.ir_walk import walk
 from compiler.kernels.lower import lower
+from compiler.render.c import render
 
 FLOAT = TensorProto.FLOAT
 
@@ -201,3 +202,35 @@ def test_copies_of_one_value_over_ranges_with_a_gap_stay_apart() -> None:
     )
     rng = np.random.default_rng(9)
     _check(data, [{"u": rng.standard_normal((b, 1, 4)).astype(np.float32)} for b in (1, 3)])
+
+
+def test_a_row_gathered_from_a_pool_is_indexed_once_and_copied_contiguously() -> None:
+    """present = Concat(pool[slots], new): the slot of each past position is read once per row of
+    head values (hoisted out of the row's loop, which then vectorizes), the new position's row is
+    a plain copy, and the result equals onnxruntime's."""
+    data = _model(
+        [
+            helper.make_node("Gather", ["pool", "slots"], ["past"], axis=0),
+            helper.make_node("Concat", ["past", "new"], ["present"], axis=1),
+        ],
+        [
+            helper.make_tensor_value_info("pool", FLOAT, ["pool_slots", 4, 16]),
+            helper.make_tensor_value_info("slots", TensorProto.INT64, ["batch", "past"]),
+            helper.make_tensor_value_info("new", FLOAT, ["batch", 1, 4, 16]),
+        ],
+        [helper.make_tensor_value_info("present", FLOAT, ["batch", "total", 4, 16])],
+    )
+    source = render(lower(load_graph(data)))
+    hoisted = source.index("const int64_t lc_g0 = lc_index(")
+    assert "#pragma omp simd" in source[hoisted:]
+    rng = np.random.default_rng(11)
+    feeds_list = []
+    for batch, past in ((1, 5), (3, 20), (3, 20), (2, 0)):
+        feeds_list.append(
+            {
+                "pool": rng.standard_normal((48, 4, 16)).astype(np.float32),
+                "slots": rng.integers(-48, 48, (batch, past)).astype(np.int64),
+                "new": rng.standard_normal((batch, 1, 4, 16)).astype(np.float32),
+            }
+        )
+    _check(data, feeds_list)

@@ -45,7 +45,7 @@ from compiler.kernels.ir_walk import (
 from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import WindowGeometry, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
-from compiler.shape import Dim, Shape
+from compiler.shape import Dim, Shape, dim_sub, provably_le
 
 C_TYPES = {
     "float32": "float",
@@ -111,6 +111,9 @@ CONV_MIN_REUSE = 4
 CONV_PLANE_BYTES = 192 * 1024
 # a row of a loop with lets is computed this many elements at a time, each let into a local array
 LET_CHUNK = 256
+# at most this many row-invariant padding guards choose a version of a row each (rows_by_guard);
+# the rest are checked per element
+ROW_CASES_MAX = 8
 
 _PRELUDE = """\
 #define _GNU_SOURCE
@@ -498,8 +501,12 @@ class CRenderer:
         self.guard: str | None = ""
         # padding guards known to hold where the expression is being rendered (a split loop's middle)
         self.known: frozenset = frozenset()
+        # padding guards known to fail there (a row of a concatenation outside one part's range)
+        self.known_false: frozenset = frozenset()
         # buffers whose element is a local of the statement being rendered (a loop's lets)
         self.locals: dict[int, str] = {}
+        # gathered indices computed once before the row being rendered: atom -> its local
+        self.hoisted: dict[Atom, str] = {}
 
     def symbols(self) -> str:
         return "".join(f"    const int64_t s_{s} = S[{i}];\n" for i, s in enumerate(self.program.symbols))
@@ -831,11 +838,77 @@ class CRenderer:
     def row(self, kernel: LoopKernel, indent: str, statement, start: str = "0", stop: str | None = None) -> str:
         """The innermost output loop (from start to stop, its whole extent by default) around
         `statement(value)`, split by its padding guards."""
+        invariant = self.row_invariant_guards(kernel, f"o{len(kernel.shape) - 1}")
+        if invariant:
+            return self.rows_by_guard(kernel, indent, statement, start, stop, invariant)
+        return self.split_row(kernel, indent, statement, start, stop)
+
+    def split_row(self, kernel: LoopKernel, indent: str, statement, start: str = "0", stop: str | None = None) -> str:
+        """The innermost output loop split by the padding guards that depend on it (guard_split),
+        after the gathered indices that hold for the whole row, computed once (a paged cache's slot
+        of a key: the row of 64 values it picks is then a contiguous read that vectorizes)."""
+        inner = f"o{len(kernel.shape) - 1}"
+        hoistable, remaining = self.row_gathers(kernel, inner)
+        if not hoistable:
+            return self.unhoisted_row(kernel, indent, statement, start, stop, vector=not remaining)
+        outside = self.hoisted
+        self.hoisted = dict(outside)
+        lines = [f"{indent}{{\n"]
+        for atom in hoistable:
+            name = f"lc_g{len(self.hoisted)}"
+            lines.append(f"{indent}    const int64_t {name} = {self.ix_atom(atom)};\n")
+            self.hoisted[atom] = name
+        lines.append(self.unhoisted_row(kernel, indent + "    ", statement, start, stop, vector=not remaining))
+        lines.append(f"{indent}}}\n")
+        self.hoisted = outside
+        return "".join(lines)
+
+    def row_gathers(self, kernel: LoopKernel, inner: str) -> tuple[list[Atom], bool]:
+        """(the gathered indices of the row that read nothing of its loop `inner` and lie under no
+        guard left to check per element, whether other gathered indices remain in it). Under a
+        guard C reads only the branch taken, so an index there is not read ahead of its check;
+        under a guard known to fail nothing is read at all."""
+        hoistable: list[Atom] = []
+        remaining = False
+        written = kernel_stores(kernel)
+
+        def visit(e, checked: bool) -> None:
+            nonlocal remaining
+            if isinstance(e, Guarded):
+                if not any(guard in self.known_false for guard in e.guards):
+                    visit(e.value, checked or any(guard not in self.known for guard in e.guards))
+            elif isinstance(e, Apply):
+                for arg in e.args:
+                    visit(arg, checked)
+            elif isinstance(e, (Load, IndexValue)):
+                visit(e.index, checked)
+            elif isinstance(e, Ix):
+                for var, _ in e.terms:
+                    if isinstance(var, Atom):
+                        visit(var, checked)
+            elif isinstance(e, Atom):
+                if e.op == "value" and (e in hoistable or e in self.hoisted):
+                    return
+                if e.op == "value" and not checked and _reads_only_outside(e.args[0], inner, written):
+                    hoistable.append(e)
+                    return
+                remaining |= e.op == "value"
+                for arg in e.args:
+                    if isinstance(arg, (Ix, Load, Guarded, Apply, IndexValue, Atom)):
+                        visit(arg, checked)
+
+        for value in kernel.values:
+            visit(value, False)
+        return hoistable, remaining
+
+    def unhoisted_row(
+        self, kernel: LoopKernel, indent: str, statement, start: str, stop: str | None, vector: bool
+    ) -> str:
         rank = len(kernel.shape)
         inner, extent = f"o{rank - 1}", stop or dim(kernel.shape[-1])
         # without it GCC unrolls a short row (12 wide) completely and then vectorizes nothing;
         # every element is independent (the written buffer is read only at its own element)
-        simd = "" if self.kernel_gathers(kernel) else "#pragma omp simd\n"
+        simd = "#pragma omp simd\n" if vector else ""
         split = self.guard_split(kernel, inner)
         if split is None:
             return self.let_rows(kernel.lets, kernel.value, inner, (start, extent), self.out_index(kernel), statement, indent, simd)
@@ -843,9 +916,10 @@ class CRenderer:
         lines = [f"{indent}{{\n"]
         lines.extend(f"{indent}    {line}\n" for line in bounds(start, extent))
         edge = self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, statement)
-        self.known = known
+        outside = self.known
+        self.known = outside | known
         middle = self.with_lets(kernel.lets, self.out_index(kernel), kernel.value, statement)
-        self.known = frozenset()
+        self.known = outside
         for lo, hi, text in ((start, "lc_lo", edge), ("lc_lo", "lc_hi", middle), ("lc_hi", extent, edge)):
             if simd:
                 lines.append(f"{indent}    {simd}")
@@ -854,12 +928,47 @@ class CRenderer:
         lines.append(f"{indent}}}\n")
         return "".join(lines)
 
+    def row_invariant_guards(self, kernel: LoopKernel, inner: str) -> list[tuple[Ix, Dim]]:
+        """The padding guards not yet resolved whose index does not depend on the row's loop
+        `inner` (a concatenation along an outer axis, a repeat's parity): each holds or fails for
+        the whole row."""
+        every = {(g, n) for v in kernel.values for e in walk(v) if isinstance(e, Guarded) for g, n in e.guards}
+        resolved = self.known | self.known_false
+        found = [(g, n) for g, n in every if (g, n) not in resolved and _independent_of(g, inner)]
+        return sorted(found, key=repr)[:ROW_CASES_MAX]
+
+    def rows_by_guard(
+        self, kernel: LoopKernel, indent: str, statement, start: str, stop: str | None, guards: list[tuple[Ix, Dim]]
+    ) -> str:
+        """The row once per guard that may hold for it, chosen by testing the guards in turn, and
+        once where none does (index-set splitting at the boundaries of a concatenation's parts):
+        in each version the guard taken holds, the ones tested before it and those provably
+        disjoint from it fail, so the parts of a concatenation are plain copies the C compiler
+        vectorizes instead of a sum of checked reads per element."""
+        outside_known, outside_false = self.known, self.known_false
+        lines = []
+        for position, (g, n) in enumerate(guards):
+            failed = set(guards[:position]) | {other for other in guards if _disjoint((g, n), other)}
+            self.known, self.known_false = outside_known | {(g, n)}, outside_false | failed
+            keyword = "if" if position == 0 else "} else if"
+            lines.append(f"{indent}{keyword} ({self.checks([(g, n)])}) {{\n")
+            lines.append(self.split_row(kernel, indent + "    ", statement, start, stop))
+        self.known, self.known_false = outside_known, outside_false | set(guards)
+        lines.append(f"{indent}}} else {{\n")
+        lines.append(self.split_row(kernel, indent + "    ", statement, start, stop))
+        lines.append(f"{indent}}}\n")
+        self.known, self.known_false = outside_known, outside_false
+        return "".join(lines)
+
     def guard_split(self, kernel: LoopKernel, inner: str):
         """(bounds, guards) when padding guards `0 <= a*inner + rest < n` (a > 0) depend on the
         innermost loop `inner`: `bounds(start, stop)` declares lc_lo and lc_hi, between which
         every such guard holds; None when there is none. Guards on the loops outside alone are checked
         once for the whole range."""
-        every = {(g, n) for v in kernel.values for e in walk(v) if isinstance(e, Guarded) for g, n in e.guards}
+        resolved = self.known | self.known_false
+        every = {
+            (g, n) for v in kernel.values for e in walk(v) if isinstance(e, Guarded) for g, n in e.guards
+        } - resolved
         guards = {(g, n) for g, n in every if any(v == inner for v, _ in g.terms)}
         steady = sorted(
             ((g, n) for g, n in every if all(isinstance(v, str) and v != inner for v, _ in g.terms)),
@@ -1288,6 +1397,8 @@ class CRenderer:
         return " + ".join(parts)
 
     def ix_atom(self, atom: Atom) -> str:
+        if atom in self.hoisted:
+            return self.hoisted[atom]
         if atom.op == "floordiv":
             return f"(({self.ix(atom.args[0])}) / {dim(atom.args[1])})"
         if atom.op == "mod":
@@ -1315,6 +1426,8 @@ class CRenderer:
         if isinstance(e, IndexValue):
             return f"(({C_TYPES[e.dtype]})({self.ix(e.index)}))"
         if isinstance(e, Guarded):
+            if any(guard in self.known_false for guard in e.guards):
+                return literal(e.fill, e.dtype)
             guards = [(g, n) for g, n in e.guards if (g, n) not in self.known]
             if not guards:
                 return self.expr(e.value)
@@ -1369,6 +1482,37 @@ class CRenderer:
                 return f"lc_exp2f({args[0]})"
             return f"(({ctype}){e.op}((double)({args[0]})))"
         raise TypeError(f"cannot render op {e.op}")
+
+
+def _independent_of(ix: Ix, var: str) -> bool:
+    """Whether an index reads no loop variable `var` and no loaded value (divisions and remainders
+    of other loop variables allowed)."""
+    for term, _ in ix.terms:
+        if isinstance(term, str):
+            if term == var:
+                return False
+        elif term.op not in ("floordiv", "mod") or not _independent_of(term.args[0], var):
+            return False
+    return True
+
+
+def _reads_only_outside(expr: Expr, inner: str, written: set[int]) -> bool:
+    """Whether a value reads no index of the loop `inner` and nothing its own kernel writes."""
+    for e in walk(expr):
+        if isinstance(e, Ix) and any(var == inner for var, _ in e.terms):
+            return False
+        if isinstance(e, Load) and e.buffer in written:
+            return False
+    return True
+
+
+def _disjoint(guard: tuple[Ix, Dim], other: tuple[Ix, Dim]) -> bool:
+    """Whether two guards `0 <= t + a < n` and `0 <= t + b < m` on the same t never both hold:
+    t lies in [-a, n - a) and in [-b, m - b)."""
+    (g, n), (h, m) = guard, other
+    if g.terms != h.terms or g == h:
+        return False
+    return provably_le(dim_sub(n, g.const), dim_sub(0, h.const)) or provably_le(dim_sub(m, h.const), dim_sub(0, g.const))
 
 
 def _operations(expr: Expr) -> int:
