@@ -59,15 +59,18 @@ class RecordingDriver(EmulatedDriver):
 @pytest.fixture(scope="module")
 def gpu_programs(tmp_path_factory) -> dict[str, Artifact]:
     """The tiny GPT-2 for an H100 as the worker ships it: its general program, and the paged decode
-    program the worker's decode phase compiles for a GPU target now."""
+    program the worker's decode phase compiles for a GPU target now (with the gathered and
+    one-sequence ones)."""
     store = LocalObjectStore(tmp_path_factory.mktemp("store"))
     data = GPT2.read_bytes()
     store.put("graph", data)
     version = SimpleNamespace(id=1, target="h100", bundle={}, graph_key="graph", precision=EXPORTED)
     keys, report = _decode_phase(version, store, "program", compile_here)
-    assert keys == {"decode_paged_key": "program-decode-paged", "decode_artifact_key": "program-decode"}, (
-        report
-    )
+    assert keys == {
+        "decode_paged_key": "program-decode-paged",
+        "decode_artifact_key": "program-decode",
+        "decode_one_key": "program-decode-one",
+    }, report
     assert report["paged"]["chosen"] and "paged_refused" not in report
     general = compile_onnx(data, "h100", dims=decoder_dims(onnx_specs(onnx.load_from_string(data))[0]))
     return {
