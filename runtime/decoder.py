@@ -11,6 +11,7 @@ and the programs are the runtime's: on a GPU runtime the pools stay in device me
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,9 @@ class DecoderSteps:
     one-token steps whose row count `paged_for` accepts (the others gather their past for
     `run_step`: the service runs whichever program measures faster at each batch size). With a
     `storage` in a GPU's memory (runtime.cuda.DeviceKVStorage), `paged_step` is the runner that
-    storage takes (KVStorage.run_paged); the default, host memory, takes a StepRunner."""
+    storage takes (KVStorage.run_paged); the default, host memory, takes a StepRunner.
+    `on_gathered` is told the seconds each gather of the past took, just before `run_step` runs
+    on it: the paged program needs none, so a choice between them counts it."""
 
     def __init__(
         self,
@@ -51,8 +54,10 @@ class DecoderSteps:
         paged_step: Callable | None = None,
         paged_for: Callable[[int], bool] = lambda rows: True,
         storage: KVStorage | None = None,
+        on_gathered: Callable[[float], None] | None = None,
     ) -> None:
         self.layout = layout
+        self.on_gathered = on_gathered
         self.run_step = run_step
         self.paged_step = paged_step
         self.paged_for = paged_for
@@ -87,7 +92,10 @@ class DecoderSteps:
             outputs, seconds = cache.run_paged(self.paged_step, inputs, new_slots)
             self.paged_steps += 1
         else:
+            started = time.perf_counter()
             past_keys, past_values = cache.gather(tables, starts, width)
+            if self.on_gathered is not None:
+                self.on_gathered(time.perf_counter() - started)
             for layer in range(layout.layers):
                 inputs[layout.past_keys[layer]] = past_keys[layer]
                 inputs[layout.past_values[layer]] = past_values[layer]

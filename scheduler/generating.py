@@ -265,13 +265,15 @@ class GenerationService:
             before_run()
             return runtime.run_batch(program, [inputs], [rows])
 
+        gathered = [0.0]  # the step's gather of its past, which the paged program does without
+
         def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
             # (a one-token step comes here when the chooser's pick is not the paged program)
             program = chooser.pick(rows) if tokens == 1 else key
             result = run_program(program, inputs, rows)
             if tokens == 1:
-                chooser.record(rows, program, result.exec_seconds)
+                chooser.record(rows, program, result.exec_seconds + gathered[0])
             return result.outputs[0], result.exec_seconds
 
         def paged_step(inputs):
@@ -312,6 +314,7 @@ class GenerationService:
                 paged_step=(paged_step_on_device if on_device else paged_step) if paged_key else None,
                 paged_for=lambda rows: chooser.pick(rows) == paged_key,
                 kv_storage=storage,
+                on_gathered=lambda seconds: gathered.__setitem__(0, seconds),
             )
         except BaseException:
             if storage is not None:

@@ -135,11 +135,12 @@ class Generator:
         paged_step: Callable | None = None,
         paged_for: Callable[[int], bool] = lambda rows: True,
         kv_storage: KVStorage | None = None,
+        on_gathered: Callable[[float], None] | None = None,
     ) -> None:
         """`paged_step` runs the paged decode program, when there is one, for the one-token
         steps whose row count `paged_for` accepts (runtime.decoder.DecoderSteps); `kv_storage`
         holds the cache's pools (host memory unless given: a GPU runtime's Runtime.kv_storage),
-        freed by `close`."""
+        freed by `close`; `on_gathered` is told how long each step's gather of the past took."""
         self.layout = layout
         self.codec = codec
         self.limits = limits
@@ -152,6 +153,7 @@ class Generator:
             paged_step,
             paged_for,
             kv_storage,
+            on_gathered,
         )
         self.scheduler = IterationScheduler(
             self.decoder.allocator, limits.max_step_tokens, limits.max_running, limits.prefill_chunk

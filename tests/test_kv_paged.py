@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -288,6 +289,63 @@ def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathe
         assert ("prefill", 3) in ran and ("decode", 1) in ran and ("prefill", 1) in ran and ("gathered", 1) in ran
         assert all(tokens_fed == 1 for key, tokens_fed in ran if key == "decode")
         assert service.free_blocks(1) == 64
+    finally:
+        service.close()
+
+
+def test_the_choice_counts_the_gather_that_only_the_gathered_programs_need(monkeypatch) -> None:
+    """The general program runs faster than the paged one, but its step first gathers the past
+    out of the pools (slow here): the paged program wins the one-token steps."""
+    from runtime.kv_cache import PagedKVCache
+    from scheduler.generating import GenerationService, GenerationSettings
+    from scheduler.observer import NO_OBSERVER
+
+    slow_gather = PagedKVCache.gather
+
+    def gather(self, *args, **kwargs):
+        time.sleep(0.01)
+        return slow_gather(self, *args, **kwargs)
+
+    monkeypatch.setattr(PagedKVCache, "gather", gather)
+    ran: list[str] = []
+
+    class ToyRuntime:
+        def signature(self, key):
+            return SimpleNamespace(
+                inputs=[SimpleNamespace(name=name, dtype=dtype) for name, dtype in DTYPES.items()]
+            )
+
+        def run_batch(self, key, requests, rows):
+            inputs = requests[0]
+            outputs, _ = (toy_paged_decoder if key == "decode" else toy_decoder)(inputs)
+            if inputs["input_ids"].shape[1] == 1:
+                ran.append(key)
+            return SimpleNamespace(outputs=[outputs], exec_seconds=0.003 if key == "decode" else 0.002)
+
+    settings = GenerationSettings(kv_cache_bytes=64 * LAYOUT.block_bytes(4), block_tokens=4)
+    service = GenerationService(
+        {"cpu": ToyRuntime()}, lambda bundle: FakeCodec(), None, {"cpu": 1.0}, settings, NO_OBSERVER
+    )
+    route = SimpleNamespace(
+        version_id=1,
+        target="cpu",
+        artifact_key="prefill",
+        model_name="m",
+        version=1,
+        tenant_id=7,
+        tenant_name="t",
+        bundle={"layout": LAYOUT.to_json(), "context_length": 512, "decode_paged_key": "decode"},
+    )
+    finished = threading.Event()
+    try:
+        service.start(
+            route,
+            GenerationRequest("a", [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)),
+            lambda event: finished.set() if event.finish_reason else None,
+        )
+        assert finished.wait(10)
+        assert ran[:6].count("decode") == 3 and ran[:6].count("prefill") == 3  # each tried
+        assert set(ran[6:]) == {"decode"}, ran
     finally:
         service.close()
 
