@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler import compile_onnx, executable
 from compiler.frontends.onnx import load_graph
-from compiler.kernels.ir import GemmCall, Guarded, Load, LoopKernel
+from compiler.kernels.ir import GemmCall, Load, LoopKernel
 from compiler.kernels.ir_walk import walk
 from compiler.kernels.lower import lower
 from compiler.render.c import render
@@ -109,17 +109,21 @@ def _grouped_attention_scores(copies: int, spelled_by: str) -> bytes:
 
 
 @pytest.mark.parametrize("copies, spelled_by", [(2, "concat"), (4, "concat"), (2, "expand")])
-def test_repeated_key_heads_feed_the_product_as_plain_copies(copies: int, spelled_by: str) -> None:
+def test_repeated_key_heads_are_read_in_place_by_both_products(copies: int, spelled_by: str) -> None:
+    """The query head axis splits into key head x group: K is read where it lies, with stride 0
+    along the group, by the scores' product (transposed) and by the second product; nothing is
+    copied per query head."""
     data = _grouped_attention_scores(copies, spelled_by)
-    program = lower(load_graph(data))
-    loops = [k for k in program.kernels if isinstance(k, LoopKernel)]
-    # the repeat is one read of K per element, not a sum of guarded reads of each copy
-    assert not any(isinstance(e, Guarded) for k in loops for e in walk(k.value))
-    # K^T is packed as the transposed operand of its call: the copy steps along K's rows
-    (scores,) = [k for k in program.kernels if isinstance(k, GemmCall) and k.trans_b]
-    (copy,) = [k for k in loops if k.out == scores.b]
-    last = f"o{len(copy.shape) - 1}"
-    assert isinstance(copy.value, Load) and dict(copy.value.index.terms)[last] == 1
+    graph = load_graph(data)
+    program = lower(graph)
+    k_input = next(b.id for b in program.buffers if b.name == "k")
+    calls = [k for k in program.kernels if isinstance(k, GemmCall)]
+    assert not [k for k in program.kernels if isinstance(k, LoopKernel)]
+    assert len(calls) == 2 and all(call.b == k_input for call in calls)
+    assert [call.trans_b for call in calls] == [True, False]
+    for call in calls:
+        group = list(call.batch).index(copies)
+        assert call.b_batch_strides[group] == 0 and call.a_batch_strides[group] != 0
     rng = np.random.default_rng(copies)
     feeds_list = []
     for batch, total in ((1, 7), (3, 33), (2, 1)):
@@ -233,4 +237,36 @@ def test_a_row_gathered_from_a_pool_is_indexed_once_and_copied_contiguously() ->
                 "new": rng.standard_normal((batch, 1, 4, 16)).astype(np.float32),
             }
         )
+    _check(data, feeds_list)
+
+
+def test_a_computed_key_is_packed_for_a_transposed_product_by_a_contiguous_copy() -> None:
+    """K^T of a key computed on the way (scaled here; gathered from a pool in a paged cache) is
+    stored as K's rows for a transposed call: the copy reads and writes along the head size."""
+    data = _model(
+        [
+            helper.make_node("Mul", ["k", "half"], ["scaled"]),
+            helper.make_node("Transpose", ["scaled"], ["k_t"], perm=[0, 1, 3, 2]),
+            helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
+        ],
+        [
+            helper.make_tensor_value_info("q", FLOAT, ["batch", 4, 1, 16]),
+            helper.make_tensor_value_info("k", FLOAT, ["batch", 4, "total", 16]),
+        ],
+        [helper.make_tensor_value_info("scores", FLOAT, ["batch", 4, 1, "total"])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half")],
+    )
+    program = lower(load_graph(data))
+    (call,) = [k for k in program.kernels if isinstance(k, GemmCall)]
+    (copy,) = [k for k in program.kernels if isinstance(k, LoopKernel) and k.out == call.b]
+    loads = [e for e in walk(copy.value) if isinstance(e, Load)]
+    assert call.trans_b and dict(loads[0].index.terms)[f"o{len(copy.shape) - 1}"] == 1
+    rng = np.random.default_rng(13)
+    feeds_list = []
+    for batch, total in ((1, 9), (2, 30), (2, 30)):
+        feeds = {
+            "q": rng.standard_normal((batch, 4, 1, 16)).astype(np.float32),
+            "k": rng.standard_normal((batch, 4, total, 16)).astype(np.float32),
+        }
+        feeds_list.append(feeds)
     _check(data, feeds_list)

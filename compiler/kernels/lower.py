@@ -12,6 +12,7 @@ with a sum, which is the alternative the search measures against the library cal
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -111,6 +112,8 @@ class _Lowering:
         self.weights: dict[str, np.ndarray] = dict(graph.weights)
         self.symbols: set[str] = set()
         self.scalars = self.scalar_constants()
+        # the product being lowered: batch letters split into (outer, inner, group) (grouped_batch)
+        self.letter_split: dict[str, tuple[str, str, int]] = {}
 
     def scalar_constants(self) -> dict[int, np.ndarray]:
         """Values every element of which is one constant, computed here: a scale of 1/sqrt(d)
@@ -408,6 +411,12 @@ class _Lowering:
         target = out
         if "".join(canonical) != out_letters:
             target = self.new_buffer(node.dtype, tuple(sizes[c] for c in canonical), "temp")
+        else:
+            self.letter_split = self.grouped_batch((a, b), batch, sizes)
+            for c, (outer, inner, group) in self.letter_split.items():
+                sizes[outer], sizes[inner] = sizes[c] // group, group
+            batch = [part for c in batch for part in (self.letter_split[c][:2] if c in self.letter_split else (c,))]
+            canonical = batch + m_letters + n_letters
         scaled = self.row_scaled_operand(a, batch, m_letters, k_letters, n_letters, sizes)
         if scaled is not None:
             a_buf, trans_a, a_strides, row_scale = scaled
@@ -435,10 +444,56 @@ class _Lowering:
             names = {c: f"o{j}" for j, c in enumerate(canonical)}
             own = Load(target, linear([Ix.var(names[c]) for c in canonical], shape))
             self.kernels.append(LoopKernel(target, shape, Apply("mul", (own, renamed(row_scale, names)), node.dtype), None, i))
+        self.letter_split = {}
         if target != out:
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(out_axes)}
             index = linear([var_of[c] for c in canonical], tuple(sizes[c] for c in canonical))
             self.kernels.append(LoopKernel(out, node.shape, Load(target, index), None, i))
+
+    def grouped_batch(self, operands, batch: list[str], sizes: dict[str, Dim]) -> dict[str, tuple[str, str, int]]:
+        """Batch letters an operand reads through a division by a constant group (grouped-query
+        attention's query head h reads key head h // 2), each split into (outer, inner, group):
+        h = outer * group + inner is two batch axes, and the operand that reads h // group is read
+        in place with stride 0 along inner instead of being copied once per query head."""
+        used = {c for _, letters, _, _ in operands for c in letters}
+        fresh = (c for c in string.ascii_letters if c not in used)
+        split: dict[str, tuple[str, str, int]] = {}
+        for base, letters, squeezed, ones in operands:
+            if self.constant_value(base) is not None:
+                return {}  # a folded weight is transposed by its letters: no split of them
+            axis_letter = _axis_letters(letters, squeezed, ones, len(self.nodes[base].shape))
+            value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], dict(sizes))
+            for e in walk(value):
+                if not (isinstance(e, Atom) and e.op == "floordiv" and isinstance(e.args[1], int) and e.args[1] > 1):
+                    continue
+                (c, coef), = e.args[0].terms if len(e.args[0].terms) == 1 and e.args[0].const == 0 else ((None, 0),)
+                size = sizes.get(c) if c in batch and coef == 1 else None
+                if c not in split and isinstance(size, int) and size % e.args[1] == 0:
+                    split[c] = (next(fresh), next(fresh), e.args[1])
+        return split
+
+    def axis_indices(self, axis_letter: list[str | None], var_of: dict[str, Ix]) -> list[Ix]:
+        """Each axis' index from its letter's variable: a split letter's as outer * group + inner,
+        where an operand that does not read inner has no variable for it."""
+        idx = []
+        for c in axis_letter:
+            if c is None:
+                idx.append(Ix())
+            elif c in self.letter_split:
+                outer, inner, group = self.letter_split[c]
+                idx.append(var_of[outer].scale(group) + var_of.get(inner, Ix()))
+            else:
+                idx.append(var_of[c])
+        return idx
+
+    def own_batch(self, batch: list[str], letters: str, value: Expr) -> list[str]:
+        """The batch letters an operand has, in the call's order: a split letter's outer part, and its
+        inner part only where the operand's value reads it (else its stride is 0)."""
+        own = set(letters)
+        for c, (outer, inner, _) in self.letter_split.items():
+            if c in own:
+                own |= {outer} | ({inner} if inner in expr_variables(value) else set())
+        return [c for c in batch if c in own]
 
     @staticmethod
     def matrix_vector(m_letters: list[str], n_letters: list[str], sizes: dict[str, Dim]) -> bool:
@@ -474,11 +529,10 @@ class _Lowering:
         if _probe(numel(sizes[c] for c in n_letters), probe) > _probe(numel(sizes[c] for c in cols), probe):
             return None
         axis_letter = _axis_letters(letters, squeezed, ones, len(self.nodes[base].shape))
-        own_batch = [c for c in batch if c in letters]
-        extents = {c: sizes[c] for c in letters if c not in ones}
-        value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], extents)
+        value = self.expr(base, self.axis_indices(axis_letter, _letter_vars(sizes)), dict(sizes))
         if not isinstance(value, Apply) or value.op != "mul":
             return None
+        own_batch = self.own_batch(batch, letters, value)
         allowed = set(own_batch) | set(rows)
         for x, f in (value.args, value.args[::-1]):
             if not isinstance(x, Load) or not expr_variables(f) <= allowed:
@@ -498,13 +552,11 @@ class _Lowering:
         instead of a kernel that stores it whole, and its row stride where that is not the
         packed one (a head's slice of a [tokens, heads * size] projection, read in place)."""
         base, letters, squeezed, ones = operand
-        own_batch = [c for c in batch if c in letters]
         shape = self.nodes[base].shape
         axis_letter = _axis_letters(letters, squeezed, ones, len(shape))
+        value = self.expr(base, self.axis_indices(axis_letter, _letter_vars(sizes)), dict(sizes))
+        own_batch = self.own_batch(batch, letters, value)
         for trans, order in ((False, own_batch + rows + cols), (True, own_batch + cols + rows)):
-            extents = {c: sizes[c] for c in order}
-            idx = [Ix() if c is None else Ix.var(c) for c in axis_letter]
-            value = self.expr(base, idx, extents)
             if isinstance(value, Load) and value.index == linear([Ix.var(c) for c in order], tuple(sizes[c] for c in order)):
                 return value.buffer, trans, self.batch_strides(batch, order, sizes), None, None
             inner, outer = (cols, rows) if not trans else (rows, cols)
@@ -532,8 +584,7 @@ class _Lowering:
                 packed_shape = tuple(sizes[c] for c in order)
             extents = {f"o{j}": d for j, d in enumerate(packed_shape)}
             var_of = {c: Ix.var(f"o{j}") for j, c in enumerate(order)}
-            idx = [Ix() if c is None else var_of[c] for c in axis_letter]
-            value = self.expr(base, idx, extents)
+            value = self.expr(base, self.axis_indices(axis_letter, var_of), extents)
             key = (dtype, packed_shape, value)
             if not panels and key in self.packed:
                 # the same operand of another product (a layer norm's output feeding the query, key
@@ -556,8 +607,7 @@ class _Lowering:
         for a transposed call, its copy then reads and writes contiguously, not a transpose."""
         if not rows or not cols:
             return False
-        extents = {c: sizes[c] for c in axis_letter if c is not None}
-        value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], extents)
+        value = self.expr(base, self.axis_indices(axis_letter, _letter_vars(sizes)), dict(sizes))
         along_rows = along_cols = 0
         for e in walk(value):
             if isinstance(e, Load):
@@ -770,6 +820,11 @@ def _strided(value: Expr, batch: list[str], outer: list[str], inner: list[str], 
     if sizes[outer[0]] != 1 and (ld == 0 or not provably_le(numel(inner_sizes), ld)):
         return None
     return {c: coefs[c] for c in batch if c in coefs}, ld if sizes[outer[0]] != 1 else numel(inner_sizes)
+
+
+def _letter_vars(sizes: dict[str, Dim]) -> dict[str, Ix]:
+    """Each letter of a product as a loop variable of its own name."""
+    return {c: Ix.var(c) for c in sizes}
 
 
 def _probe(d: Dim, sizes: dict[str, int]) -> int:
