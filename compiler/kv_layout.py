@@ -305,17 +305,7 @@ def decode_step_graph(model) -> bool:
     the products of one token per sequence, and a merged decoder's `use_cache_branch` is bound
     to True (bind_cache_branch). False when there is no such symbol to fix."""
     bind_cache_branch(model)
-    ids = next((v for v in model.graph.input if v.name == IDS), None)
-    if ids is None or len(ids.type.tensor_type.shape.dim) != 2:
-        return False
-    seq = ids.type.tensor_type.shape.dim[1].dim_param
-    if not seq:
-        return False
-    for value in [*model.graph.input, *model.graph.output]:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param == seq:
-                dim.dim_value = 1  # clears dim_param (a oneof)
-    return True
+    return _fix_ids_dimension(model, 1)
 
 
 def one_sequence_graph(model) -> bool:
@@ -324,15 +314,21 @@ def one_sequence_graph(model) -> bool:
     so the search measures and picks the products' forms for a single stream (a matrix-vector
     loop reading an int8 weight in place, say), which the batch's program trades for the forms
     best at many rows. False when there is no such symbol to fix."""
+    return _fix_ids_dimension(model, 0)
+
+
+def _fix_ids_dimension(model, axis: int) -> bool:
+    """The symbol of input_ids' `axis` set to 1 wherever an input or output declares it; False
+    when input_ids is not [batch, seq] or that axis has no symbol."""
     ids = next((v for v in model.graph.input if v.name == IDS), None)
-    if ids is None or not ids.type.tensor_type.shape.dim:
+    if ids is None or len(ids.type.tensor_type.shape.dim) != 2:
         return False
-    batch = ids.type.tensor_type.shape.dim[0].dim_param
-    if not batch:
+    symbol = ids.type.tensor_type.shape.dim[axis].dim_param
+    if not symbol:
         return False
     for value in [*model.graph.input, *model.graph.output]:
         for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param == batch:
+            if dim.dim_param == symbol:
                 dim.dim_value = 1  # clears dim_param (a oneof)
     return True
 
