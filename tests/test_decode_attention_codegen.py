@@ -270,3 +270,36 @@ def test_a_computed_key_is_packed_for_a_transposed_product_by_a_contiguous_copy(
         }
         feeds_list.append(feeds)
     _check(data, feeds_list)
+
+
+def test_a_reduction_over_a_gathered_row_reads_its_index_once() -> None:
+    """The sum of squares of an embedding row (a norm of a gathered token): the row's index is read
+    once, before the reduced loop, which then vectorizes; ids out of range are still reported."""
+    data = _model(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0),
+            helper.make_node("Mul", ["rows", "rows"], ["squares"]),
+            helper.make_node("ReduceSum", ["squares", "last"], ["norms"], keepdims=0),
+        ],
+        [
+            helper.make_tensor_value_info("table", FLOAT, ["vocab", 32]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"]),
+        ],
+        [helper.make_tensor_value_info("norms", FLOAT, ["batch"])],
+        [numpy_helper.from_array(np.array([1], np.int64), "last")],
+    )
+    source = render(lower(load_graph(data)))
+    hoisted = source.index("const int64_t lc_g0 = lc_index(")
+    assert "#pragma omp simd reduction(+:acc)" in source[hoisted:]
+    rng = np.random.default_rng(17)
+    feeds_list = [
+        {
+            "table": rng.standard_normal((50, 32)).astype(np.float32),
+            "ids": rng.integers(-50, 50, batch).astype(np.int64),
+        }
+        for batch in (1, 7, 7)
+    ]
+    _check(data, feeds_list)
+    program = executable(compile_onnx(data, candidates=("native-blas",)))
+    with pytest.raises(Exception, match="index"):
+        program.run({"table": feeds_list[0]["table"], "ids": np.array([50], np.int64)})

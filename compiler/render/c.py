@@ -848,23 +848,29 @@ class CRenderer:
         after the gathered indices that hold for the whole row, computed once (a paged cache's slot
         of a key: the row of 64 values it picks is then a contiguous read that vectorizes)."""
         inner = f"o{len(kernel.shape) - 1}"
-        hoistable, remaining = self.row_gathers(kernel, inner)
+        hoistable, remaining = self.row_gathers(kernel, {inner})
         if not hoistable:
             return self.unhoisted_row(kernel, indent, statement, start, stop, vector=not remaining)
         outside = self.hoisted
-        self.hoisted = dict(outside)
-        lines = [f"{indent}{{\n"]
-        for atom in hoistable:
-            name = f"lc_g{len(self.hoisted)}"
-            lines.append(f"{indent}    const int64_t {name} = {self.ix_atom(atom)};\n")
-            self.hoisted[atom] = name
+        lines = [f"{indent}{{\n", *self.hoist(hoistable, indent + "    ")]
         lines.append(self.unhoisted_row(kernel, indent + "    ", statement, start, stop, vector=not remaining))
         lines.append(f"{indent}}}\n")
         self.hoisted = outside
         return "".join(lines)
 
-    def row_gathers(self, kernel: LoopKernel, inner: str) -> tuple[list[Atom], bool]:
-        """(the gathered indices of the row that read nothing of its loop `inner` and lie under no
+    def hoist(self, atoms: list[Atom], indent: str) -> list[str]:
+        """Declarations of gathered indices computed once, which the expressions rendered next
+        read as locals (the caller restores self.hoisted after them)."""
+        self.hoisted = dict(self.hoisted)
+        lines = []
+        for atom in atoms:
+            name = f"lc_g{len(self.hoisted)}"
+            lines.append(f"{indent}const int64_t {name} = {self.ix_atom(atom)};\n")
+            self.hoisted[atom] = name
+        return lines
+
+    def row_gathers(self, kernel: LoopKernel, inner: set[str]) -> tuple[list[Atom], bool]:
+        """(the gathered indices of the row that read none of the loops `inner` and lie under no
         guard left to check per element, whether other gathered indices remain in it). Under a
         guard C reads only the branch taken, so an index there is not read ahead of its check;
         under a guard known to fail nothing is read at all."""
@@ -1019,6 +1025,10 @@ class CRenderer:
                 acc_type = "int64_t"  # a bool sum (any) counts, then tests the count
             init = "0" if kind == "sum" else _MAX_INIT.get(dtype, "0")
             floating = dtype in ("float32", "float64")
+            # a gathered index that holds for the whole reduction (a row of an embedding) is read once
+            hoistable, remaining = self.row_gathers(kernel, {f"r{j}" for j in range(len(extents))})
+            outside = self.hoisted
+            lines.extend(self.hoist(hoistable, inner))
             lines.append(f"{inner}{acc_type} acc = {init};\n")
             if kind == "max" and floating:
                 lines.append(f"{inner}int lc_nan = 0;\n")
@@ -1026,7 +1036,7 @@ class CRenderer:
             # the innermost reduced loop may add (or compare) in any order: it vectorizes
             clause = "reduction(+:acc)" if kind == "sum" else ("reduction(max:acc) reduction(|:lc_nan)" if floating else "reduction(max:acc)")
             for j, d in enumerate(extents):
-                if j == len(extents) - 1 and not self.gathers(kernel.value):
+                if j == len(extents) - 1 and not remaining:
                     lines.append(f"{body}#pragma omp simd {clause}\n")
                 lines.append(f"{body}for (int64_t r{j} = 0; r{j} < {dim(d)}; ++r{j})\n")
                 body += "    "
@@ -1039,6 +1049,7 @@ class CRenderer:
             else:
                 lines.append(f"{body}{{ const {out_type} v = {value}; acc = v > acc ? v : acc; }}\n")
             lines.append(f"{inner}{target} = ({out_type})({'acc != 0' if dtype == 'bool' else 'acc'});\n")
+            self.hoisted = outside
         lines.append(f"{indent}}}\n")
         return "".join(lines)
 
@@ -1496,10 +1507,10 @@ def _independent_of(ix: Ix, var: str) -> bool:
     return True
 
 
-def _reads_only_outside(expr: Expr, inner: str, written: set[int]) -> bool:
-    """Whether a value reads no index of the loop `inner` and nothing its own kernel writes."""
+def _reads_only_outside(expr: Expr, inner: set[str], written: set[int]) -> bool:
+    """Whether a value reads no index of the loops `inner` and nothing its own kernel writes."""
     for e in walk(expr):
-        if isinstance(e, Ix) and any(var == inner for var, _ in e.terms):
+        if isinstance(e, Ix) and any(var in inner for var, _ in e.terms):
             return False
         if isinstance(e, Load) and e.buffer in written:
             return False
