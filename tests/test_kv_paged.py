@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -226,33 +227,44 @@ def test_the_worker_compiles_a_paged_decode_program_or_keeps_the_gathered_one(
     assert alone[0] == cases[0]["generated_ids"]
 
 
-def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathered_one() -> None:
-    """Each one-token step runs on whichever measures fastest (ProgramChooser tries each): the
-    paged program with the pools and kv_slots, the gathered decode program and the general one
-    with the past gathered."""
+class ToyRuntime:
+    """A runtime stand-in: the key "decode" runs the toy paged decoder, any other the toy decoder
+    with the past gathered; each run's key and new-token count is noted in `ran`.
+    `exec_seconds(key)`, when given, is the device time it reports."""
+
+    def __init__(self, exec_seconds: Callable[[str], float] | None = None) -> None:
+        self.ran: list[tuple[str, int]] = []
+        self.exec_seconds = exec_seconds
+
+    def signature(self, key):
+        return SimpleNamespace(
+            inputs=[SimpleNamespace(name=name, dtype=dtype) for name, dtype in DTYPES.items()]
+        )
+
+    def run_batch(self, key, requests, rows):
+        inputs = requests[0]
+        assert (key == "decode") == (KV_SLOTS in inputs), key
+        self.ran.append((key, inputs["input_ids"].shape[1]))
+        outputs, seconds = (toy_paged_decoder if key == "decode" else toy_decoder)(inputs)
+        return SimpleNamespace(
+            outputs=[outputs], exec_seconds=self.exec_seconds(key) if self.exec_seconds else seconds
+        )
+
+
+def toy_service(runtime: ToyRuntime):
+    """A GenerationService on `runtime` with a cache of 64 blocks of 4 tokens."""
     from scheduler.generating import GenerationService, GenerationSettings
     from scheduler.observer import NO_OBSERVER
 
-    ran: list[tuple[str, int]] = []
-
-    class ToyRuntime:
-        def signature(self, key):
-            return SimpleNamespace(
-                inputs=[SimpleNamespace(name=name, dtype=dtype) for name, dtype in DTYPES.items()]
-            )
-
-        def run_batch(self, key, requests, rows):
-            inputs = requests[0]
-            assert (key == "decode") == (KV_SLOTS in inputs), key
-            ran.append((key, inputs["input_ids"].shape[1]))
-            outputs, seconds = (toy_paged_decoder if key == "decode" else toy_decoder)(inputs)
-            return SimpleNamespace(outputs=[outputs], exec_seconds=seconds)
-
     settings = GenerationSettings(kv_cache_bytes=64 * LAYOUT.block_bytes(4), block_tokens=4)
-    service = GenerationService(
-        {"cpu": ToyRuntime()}, lambda bundle: FakeCodec(), None, {"cpu": 1.0}, settings, NO_OBSERVER
+    return GenerationService(
+        {"cpu": runtime}, lambda bundle: FakeCodec(), None, {"cpu": 1.0}, settings, NO_OBSERVER
     )
-    route = SimpleNamespace(
+
+
+def toy_route(**programs: str) -> SimpleNamespace:
+    """A version whose general program is "prefill", with the bundle's decode programs `programs`."""
+    return SimpleNamespace(
         version_id=1,
         target="cpu",
         artifact_key="prefill",
@@ -260,13 +272,17 @@ def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathe
         version=1,
         tenant_id=7,
         tenant_name="t",
-        bundle={
-            "layout": LAYOUT.to_json(),
-            "context_length": 512,
-            "decode_paged_key": "decode",
-            "decode_artifact_key": "gathered",
-        },
+        bundle={"layout": LAYOUT.to_json(), "context_length": 512, **programs},
     )
+
+
+def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathered_one() -> None:
+    """Each one-token step runs on whichever measures fastest (ProgramChooser tries each): the
+    paged program with the pools and kv_slots, the gathered decode program and the general one
+    with the past gathered."""
+    runtime = ToyRuntime()
+    service = toy_service(runtime)
+    route = toy_route(decode_paged_key="decode", decode_artifact_key="gathered")
     finished = threading.Event()
     tokens: list[int] = []
 
@@ -285,8 +301,14 @@ def test_the_service_runs_one_token_steps_on_the_paged_decode_program_or_a_gathe
         for token in tokens:  # toy_decoder's next token: the sum of the tokens and the position
             assert token == (sum(prompt) + len(prompt) - 1) % 97
             prompt.append(token)
+        ran = runtime.ran
         # every one-token program is tried: the paged one, the gathered decode one, the general one
-        assert ("prefill", 3) in ran and ("decode", 1) in ran and ("prefill", 1) in ran and ("gathered", 1) in ran
+        assert (
+            ("prefill", 3) in ran
+            and ("decode", 1) in ran
+            and ("prefill", 1) in ran
+            and ("gathered", 1) in ran
+        )
         assert all(tokens_fed == 1 for key, tokens_fed in ran if key == "decode")
         assert service.free_blocks(1) == 64
     finally:
@@ -297,8 +319,6 @@ def test_the_choice_counts_the_gather_that_only_the_gathered_programs_need(monke
     """The general program runs faster than the paged one, but its step first gathers the past
     out of the pools (slow here): the paged program wins the one-token steps."""
     from runtime.kv_cache import PagedKVCache
-    from scheduler.generating import GenerationService, GenerationSettings
-    from scheduler.observer import NO_OBSERVER
 
     slow_gather = PagedKVCache.gather
 
@@ -307,43 +327,17 @@ def test_the_choice_counts_the_gather_that_only_the_gathered_programs_need(monke
         return slow_gather(self, *args, **kwargs)
 
     monkeypatch.setattr(PagedKVCache, "gather", gather)
-    ran: list[str] = []
-
-    class ToyRuntime:
-        def signature(self, key):
-            return SimpleNamespace(
-                inputs=[SimpleNamespace(name=name, dtype=dtype) for name, dtype in DTYPES.items()]
-            )
-
-        def run_batch(self, key, requests, rows):
-            inputs = requests[0]
-            outputs, _ = (toy_paged_decoder if key == "decode" else toy_decoder)(inputs)
-            if inputs["input_ids"].shape[1] == 1:
-                ran.append(key)
-            return SimpleNamespace(outputs=[outputs], exec_seconds=0.003 if key == "decode" else 0.002)
-
-    settings = GenerationSettings(kv_cache_bytes=64 * LAYOUT.block_bytes(4), block_tokens=4)
-    service = GenerationService(
-        {"cpu": ToyRuntime()}, lambda bundle: FakeCodec(), None, {"cpu": 1.0}, settings, NO_OBSERVER
-    )
-    route = SimpleNamespace(
-        version_id=1,
-        target="cpu",
-        artifact_key="prefill",
-        model_name="m",
-        version=1,
-        tenant_id=7,
-        tenant_name="t",
-        bundle={"layout": LAYOUT.to_json(), "context_length": 512, "decode_paged_key": "decode"},
-    )
+    runtime = ToyRuntime(lambda key: 0.003 if key == "decode" else 0.002)
+    service = toy_service(runtime)
     finished = threading.Event()
     try:
         service.start(
-            route,
+            toy_route(decode_paged_key="decode"),
             GenerationRequest("a", [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)),
             lambda event: finished.set() if event.finish_reason else None,
         )
         assert finished.wait(10)
+        ran = [key for key, tokens_fed in runtime.ran if tokens_fed == 1]
         assert ran[:6].count("decode") == 3 and ran[:6].count("prefill") == 3  # each tried
         assert set(ran[6:]) == {"decode"}, ran
     finally:
