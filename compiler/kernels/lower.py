@@ -459,17 +459,20 @@ class _Lowering:
         fresh = (c for c in string.ascii_letters if c not in used)
         split: dict[str, tuple[str, str, int]] = {}
         for base, letters, squeezed, ones in operands:
-            if self.constant_value(base) is not None:
-                return {}  # a folded weight is transposed by its letters: no split of them
             axis_letter = _axis_letters(letters, squeezed, ones, len(self.nodes[base].shape))
             value = self.expr(base, [Ix() if c is None else Ix.var(c) for c in axis_letter], dict(sizes))
             for e in walk(value):
-                if not (isinstance(e, Atom) and e.op == "floordiv" and isinstance(e.args[1], int) and e.args[1] > 1):
+                if not (isinstance(e, Atom) and e.op == "floordiv" and isinstance(e.args[1], int)):
                     continue
-                (c, coef), = e.args[0].terms if len(e.args[0].terms) == 1 and e.args[0].const == 0 else ((None, 0),)
-                size = sizes.get(c) if c in batch and coef == 1 else None
-                if c not in split and isinstance(size, int) and size % e.args[1] == 0:
-                    split[c] = (next(fresh), next(fresh), e.args[1])
+                numerator, group = e.args
+                if len(numerator.terms) != 1 or numerator.const != 0:
+                    continue
+                ((c, coef),) = numerator.terms
+                size = sizes.get(c) if isinstance(c, str) and c in batch and coef == 1 else None
+                if c not in split and group > 1 and isinstance(size, int) and size % group == 0:
+                    split[c] = (next(fresh), next(fresh), group)
+        if split and any(self.constant_value(base) is not None for base, *_ in operands):
+            return {}  # a folded weight is transposed by its letters: no split of them
         return split
 
     def axis_indices(self, axis_letter: list[str | None], var_of: dict[str, Ix]) -> list[Ix]:
