@@ -10,11 +10,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler import compile_onnx, executable
+from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.ir import GemmCall, Load, LoopKernel
 from compiler.kernels.ir_walk import walk
 from compiler.kernels.lower import lower
-from compiler.render.c import render
+from compiler.render.c import LOOP_FORMS, render
 
 FLOAT = TensorProto.FLOAT
 
@@ -303,3 +304,51 @@ def test_a_reduction_over_a_gathered_row_reads_its_index_once() -> None:
     program = executable(compile_onnx(data, candidates=("native-blas",)))
     with pytest.raises(Exception, match="index"):
         program.run({"table": feeds_list[0]["table"], "ids": np.array([50], np.int64)})
+
+
+def test_the_loop_form_of_a_product_reads_a_computed_query_once() -> None:
+    """scores = (q * c + q * s) @ K^T at one query row: the loop form of the product (the search's
+    alternative to the library call at one row) reads the query from the call's packed copy rather
+    than recomputing it for every key; each loop form, forced, equals onnxruntime."""
+    data = _model(
+        [
+            helper.make_node("Mul", ["q", "c"], ["qc"]),
+            helper.make_node("Mul", ["q", "s"], ["qs"]),
+            helper.make_node("Add", ["qc", "qs"], ["rotated"]),
+            helper.make_node("Transpose", ["k"], ["k_t"], perm=[0, 1, 3, 2]),
+            helper.make_node("MatMul", ["rotated", "k_t"], ["scores"]),
+        ],
+        [
+            helper.make_tensor_value_info("q", FLOAT, ["batch", 4, 1, 16]),
+            helper.make_tensor_value_info("c", FLOAT, ["batch", 1, 1, 16]),
+            helper.make_tensor_value_info("s", FLOAT, ["batch", 1, 1, 16]),
+            helper.make_tensor_value_info("k", FLOAT, ["batch", 4, "total", 16]),
+        ],
+        [helper.make_tensor_value_info("scores", FLOAT, ["batch", 4, 1, "total"])],
+    )
+    program = lower(load_graph(data))
+    (call,) = [k for k in program.kernels if isinstance(k, GemmCall)]
+    assert call.loops is not None
+    assert {e.buffer for e in walk(call.loops.value) if isinstance(e, Load)} == {call.a, call.b}
+    graph = load_graph(data)
+    number = program.kernels.index(call)
+    runs = [
+        native_cpu.NativeProgram(
+            native_cpu.describe(program, graph.size_limits),
+            program.weights,
+            native_cpu.build(render(program, gemm={number: form})),
+        )
+        for form in LOOP_FORMS
+    ]
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(19)
+    for batch, total in ((1, 6), (3, 41), (3, 41)):
+        feeds = {
+            "q": rng.standard_normal((batch, 4, 1, 16)).astype(np.float32),
+            "c": rng.standard_normal((batch, 1, 1, 16)).astype(np.float32),
+            "s": rng.standard_normal((batch, 1, 1, 16)).astype(np.float32),
+            "k": rng.standard_normal((batch, 4, total, 16)).astype(np.float32),
+        }
+        want = session.run(None, feeds)[0]
+        for run in runs:
+            np.testing.assert_allclose(run.run(feeds)["scores"], want, rtol=1e-4, atol=1e-5)

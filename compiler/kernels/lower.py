@@ -417,6 +417,7 @@ class _Lowering:
                 sizes[outer], sizes[inner] = sizes[c] // group, group
             batch = [part for c in batch for part in (self.letter_split[c][:2] if c in self.letter_split else (c,))]
             canonical = batch + m_letters + n_letters
+        fresh_buffers = len(self.buffers)  # from here on: operands packed for this call
         scaled = self.row_scaled_operand(a, batch, m_letters, k_letters, n_letters, sizes)
         if scaled is not None:
             a_buf, trans_a, a_strides, row_scale = scaled
@@ -438,7 +439,13 @@ class _Lowering:
         # a loop reads an int8 weight in place, widening it as it multiplies: a real alternative at
         # the few rows a decoding step has, whatever the rows' symbol
         if target == out and row_scale is None and (self.matrix_vector(m_letters, n_letters, sizes) or self.dequantizes(b[0])):
-            self.offer_loop_form(i, out)
+            packed = None
+            if a_buf >= fresh_buffers and self.buffers[a_buf].role == "temp" and size(n_letters) != 1 and len(set(found.operands)) == 2:
+                # A computed on the way (a query's rotary embedding) is read from the call's copy, not
+                # recomputed by the loop for every column (every key) it does not depend on
+                read = self.packed_read(i, a_buf, trans_a, a_strides, batch, m_letters, k_letters, sizes)
+                packed = (found.operands.index(a[0]), read)
+            self.offer_loop_form(i, out, packed)
         if row_scale is not None:  # C[m, n] *= f[m], in place
             shape = tuple(sizes[c] for c in canonical)
             names = {c: f"o{j}" for j, c in enumerate(canonical)}
@@ -504,16 +511,44 @@ class _Lowering:
         operands a GEMM's blocking reuses nothing of, so a loop nest is a real alternative."""
         return any(isinstance(extent, int) and extent == 1 for extent in (numel(sizes[c] for c in m_letters), numel(sizes[c] for c in n_letters)))
 
-    def offer_loop_form(self, i: int, out: int) -> None:
+    def offer_loop_form(self, i: int, out: int, packed: tuple[int, Load] | None = None) -> None:
         """The product just lowered also as the reduction loop over its operands where the graph
         has them (GemmCall.loops), when that form reads no weight the call does not (a weight
-        stored twice would cost memory whichever form runs)."""
+        stored twice would cost memory whichever form runs); `packed`: (which factor, its read from
+        the call's packed copy) for a factor read there instead of recomputed."""
         known = len(self.buffers)
         loops = self.loop_kernel(i, out)
         if len(self.buffers) > known or loops.reduce is None:
             del self.buffers[known:]  # (only weights are made while an expression is built)
             return
+        if packed is not None and isinstance(loops.value, Apply) and loops.value.op == "mul":
+            position, read = packed
+            factors = list(loops.value.args)
+            factors[position] = read
+            loops = replace(loops, value=replace(loops.value, args=tuple(factors)))
         self.kernels[-1] = replace(self.kernels[-1], loops=loops)
+
+    def packed_read(
+        self, i: int, buffer: int, trans: bool, strides: tuple[Dim, ...], batch: list[str], rows: list[str],
+        cols: list[str], sizes: dict[str, Dim],
+    ) -> Load:
+        """The element of an operand packed for product i's call that the product's reduction loop
+        (loop_kernel: its kept axes o0.., its reduced axes r0..) multiplies."""
+        node = self.nodes[i]
+        product_shape = self.nodes[node.srcs[0]].shape
+        var_of: dict[str, Ix] = {}
+        extents: dict[str, Dim] = {}
+        for axis, letter in enumerate(string.ascii_letters[: len(product_shape)]):
+            reduced = axis in node.arg
+            name = f"r{sum(a in node.arg for a in range(axis))}" if reduced else f"o{sum(a not in node.arg for a in range(axis))}"
+            var_of[letter], extents[name] = Ix.var(name), product_shape[axis]
+        for c, (outer, inner, group) in self.letter_split.items():
+            var_of[outer], var_of[inner] = ix_floordiv(var_of[c], group, extents), ix_mod(var_of[c], group, extents)
+        order = cols + rows if trans else rows + cols
+        index = linear([var_of[c] for c in order], tuple(sizes[c] for c in order))
+        for c, stride in zip(batch, strides):
+            index = index + var_of[c].scale(stride)
+        return Load(buffer, index)
 
     def row_scaled_operand(
         self, operand: tuple[int, str, tuple[int, ...]], batch: list[str], rows: list[str], cols: list[str],
