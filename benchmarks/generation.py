@@ -179,7 +179,7 @@ class Ours:
         self.dtypes = {spec.name: spec.dtype for spec in artifact.signature.inputs}
         self.config = config
         self.folder = folder
-        self.chosen: dict[int, str] = {}  # the one-token program chosen per batch-size bucket
+        self.chosen: dict[tuple[int, int], str] = {}  # the one-token program by (batch, past) bucket
 
     def generator(self):
         from runtime.kv_cache import blocks_that_fit
@@ -199,17 +199,20 @@ class Ours:
             outputs = programs[name].run(inputs)
             return outputs, time.perf_counter() - started
 
+        gathered = [0.0]  # the step's gather of its past, which the paged program does without
+
         def run_step(inputs):
             rows, tokens = inputs["input_ids"].shape
-            name = chooser.pick(rows) if tokens == 1 else "prefill"
+            past = inputs[self.layout.past_keys[0]].shape[2]
+            name = chooser.pick(rows, past) if tokens == 1 else "prefill"
             outputs, seconds = timed(name, inputs)
             if tokens == 1:
-                chooser.record(rows, name, seconds)
+                chooser.record(name, seconds + gathered[0])
             return outputs, seconds
 
         def paged_step(inputs):
             outputs, seconds = timed("paged", inputs)
-            chooser.record(inputs["input_ids"].shape[0], "paged", seconds)
+            chooser.record("paged", seconds)
             return outputs, seconds
 
         limits = GeneratorLimits(
@@ -229,7 +232,8 @@ class Ours:
             limits,
             name="benchmark",
             paged_step=paged_step if "paged" in programs else None,
-            paged_for=lambda rows: chooser.pick(rows) == "paged",
+            paged_for=lambda rows, past: chooser.pick(rows, past) == "paged",
+            on_gathered=lambda seconds: gathered.__setitem__(0, seconds),
         )
 
     def run(self, batch: list[list[int]], tokens: int) -> tuple[list[list[float]], list[list[int]]]:
@@ -563,8 +567,8 @@ def run(args) -> dict:
         results["rates"] = rates
         results["median"] = {k: statistics.median(v) for k, v in rates.items()}
         results["one_token_programs"] = {
-            "float32": dict(sorted(ours.chosen.items())),
-            "int8": dict(sorted(ours8.chosen.items())),
+            precision: {f"{rows}x{past}": name for (rows, past), name in sorted(chosen.items())}
+            for precision, chosen in (("float32", ours.chosen), ("int8", ours8.chosen))
         }
         del ours, ours8, genai_model, session
         if not args.no_server:
@@ -658,8 +662,8 @@ def table(results: dict, command: str) -> str:
     )
     if results.get("one_token_programs"):
         verdict.append(
-            "- one-token steps ran on (per batch-size bucket, as the service measures and picks among the paged "
-            "decode program, the one-sequence one, the gathered one and the general one): "
+            "- one-token steps ran on (per bucket of batch size x past length, as the service measures and picks "
+            "among the paged decode program, the one-sequence one, the gathered one and the general one): "
             + "; ".join(
                 f"{precision} " + ", ".join(f"{bucket}: {name}" for bucket, name in chosen.items())
                 for precision, chosen in results["one_token_programs"].items()

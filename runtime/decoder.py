@@ -37,7 +37,7 @@ class StepRow:
 class DecoderSteps:
     """The decoder and its cache. Not thread-safe: one step loop drives it. `paged_step` runs
     the paged decode program (compiler.kv_layout.paged_decode_graph), when there is one, for the
-    one-token steps whose row count `paged_for` accepts (the others gather their past for
+    one-token steps whose rows and past width `paged_for` accepts (the others gather their past for
     `run_step`: the service runs whichever program measures faster at each batch size). With a
     `storage` in a GPU's memory (runtime.cuda.DeviceKVStorage), `paged_step` is the runner that
     storage takes (KVStorage.run_paged); the default, host memory, takes a StepRunner.
@@ -52,7 +52,7 @@ class DecoderSteps:
         num_blocks: int,
         block_size: int,
         paged_step: Callable | None = None,
-        paged_for: Callable[[int], bool] = lambda rows: True,
+        paged_for: Callable[[int, int], bool] = lambda rows, past: True,
         storage: KVStorage | None = None,
         on_gathered: Callable[[float], None] | None = None,
     ) -> None:
@@ -84,7 +84,7 @@ class DecoderSteps:
         # a past of at least one slot (masked when empty): no program sees a zero-size tensor
         width = max(1, max(starts))
         inputs = self._tokens(rows, width)
-        paged = self.paged_step is not None and count == 1 and self.paged_for(len(rows))
+        paged = self.paged_step is not None and count == 1 and self.paged_for(len(rows), width)
         new_slots = cache.slots(tables, starts, [s + count for s in starts], count)
         if paged:
             inputs[KV_SLOTS] = cache.slots(tables, [0] * len(rows), starts, width)

@@ -67,49 +67,57 @@ def generation_settings(settings) -> GenerationSettings:
 class ProgramChooser:
     """Which of equivalent programs runs a one-token step, by measurement on the steps
     themselves: the decode program is searched at one batch size, and a product's best form for
-    one sequence (a matrix-vector loop) is not its best for sixty-four. Per batch-size bucket
-    (powers of two), each program runs TRIES steps in turn, then the one of least median time
-    runs them all; the programs give the same tokens (each verified), so trying costs no answer.
-    Programs in `one_row` take a single sequence and are tried for one-row steps only."""
+    one sequence (a matrix-vector loop) is not its best for sixty-four; a program that reads the
+    cache in place loses to one that takes its past gathered at a short past and wins at a long
+    one. Per bucket of batch size and past length (powers of two, the past's from 64), each
+    program runs TRIES steps in turn, then the one of least median time runs them all; the
+    programs give the same tokens (each verified), so trying costs no answer. Programs in
+    `one_row` take a single sequence and are tried for one-row steps only. One step loop uses
+    it: a step picks (maybe more than once), runs, then records against its pick's bucket."""
 
     TRIES = 3
+    SHORTEST_PAST = 64
 
     def __init__(self, programs: list[str], one_row: Collection[str] = ()) -> None:
         self.programs = programs
         self.one_row = frozenset(one_row)
-        self._times: dict[int, dict[str, list[float]]] = {}
-        self._chosen: dict[int, str] = {}
+        self._times: dict[tuple[int, int], dict[str, list[float]]] = {}
+        self._chosen: dict[tuple[int, int], str] = {}
+        self._picked = (1, self.SHORTEST_PAST)  # the bucket of the step being run
         self._lock = threading.Lock()
 
-    @staticmethod
-    def bucket(rows: int) -> int:
-        return 1 << max(0, rows - 1).bit_length()
+    @classmethod
+    def bucket(cls, rows: int, past: int = 0) -> tuple[int, int]:
+        return 1 << max(0, rows - 1).bit_length(), max(cls.SHORTEST_PAST, 1 << max(0, past - 1).bit_length())
 
-    def _serving(self, bucket: int) -> list[str]:
-        return [p for p in self.programs if bucket == 1 or p not in self.one_row]
+    def _serving(self, bucket: tuple[int, int]) -> list[str]:
+        return [p for p in self.programs if bucket[0] == 1 or p not in self.one_row]
 
-    def pick(self, rows: int) -> str:
-        bucket = self.bucket(rows)
+    def pick(self, rows: int, past: int = 0) -> str:
+        bucket = self.bucket(rows, past)
         serving = self._serving(bucket)
         with self._lock:
+            self._picked = bucket
             chosen = self._chosen.get(bucket)
             if chosen is not None or len(serving) == 1:
                 return chosen or serving[0]
             times = self._times.setdefault(bucket, {p: [] for p in serving})
             return min(serving, key=lambda p: len(times[p]))
 
-    def record(self, rows: int, program: str, seconds: float) -> None:
-        bucket = self.bucket(rows)
-        serving = self._serving(bucket)
+    def record(self, program: str, seconds: float) -> None:
+        """The step just run (on `program`, as picked) took `seconds`."""
         with self._lock:
-            if bucket in self._chosen or len(serving) == 1:
+            bucket = self._picked
+            serving = self._serving(bucket)
+            if bucket in self._chosen or len(serving) == 1 or program not in serving:
                 return
             times = self._times.setdefault(bucket, {p: [] for p in serving})
             times[program].append(seconds)
             if all(len(t) >= self.TRIES for t in times.values()):
                 self._chosen[bucket] = min(serving, key=lambda p: sorted(times[p])[len(times[p]) // 2])
 
-    def chosen(self) -> dict[int, str]:
+    def chosen(self) -> dict[tuple[int, int], str]:
+        """The program chosen by (batch-size bucket, past-length bucket)."""
         with self._lock:
             return dict(self._chosen)
 
@@ -270,23 +278,24 @@ class GenerationService:
         def run_step(inputs):
             rows, tokens = (int(n) for n in inputs["input_ids"].shape)
             # (a one-token step comes here when the chooser's pick is not the paged program)
-            program = chooser.pick(rows) if tokens == 1 else key
+            past = int(inputs[layout.past_keys[0]].shape[2]) if layout.past_keys else 0
+            program = chooser.pick(rows, past) if tokens == 1 else key
             result = run_program(program, inputs, rows)
             if tokens == 1:
-                chooser.record(rows, program, result.exec_seconds + gathered[0])
+                chooser.record(program, result.exec_seconds + gathered[0])
             return result.outputs[0], result.exec_seconds
 
         def paged_step(inputs):
             rows = int(inputs["input_ids"].shape[0])
             result = run_program(paged_key, inputs, rows)
-            chooser.record(rows, paged_key, result.exec_seconds)
+            chooser.record(paged_key, result.exec_seconds)
             return result.outputs[0], result.exec_seconds
 
         def paged_step_on_device(run):
             # the pools lie in the GPU's memory: the step runs there (DeviceKVStorage.run_paged)
             before_run()
             outputs, seconds = runtime.run_on_device(paged_key, run)
-            chooser.record(len(outputs["logits"]), paged_key, seconds)
+            chooser.record(paged_key, seconds)
             return outputs, seconds
 
         block_tokens = self.settings.block_tokens
@@ -312,7 +321,7 @@ class GenerationService:
                 limits,
                 name=f"{route.model_name}-v{route.version}",
                 paged_step=(paged_step_on_device if on_device else paged_step) if paged_key else None,
-                paged_for=lambda rows: chooser.pick(rows) == paged_key,
+                paged_for=lambda rows, past: chooser.pick(rows, past) == paged_key,
                 kv_storage=storage,
                 on_gathered=lambda seconds: gathered.__setitem__(0, seconds),
             )

@@ -133,12 +133,12 @@ class Generator:
         limits: GeneratorLimits = GeneratorLimits(),
         name: str = "generator",
         paged_step: Callable | None = None,
-        paged_for: Callable[[int], bool] = lambda rows: True,
+        paged_for: Callable[[int, int], bool] = lambda rows, past: True,
         kv_storage: KVStorage | None = None,
         on_gathered: Callable[[float], None] | None = None,
     ) -> None:
         """`paged_step` runs the paged decode program, when there is one, for the one-token
-        steps whose row count `paged_for` accepts (runtime.decoder.DecoderSteps); `kv_storage`
+        steps whose rows and past width `paged_for` accepts (runtime.decoder.DecoderSteps); `kv_storage`
         holds the cache's pools (host memory unless given: a GPU runtime's Runtime.kv_storage),
         freed by `close`; `on_gathered` is told how long each step's gather of the past took."""
         self.layout = layout

@@ -390,10 +390,22 @@ def test_one_token_steps_run_the_program_that_measures_faster_at_their_batch_siz
     speed = {("decode", 1): 1.0, ("general", 1): 2.0, ("decode", 16): 5.0, ("general", 16): 3.0}
     for rows in [1, 16, 12, 1, 9, 16, 1, 16, 1, 16, 1, 16, 1]:  # 12 and 9 fall in 16's bucket
         program = chooser.pick(rows)
-        chooser.record(rows, program, speed[(program, ChooserBucket.of(rows))])
-    assert chooser.chosen() == {1: "decode", 16: "general"}
+        chooser.record(program, speed[(program, 1 if rows == 1 else 16)])
+    assert chooser.chosen() == {(1, 64): "decode", (16, 64): "general"}
     assert chooser.pick(1) == "decode" and chooser.pick(13) == "general"
     assert ProgramChooser(["only"]).pick(5) == "only"
+
+
+def test_the_choice_is_made_again_as_the_past_grows() -> None:
+    """A program reading the cache in place loses at a short past and wins at a long one."""
+    from scheduler.generating import ProgramChooser
+
+    chooser = ProgramChooser(["paged", "gathered"])
+    for past in range(1, 300):
+        program = chooser.pick(8, past)
+        chooser.record(program, {"paged": 2.0, "gathered": 1.0 + past / 100}[program])
+    assert chooser.chosen() == {(8, 64): "gathered", (8, 128): "gathered", (8, 256): "paged", (8, 512): "paged"}
+    assert chooser.pick(8, 40) == "gathered" and chooser.pick(5, 400) == "paged"
 
 
 def test_a_program_for_one_sequence_is_tried_and_run_on_one_row_steps_only() -> None:
@@ -404,17 +416,11 @@ def test_a_program_for_one_sequence_is_tried_and_run_on_one_row_steps_only() -> 
     ran: dict[int, set[str]] = {1: set(), 16: set()}
     for rows in [1, 16, 3] * 12:
         program = chooser.pick(rows)
-        ran[ChooserBucket.of(rows) if rows > 1 else 1].add(program)
-        chooser.record(rows, program, speed[program])
+        ran[1 if rows == 1 else 16].add(program)
+        chooser.record(program, speed[program])
     assert ran == {1: {"one", "decode", "general"}, 16: {"decode", "general"}}
-    assert chooser.chosen() == {1: "one", 4: "decode", 16: "decode"}
+    assert chooser.chosen() == {(1, 64): "one", (4, 64): "decode", (16, 64): "decode"}
     assert chooser.pick(2) != "one"
-
-
-class ChooserBucket:
-    @staticmethod
-    def of(rows: int) -> int:
-        return 1 if rows == 1 else 16
 
 
 def test_the_service_refuses_past_its_waiting_limit_and_bills_each_sequence_once() -> None:
