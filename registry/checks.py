@@ -12,6 +12,7 @@ in-process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -98,7 +99,9 @@ class CheckInChild:
                 ) from None
         finally:
             if child.exitcode is None:
-                os.kill(child.pid, signal.SIGKILL)
+                # it may have ended since (a forkserver's child is reaped by the forkserver)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
             child.join()
             receiver.close()
         if kind == "ok":

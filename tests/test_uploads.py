@@ -170,3 +170,24 @@ def test_a_check_that_fails_unexpectedly_is_a_400_naming_it(tmp_path) -> None:
     graph = tmp_path / "m.onnx"
     graph.write_bytes(mlp().SerializeToString())
     CheckInChild(memory_bytes=4 * 1024**3)(graph)  # a usable model passes
+
+
+def test_a_check_child_that_ends_while_it_is_stopped_still_gets_a_4xx(tmp_path, monkeypatch) -> None:
+    """A check past its time is killed; a child that ended just before (already reaped by the
+    forkserver: the kill finds no process) must not turn the refusal into a 500."""
+    import os
+
+    from cloud.errors import InvalidModelFile
+    from registry import checks
+
+    kill = os.kill
+
+    def kill_after_it_ended(pid: int, sig: int) -> None:
+        kill(pid, sig)
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(checks.os, "kill", kill_after_it_ended)
+    graph = tmp_path / "m.onnx"
+    graph.write_bytes(mlp().SerializeToString())
+    with pytest.raises(InvalidModelFile, match="took longer than"):
+        checks.CheckInChild(memory_bytes=4 * 1024**3, timeout_s=0.0)(graph)
