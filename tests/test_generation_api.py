@@ -333,7 +333,8 @@ def test_clients_that_leave_mid_stream_free_their_blocks(live: Live) -> None:
     live.ai.completions.create(model="tiny-gpt2", prompt="warm", max_tokens=1)
     start = live.free_blocks("tiny-gpt2")
     assert start is not None
-    for _ in range(5):
+
+    def leave_after_the_opening_chunk(_) -> None:
         with httpx.stream(
             "POST",
             f"{live.url}/v1/completions",
@@ -350,7 +351,12 @@ def test_clients_that_leave_mid_stream_free_their_blocks(live: Live) -> None:
             assert reply.status_code == 200
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-        # the connection is closed here, mid-generation
+        # the connection is closed here, mid-generation (or before its first token)
+
+    for _ in range(5):
+        leave_after_the_opening_chunk(None)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:  # and twenty at once
+        list(pool.map(leave_after_the_opening_chunk, range(20)))
     deadline = time.monotonic() + 10
     while live.free_blocks("tiny-gpt2") != start and time.monotonic() < deadline:
         time.sleep(0.05)
