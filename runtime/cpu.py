@@ -8,6 +8,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from compiler import Artifact, executable
+from compiler.kv_layout import CacheLayout
+from runtime.kv_cache import HostKVStorage
 from runtime.runtime import LoadedProgram
 
 
@@ -30,3 +32,7 @@ class CpuDevice:
         started = time.perf_counter()
         outputs = loaded.program.run(inputs, busy=busy)
         return outputs, time.perf_counter() - started
+
+    def kv_storage(self, layout: CacheLayout, pool_slots: int, device_lock: object) -> HostKVStorage:
+        """A KV cache's pools in host memory, the CPU's own: its programs read them in place."""
+        return HostKVStorage(layout, pool_slots)

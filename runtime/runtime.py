@@ -15,7 +15,7 @@ import numpy as np
 from compiler import Artifact, Signature
 from compiler.kv_layout import CacheLayout
 from runtime.batching import concat_requests, split_outputs
-from runtime.kv_cache import HostKVStorage, KVStorage
+from runtime.kv_cache import KVStorage
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +236,6 @@ class Runtime:
             self._done_with(loaded)
 
     def kv_storage(self, layout: CacheLayout, pool_slots: int) -> KVStorage:
-        """A generative model's KV cache pools in this device's memory: a GPU's own (its device's
-        kv_storage), else host memory, which a CPU program reads in place."""
-        in_device_memory = getattr(self.device, "kv_storage", None)
-        if in_device_memory is None:
-            return HostKVStorage(layout, pool_slots)
-        return in_device_memory(layout, pool_slots, self._device_lock)
+        """A generative model's KV cache pools in this device's memory (the device's kv_storage:
+        a GPU's own, a CPU's host memory, which its programs read in place)."""
+        return self.device.kv_storage(layout, pool_slots, self._device_lock)

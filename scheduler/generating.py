@@ -252,11 +252,11 @@ class GenerationService:
         signature = runtime.signature(route.artifact_key)
         key = route.artifact_key
         # the decode programs (one token per sequence) the compile made: one takes its past
-        # gathered, as the general program does; a paged one reads the KV cache in place
+        # gathered, as the general program does; a paged one reads the KV cache in place; one
+        # serves a single sequence. One-token steps run whichever measures fastest
         decode_key = bundle.get("decode_artifact_key")
         paged_key = bundle.get("decode_paged_key")
-        # one-token steps run whichever program measures fastest at their batch size
-        one_key = bundle.get("decode_one_key")  # and one for a single sequence
+        one_key = bundle.get("decode_one_key")
         chooser = ProgramChooser(
             [k for k in (paged_key, one_key, decode_key) if k] + [key], one_row=[one_key] if one_key else []
         )
@@ -307,11 +307,9 @@ class GenerationService:
             prefill_chunk=min(self.settings.prefill_tokens, self.settings.step_tokens),
             context_length=int(bundle.get("context_length") or 2048),
         )
-        # the cache in the device's memory: a GPU's pools never travel through the host (a
-        # runtime that offers no storage, as the tests' stand-ins, leaves it in host memory)
-        make_storage = getattr(runtime, "kv_storage", None)
-        storage = None if make_storage is None else make_storage(layout, limits.num_blocks * limits.block_size)
-        on_device = storage is not None and storage.runs_on_device
+        # the cache in the device's memory: a GPU's pools never travel through the host
+        storage = runtime.kv_storage(layout, limits.num_blocks * limits.block_size)
+        on_device = storage.runs_on_device
         try:
             generator = Generator(
                 layout,
@@ -326,8 +324,7 @@ class GenerationService:
                 on_gathered=lambda seconds: gathered.__setitem__(0, seconds),
             )
         except BaseException:
-            if storage is not None:
-                storage.close()
+            storage.close()
             raise
         with self._lock:
             served = self._served.get(route.version_id)

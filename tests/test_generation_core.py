@@ -13,7 +13,7 @@ import pytest
 from compiler.artifact import TensorSpec
 from compiler.errors import UnsupportedModel
 from compiler.kv_layout import KV_SLOTS, CacheLayout, find_cache_layout, pool_input
-from runtime.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
+from runtime.kv_cache import BlockAllocator, HostKVStorage, OutOfBlocks, PagedKVCache
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import IncrementalText, TextCodec
 from scheduler.continuous import IterationScheduler, SequenceState
@@ -435,6 +435,9 @@ def test_the_service_refuses_past_its_waiting_limit_and_bills_each_sequence_once
     class GatedRuntime:
         def signature(self, key):
             return SimpleNamespace(inputs=[TensorSpec(name, (), dtype) for name, dtype in DTYPES.items()])
+
+        def kv_storage(self, layout, pool_slots):
+            return HostKVStorage(layout, pool_slots)
 
         def run_batch(self, key, requests, rows):
             gate.wait(10)

@@ -32,6 +32,7 @@ from compiler.kv_layout import (
     pool_input,
 )
 from compiler.targets import EXPORTED
+from runtime.kv_cache import HostKVStorage
 from runtime.sampling import SamplingParams
 from scheduler.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
 from tests.test_generation_core import DTYPES, LAYOUT, FakeCodec, toy_decoder, toy_paged_decoder
@@ -240,6 +241,9 @@ class ToyRuntime:
         return SimpleNamespace(
             inputs=[SimpleNamespace(name=name, dtype=dtype) for name, dtype in DTYPES.items()]
         )
+
+    def kv_storage(self, layout, pool_slots):
+        return HostKVStorage(layout, pool_slots)
 
     def run_batch(self, key, requests, rows):
         inputs = requests[0]
