@@ -164,15 +164,6 @@ class PagedKVCache:
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    @property
-    def keys(self) -> np.ndarray:
-        """[layers, slots, heads, dim]: the host storage's key pools."""
-        return self.storage.keys
-
-    @property
-    def values(self) -> np.ndarray:
-        return self.storage.values
-
     def pools(self, layer: int) -> tuple[Any, Any]:
         """The layer's key and value pools, [num_blocks * block_size, heads, dim], where they lie."""
         return self.storage.pools(layer)

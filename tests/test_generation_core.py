@@ -269,7 +269,7 @@ def test_paged_cache_gathers_what_was_written_across_blocks() -> None:
         assert np.isfinite(past_k[layer][0, :, :2]).all()  # padding: finite, hidden by the mask
         # the pool a paged program reads is the cache itself, the same tokens at the same slots
         key_pool, value_pool = cache.pools(layer)
-        assert np.shares_memory(key_pool, cache.keys) and key_pool.flags.c_contiguous
+        assert np.shares_memory(key_pool, cache.storage.keys) and key_pool.flags.c_contiguous
         slots = cache.slots([table], [0], [7], 9)
         np.testing.assert_array_equal(key_pool[slots[0, 2:]].transpose(1, 0, 2), keys[layer])
         np.testing.assert_array_equal(value_pool[slots[0, 2:]].transpose(1, 0, 2), values[layer])
