@@ -21,7 +21,7 @@ from compiler import Artifact, CompilerError, UnsupportedModel, compile_onnx, pi
 from compiler.backends.native_cpu import cpu_fingerprint
 from compiler.errors import CorruptArtifact
 from compiler.pipeline import CANDIDATES, COMPILER_VERSION, SEARCH, Progress
-from compiler.targets import EXPORTED, KNOWN_TARGETS
+from compiler.targets import EXPORTED
 from compiler.tuning import KNOWN_CANDIDATES
 from registry import UNMEASURED, Registry
 from registry.bundle import GENERATION
@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 
 # a compile's progress is written to its version at most this often
 PROGRESS_WRITE_INTERVAL_S = 1.0
-# the targets whose decode program reads the paged KV cache in place: a CPU program reads the
-# runtime's pools in host memory, a GPU program the pools its runtime holds in device memory
-# (runtime.cuda.DeviceKVStorage: only the step's tokens and slots are copied in)
-PAGED_TARGETS = frozenset(KNOWN_TARGETS)
 # where compiles are reported unless a caller says otherwise: the one metrics registry
 _METRICS: CompileObserver = PrometheusObserver()
 
@@ -303,42 +299,34 @@ def _decode_phase(
     "one_sequence_error" saying why). A decode program that fails to compile leaves the others
     serving."""
     keys: dict[str, str] = {}
-    paged: dict[str, Any] = {"paged": False}
-    if version.target in PAGED_TARGETS:
-        try:
-            artifact, _ = _compiled_or_cached(
-                version, store, f"{key}-decode-paged", compile_fn, None, transform=_as_paged_decode_step
-            )
-            keys["decode_paged_key"] = f"{key}-decode-paged"
-            paged = {"paged": _decode_report(artifact)}
-        except CompileCancelled:
-            raise
-        except (CompilerError, ValueError) as exc:
-            log.warning("the paged decode program of version %s was refused: %s", version.id, exc)
-            paged["paged_refused"] = str(exc)
-    try:
-        artifact, _ = _compiled_or_cached(
-            version, store, f"{key}-decode", compile_fn, None, transform=_as_decode_step
-        )
-    except CompileCancelled:
-        raise
-    except (CompilerError, ValueError) as exc:
-        log.warning("the decode program of version %s did not compile: %s", version.id, exc)
-        return keys, {"chosen": None, "error": str(exc), **paged}
+    paged, why = _decode_program(version, store, f"{key}-decode-paged", compile_fn, _as_paged_decode_step)
+    if paged is not None:
+        keys["decode_paged_key"] = f"{key}-decode-paged"
+    paged_report = {"paged": paged} if paged is not None else {"paged": False, "paged_refused": why}
+    gathered, why = _decode_program(version, store, f"{key}-decode", compile_fn, _as_decode_step)
+    if gathered is None:
+        return keys, {"chosen": None, "error": why, **paged_report}
     keys["decode_artifact_key"] = f"{key}-decode"
-    report = {**_decode_report(artifact), **paged, "one_sequence": False}
-    try:
-        artifact, _ = _compiled_or_cached(
-            version, store, f"{key}-decode-one", compile_fn, None, transform=_as_one_sequence_step
-        )
+    one, why = _decode_program(version, store, f"{key}-decode-one", compile_fn, _as_one_sequence_step)
+    if one is not None:
         keys["decode_one_key"] = f"{key}-decode-one"
-        report["one_sequence"] = _decode_report(artifact)
+    one_report = {"one_sequence": one} if one is not None else {"one_sequence": False, "one_sequence_error": why}
+    return keys, {**gathered, **paged_report, **one_report}
+
+
+def _decode_program(
+    version: ModelVersion, store: ObjectStore, key: str, compile_fn: CompileFn, transform: Callable[[Path], None]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The report of a decode program compiled (or found) at `key` from the graph as `transform`
+    rewrites it; or None and why it did not compile (the others serve without it)."""
+    try:
+        artifact, _ = _compiled_or_cached(version, store, key, compile_fn, None, transform=transform)
     except CompileCancelled:
         raise
     except (CompilerError, ValueError) as exc:
-        log.warning("the one-sequence decode program of version %s did not compile: %s", version.id, exc)
-        report["one_sequence_error"] = str(exc)
-    return keys, report
+        log.warning("the program %s of version %s did not compile: %s", key, version.id, exc)
+        return None, str(exc)
+    return _decode_report(artifact), None
 
 
 def _decode_report(artifact: Artifact) -> dict[str, Any]:
