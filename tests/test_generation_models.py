@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -30,6 +31,29 @@ from scheduler.generator import GenerationRequest, Generator, GeneratorLimits, T
 
 FIXTURES = Path(__file__).parent / "fixtures" / "generation"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+
+
+class CaseEvents:
+    """Each case's generator events as their sinks receive them; `wait` until every case finished."""
+
+    def __init__(self, count: int) -> None:
+        self.events: dict[int, list[TokenEvent]] = {i: [] for i in range(count)}
+        self._finished = threading.Semaphore(0)
+
+    def sink(self, i: int) -> Callable[[TokenEvent], None]:
+        def take(event: TokenEvent) -> None:
+            self.events[i].append(event)
+            if event.finish_reason:
+                self._finished.release()
+
+        return take
+
+    def wait(self, timeout: float) -> None:
+        for _ in self.events:
+            assert self._finished.acquire(timeout=timeout)
+
+    def tokens(self, i: int) -> list[int]:
+        return [e.token_id for e in self.events[i] if e.token_id is not None]
 
 
 @cache
@@ -112,32 +136,23 @@ def test_greedy_generation_matches_transformers_token_for_token(arch: str, expor
         layout, run_step, codec_of(arch), dtypes, limits, paged_step=paged_step if paged else None
     )
     cases = MANIFEST["models"][arch]["greedy"]
-    events: dict[int, list[TokenEvent]] = {i: [] for i in range(len(cases))}
-    finished = threading.Semaphore(0)
-
-    def sink(i: int):
-        def take(event: TokenEvent) -> None:
-            events[i].append(event)
-            if event.finish_reason:
-                finished.release()
-
-        return take
+    collected = CaseEvents(len(cases))
+    events = collected.events
 
     params = SamplingParams(max_tokens=32, temperature=0, min_tokens=32)
     try:
         # the first half starts; the rest join once the first has generated a few tokens
         half = len(cases) // 2
         for i, case in enumerate(cases[:half]):
-            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), sink(i))
+            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), collected.sink(i))
         deadline = time.monotonic() + 60
         while len(events[0]) < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
         for i, case in enumerate(cases[half:], start=half):
-            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), sink(i))
-        for _ in cases:
-            assert finished.acquire(timeout=120)
+            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), collected.sink(i))
+        collected.wait(120)
         for i, case in enumerate(cases):
-            got = [e.token_id for e in events[i] if e.token_id is not None]
+            got = collected.tokens(i)
             assert got == case["generated_ids"], f"prompt {case['prompt_ids']}"
             assert events[i][-1].finish_reason == "length"
         assert max(steps) > 1  # decodes did run batched

@@ -36,7 +36,7 @@ from runtime.kv_cache import HostKVStorage
 from runtime.sampling import SamplingParams
 from scheduler.generator import GenerationRequest, Generator, GeneratorLimits, TokenEvent
 from tests.test_generation_core import DTYPES, LAYOUT, FakeCodec, toy_decoder, toy_paged_decoder
-from tests.test_generation_models import codec_of
+from tests.test_generation_models import CaseEvents, codec_of
 from worker.compile import _decode_phase, compile_here
 
 FIXTURES = Path(__file__).parent / "fixtures" / "generation"
@@ -147,26 +147,16 @@ def generate(
         limits,
         paged_step=paged_step,
     )
-    events: dict[int, list[TokenEvent]] = {i: [] for i in range(len(cases))}
-    finished = threading.Semaphore(0)
-
-    def sink(i: int):
-        def take(event: TokenEvent) -> None:
-            events[i].append(event)
-            if event.finish_reason:
-                finished.release()
-
-        return take
+    collected = CaseEvents(len(cases))
 
     params = SamplingParams(max_tokens=32, temperature=0, min_tokens=32)
     try:
         for i, case in enumerate(cases):
-            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), sink(i))
-        for _ in cases:
-            assert finished.acquire(timeout=120)
+            generator.submit(GenerationRequest(f"r{i}", case["prompt_ids"], params), collected.sink(i))
+        collected.wait(120)
     finally:
         generator.close()
-    return {i: [e.token_id for e in got if e.token_id is not None] for i, got in events.items()}, generator
+    return {i: collected.tokens(i) for i in range(len(cases))}, generator
 
 
 @pytest.mark.parametrize("pageable", [True, False], ids=["paged", "refused"])

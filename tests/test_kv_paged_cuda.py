@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,10 +26,10 @@ from runtime import CudaDevice, Runtime
 from runtime.kv_cache import HostKVStorage, PagedKVCache
 from runtime.sampling import SamplingParams
 from scheduler.generating import GenerationService, GenerationSettings
-from scheduler.generator import GenerationRequest, TokenEvent
+from scheduler.generator import GenerationRequest
 from scheduler.observer import NO_OBSERVER
 from tests.test_generation_core import LAYOUT
-from tests.test_generation_models import codec_of
+from tests.test_generation_models import CaseEvents, codec_of
 from worker.compile import _decode_phase, compile_here
 
 FIXTURES = Path(__file__).parent / "fixtures" / "generation"
@@ -160,16 +159,7 @@ def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu
         tenant_name="t",
         bundle={"layout": layout.to_json(), "context_length": 128, "decode_paged_key": "decode-paged"},
     )
-    events: dict[int, list[TokenEvent]] = {i: [] for i in range(len(CASES))}
-    finished = threading.Semaphore(0)
-
-    def sink(i: int):
-        def take(event: TokenEvent) -> None:
-            events[i].append(event)
-            if event.finish_reason:
-                finished.release()
-
-        return take
+    collected = CaseEvents(len(CASES))
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, min_tokens=NEW_TOKENS)
     generator = service.generator(route)
@@ -178,12 +168,10 @@ def test_greedy_generation_on_a_gpu_runtime_keeps_the_cache_in_device_memory(gpu
     assert storage.runs_on_device and {p.address for p in pools} <= driver.live()
     try:
         for i, case in enumerate(CASES):
-            service.start(route, GenerationRequest(f"r{i}", case["prompt_ids"], params), sink(i))
-        for _ in CASES:
-            assert finished.acquire(timeout=300)
+            service.start(route, GenerationRequest(f"r{i}", case["prompt_ids"], params), collected.sink(i))
+        collected.wait(300)
         for i, case in enumerate(CASES):
-            got = [e.token_id for e in events[i] if e.token_id is not None]
-            assert got == case["generated_ids"][:NEW_TOKENS], f"prompt {case['prompt_ids']}"
+            assert collected.tokens(i) == case["generated_ids"][:NEW_TOKENS], f"prompt {case['prompt_ids']}"
         # one-token steps ran on the paged program reading the pools in place, and on the general
         # one with their past gathered on the device (the chooser tries both)
         assert generator.decoder.paged_steps > 0 and ("prefill", 1) in batches
