@@ -59,3 +59,63 @@ def test_partial_register_tiles_equal_onnxruntime(case: int, candidate: str) -> 
             np.testing.assert_allclose(
                 got, want, rtol=1e-4, atol=1e-4, err_msg=f"{candidate} batch {batch} run {run}"
             )
+
+
+def _transposed_program(data: bytes):
+    """The model's program with every product whose A is a weight computed transposed (its weight
+    packed as A^T's panels, lc_sgemm_t), the others as generated panels."""
+    from compiler.backends import native_cpu
+    from compiler.frontends.onnx import load_graph
+    from compiler.kernels.fusion import fuse
+    from compiler.kernels.ir import GemmCall
+    from compiler.kernels.lower import lower
+    from compiler.render.c import prepack_weights, render, transposed_packable
+
+    graph = load_graph(data)
+    lowered = fuse(lower(graph))
+    chosen = [n for n, kernel in enumerate(lowered.kernels) if transposed_packable(lowered, kernel)]
+    assert chosen, "no product whose A is a weight"
+    program = prepack_weights(lowered, transposed=chosen)
+    assert all(program.kernels[n].packed_a for n in chosen)
+    kinds = {n: "transposed" if n in chosen else "panels" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)}
+    source = render(program, gemm=kinds)
+    assert "lc_sgemm_t(k, " in source
+    return native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
+
+
+@pytest.mark.parametrize("case", range(len(CONVOLUTIONS)))
+def test_convolutions_computed_transposed_equal_onnxruntime(case: int) -> None:
+    """C^T = B^T A^T with the weight packed: positions along the tile's rows in tiles as even as
+    whole tiles allow (49 = 7 x 7), channels in partial tiles of a vector or two, the result
+    transposed back into C in squares, then the fused bias and relu."""
+    data = _conv_bias_relu(*CONVOLUTIONS[case])
+    program = _transposed_program(data)
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(case)
+    in_channels, height, width = CONVOLUTIONS[case][1], *CONVOLUTIONS[case][5:]
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, in_channels, height, width)).astype(np.float32)
+        want = session.run(None, {"x": x})[0]
+        for run in range(3):  # the later runs on the woken worker threads
+            np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"batch {batch} run {run}")
+
+
+@pytest.mark.parametrize(("rows", "trans_a"), [(100, 0), (100, 1), (7, 0), (300, 1)])
+def test_a_weight_times_activations_computed_transposed_equals_numpy(rows: int, trans_a: int) -> None:
+    """y = W x (W [rows, 300] or stored transposed): k crosses a 256-deep block, the 130 columns
+    more than one chunk of C^T, and C's rows split between the threads in whole register tiles."""
+    rng = np.random.default_rng(rows + trans_a)
+    weight = rng.standard_normal((300, rows) if trans_a else (rows, 300)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["w", "x"], ["y"], transA=trans_a)], "left_weight",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [300, "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, "n"])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    program = _transposed_program(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    w = weight.T if trans_a else weight
+    for n in (1, 49, 130):
+        x = rng.standard_normal((300, n)).astype(np.float32)
+        want = w.astype(np.float64) @ x.astype(np.float64)
+        for run in range(2):
+            np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"n={n} run {run}")

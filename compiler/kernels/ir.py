@@ -299,6 +299,9 @@ class GemmCall:
     # B is a weight stored in a renderer's packed layout (its panels, packed at compile time), not
     # as rows: set by the renderer's own pass over a lowered program, never by lowering
     packed_b: bool = False
+    # A is a weight stored transposed in that packed layout (pack_weight(A^T)): the product is
+    # computed as C^T = B^T A^T (lc_sgemm_t); set by the same pass, for the schedules that ask for it
+    packed_a: bool = False
     # an elementwise loop fused into the product (compiler.kernels.epilogue); C is then its output
     epilogue: Epilogue | None = None
     # the same product as a reduction loop over its operands where the graph has them (windows

@@ -15,6 +15,9 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (WindowRows k)          (C) a convolution's product reading its windows in place, rows of the
                             output at a time
     (GeneratedPanels k)     (C) a convolution's product computing its windows a panel at a time
+    (TransposedTiles k)     (C) a product whose A is a weight computed transposed, C^T = B^T A^T,
+                            A^T packed at compile time (a small image's positions along the tile's
+                            rows); a convolution's windows a panel at a time
     (ReductionLoops k)      (C) a matrix-vector product as its reduction loop, reading its operands
                             where the graph has them (no operand packed or windows stored), the
                             reduced loops around the output row
@@ -40,12 +43,13 @@ KINDS = {
     "GeneratedTiles": "generated-tiles",
     "WindowRows": "window-rows",
     "GeneratedPanels": "generated-panels",
+    "TransposedTiles": "transposed-tiles",
     "ReductionLoops": "loops",
     "ReductionLoopsInside": "loops-inside",
     "ReductionLoopsColumns": "loops-columns",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "loops", "loops-inside", "loops-columns"})
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "loops", "loops-inside", "loops-columns"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

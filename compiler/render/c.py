@@ -94,7 +94,7 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "loops", "loops-inside", "loops-columns")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "loops", "loops-inside", "loops-columns")
 # the kinds that run a product as its loop form (GemmCall.loops)
 LOOP_FORMS = ("loops", "loops-inside", "loops-columns")
 # "loops-columns": the output row is split into a block of columns per thread, at most this many
@@ -375,17 +375,20 @@ static inline int lc_next(lc_tasks *t) {
 """
 
 
-def prepack_weights(program: Program, only: Collection[int] | None = None) -> Program:
+def prepack_weights(program: Program, only: Collection[int] | None = None, transposed: Collection[int] = ()) -> Program:
     """The program with every float32 product whose B is a whole weight matrix (shared by the
     batch) reading it packed in the generated product's panels (`GemmCall.packed_b`): packed once
     here, where lc_sgemm would pack it again on every run (12-35% of a 64..128-row product's time
     here, single-threaded). A weight that nothing else reads is replaced by its packing, so a
     loaded program holds no more memory than before (a padded last panel aside). `only`: the
-    kernel numbers of the products to pack (those the schedule runs generated), else all."""
+    kernel numbers of the products to pack (those the schedule runs generated), else all.
+    `transposed`: products to compute transposed instead, their weight A packed as A^T's panels
+    (`GemmCall.packed_a`; where A is such a weight, transposed_packable)."""
+    program = _prepack_transposed(program, transposed) if transposed else program
     reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
 
     def packs(number: int, kernel: LoopKernel | GemmCall) -> bool:
-        return _packable(program, kernel) and (only is None or number in only)
+        return _packable(program, kernel) and not kernel.packed_a and (only is None or number in only)
 
     buffers = list(program.buffers)
     weights = dict(program.weights)
@@ -421,6 +424,53 @@ def prepack_weights(program: Program, only: Collection[int] | None = None) -> Pr
     return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
 
 
+def transposed_packable(program: Program, kernel: LoopKernel | GemmCall) -> bool:
+    """A float32 product whose A is one whole weight matrix of known size, the same for the batch
+    (a convolution's or a left-multiplied weight): it can run transposed, A packed (lc_sgemm_t)."""
+    return (
+        isinstance(kernel, GemmCall) and kernel.dtype == "float32" and not kernel.packed_b
+        and program.buffers[kernel.a].role == "weight" and kernel.b != kernel.a and kernel.lda is None
+        and _shared(kernel.a_batch_strides, kernel.batch) and isinstance(kernel.k, int) and isinstance(kernel.m, int)
+    )
+
+
+def _prepack_transposed(program: Program, numbers: Collection[int]) -> Program:
+    """prepack_weights' transposed products: each one's A as pack_weight(A^T), its rows dropped
+    where nothing else reads them."""
+    chosen = {n for n in numbers if transposed_packable(program, program.kernels[n])}
+    if not chosen:
+        return program
+    reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
+    buffers, weights = list(program.buffers), dict(program.weights)
+    packed: dict[tuple[int, bool], int] = {}
+    kernels = []
+    for number, kernel in enumerate(program.kernels):
+        if number not in chosen:
+            kernels.append(kernel)
+            continue
+        key = (kernel.a, kernel.trans_a)
+        if key not in packed:
+            buffer = program.buffers[kernel.a]
+            matrix = np.asarray(program.weights[buffer.name], np.float32).reshape(
+                (kernel.k, kernel.m) if kernel.trans_a else (kernel.m, kernel.k)
+            )
+            panels = pack_weight(matrix if kernel.trans_a else matrix.T)
+            name = f"{buffer.name}:panels-of-transpose{'T' if kernel.trans_a else ''}"
+            weights[name] = panels
+            alone = reads[kernel.a] == sum(
+                1 for n in chosen if program.kernels[n].a == kernel.a and program.kernels[n].trans_a == kernel.trans_a
+            )
+            target = kernel.a if alone else len(buffers)
+            if alone:
+                del weights[buffer.name]
+                buffers[target] = Buffer(target, "float32", panels.shape, "weight", name)
+            else:
+                buffers.append(Buffer(target, "float32", panels.shape, "weight", name))
+            packed[key] = target
+        kernels.append(replace(kernel, a=packed[key], packed_a=True, trans_a=False))
+    return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
+
+
 def _packable(program: Program, kernel: LoopKernel | GemmCall) -> bool:
     """A float32 product whose B is one whole weight matrix of known size, the same for the batch."""
     return (
@@ -441,8 +491,9 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
     how float32 GEMM calls run: "blas" (OpenBLAS), "tiled" (the generated products of c_gemm),
     "mixed" (a wide 2-D convolution's product reads its windows in place, lc_conv_rows; other
     convolutions' panel products are generated where A fits in cache; the rest OpenBLAS) or
-    "panels" (as mixed, with every convolution's panel product generated). A product marked
-    `packed_b` (prepack_weights) is the generated one whatever `gemm` says. `gemm` may also map
+    "panels" (as mixed, with every convolution's panel product generated) or "transposed" (computed
+    as C^T = B^T A^T, the weight A packed: products marked `packed_a`). A product marked `packed_b`
+    (prepack_weights) is the generated one whatever `gemm` says. `gemm` may also map
     kernel numbers to kinds: each product as the schedule search chose ("blas" where unnamed)."""
     renderer = CRenderer(program, gemm)
     symbols, buffers = len(program.symbols), len(program.buffers)
@@ -451,7 +502,7 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
     kinds = {n: renderer.kind_of(n) for n in range(len(program.kernels))}
     if any(
         isinstance(k, GemmCall) and k.dtype == "float32"
-        and (kinds[n] == "tiled" or k.packed_b or kinds[n] in ("mixed", "panels") and k.b_panels is not None)
+        and (kinds[n] == "tiled" or k.packed_b or k.packed_a or kinds[n] in ("mixed", "panels") and k.b_panels is not None)
         for n, k in enumerate(program.kernels)
     ):
         parts.append(TILED_SGEMM)
@@ -541,9 +592,14 @@ class CRenderer:
             return head + "    (void)B;  /* its product runs as its loop form and reads no packed operand */\n}\n"
         if isinstance(kernel, GemmCall) and self.gemm_kind in LOOP_FORMS:
             return head + self.loop_form(kernel, self.gemm_kind) + "}\n"
+        if isinstance(kernel, GemmCall) and (self.gemm_kind == "transposed") != kernel.packed_a:
+            raise ValueError(
+                f"kernel {number}: a product runs transposed exactly when its weight A is packed for it "
+                f"(prepack_weights' `transposed`), here kind {self.gemm_kind!r} with packed_a={kernel.packed_a}"
+            )
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
-                return head + self.gemm(kernel) + "}\n"
+                return head + (self.transposed_gemm(kernel) if kernel.packed_a else self.gemm(kernel)) + "}\n"
             geometry = self.windows(kernel)
             return head + (self.panel_gemm(kernel) if geometry is None else self.conv_gemm(kernel, geometry)) + "}\n"
         stored = sorted(kernel_stores(kernel))
@@ -1080,7 +1136,8 @@ class CRenderer:
         # too few blocks for the threads (the last layers' small images): they split m as well,
         # each filling the panel it multiplies
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 32 ? threads : 1;\n")
-        lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n")
+        lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n" if not call.packed_a else
+                     "    const int64_t m_span = ((m + parts - 1) / parts + LC_NR - 1) / LC_NR * LC_NR;\n")
         lines.extend(self.tasks(("t", "block", "part")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
@@ -1113,7 +1170,12 @@ class CRenderer:
             f"scipy_cblas_{prefix}gemm(101, {112 if call.trans_a else 111}, 111, (int)rows_m, (int)nc, (int)k, 1, a, "
             f"(int){lda}, panel, (int)nc, 0, c, (int)n);"
         )
-        if self.gemm_kind in ("tiled", "panels") and call.dtype == "float32":
+        if call.packed_a:  # A^T's panels, shared by the batch: C's block [m_lo, +rows_m) x [lo * lc_rest, +nc)
+            lines.append(
+                f"{body}lc_sgemm_t(k, panel, nc, 1, b{call.a}, {padded_columns(call.m)}, m_lo, m_lo + rows_m, 0, nc, "
+                f"b{call.c} + t * m * n + lo * lc_rest, n);\n"
+            )
+        elif self.gemm_kind in ("tiled", "panels") and call.dtype == "float32":
             lines.append(f"{body}{direct}\n")
         elif self.gemm_kind == "mixed" and call.dtype == "float32":
             # the generated product reads A in place: a narrow panel's library call packs A again
@@ -1129,7 +1191,7 @@ class CRenderer:
     def windows(self, call: GemmCall, number: int | None = None) -> WindowGeometry | None:
         """A convolution's windows that the generated kinds multiply in place, else None (of the
         kernel being rendered, or of kernel `number`)."""
-        if self.kind_of(self.number if number is None else number) == "blas" or call.dtype != "float32" or call.b_panels is None:
+        if self.kind_of(self.number if number is None else number) in ("blas", "transposed") or call.dtype != "float32" or call.b_panels is None:
             return None
         geometry = window_geometry(call.b_panels)
         if geometry is None or geometry.axes[1].out < CONV_MIN_WIDTH or max(a.step for a in geometry.axes) > 32:
@@ -1283,6 +1345,36 @@ class CRenderer:
                 f"{body}else scipy_cblas_{prefix}gemm(101, {trans_a}, {trans_b}, (int)(split_m ? hi - lo : m), "
                 f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
             )
+        lines.append(self.epilogue(call, *block, body))
+        lines.append("        }\n")
+        return "".join(lines)
+
+    def transposed_gemm(self, call: GemmCall) -> str:
+        """A product computed as C^T = B^T A^T (lc_sgemm_t), its weight A packed transposed at
+        compile time: one task per (batch index, block), the blocks splitting C's rows in whole
+        register tiles where they are many, else its columns."""
+        lines = self.gemm_head(call, [call.a, call.b])
+        lines.append("    const int threads = lc_threads;\n")
+        lines.append(f"    const int64_t blocks = (batch >= threads || m * n * k < {GEMM_PARALLEL_MIN_FLOPS}) ? 1 : threads;\n")
+        lines.append("    const int split_m = m >= LC_NR * threads;\n")
+        lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
+        lines.append("    if (split_m) span = (span + LC_NR - 1) / LC_NR * LC_NR;\n")
+        lines.extend(self.parallel_for(
+            [("t", "batch"), ("block", "blocks")], f"batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}",
+            "m * n * k * batch >= lc_wake_work", grain="1",
+        ))
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        b_off = self.batch_offset(call.batch, call.b_batch_strides)
+        lines.append(f"{body}const int64_t lo = block * span, hi = (lo + span < (split_m ? m : n)) ? lo + span : (split_m ? m : n);\n")
+        lines.append(f"{body}if (lo >= hi) continue;\n")
+        ldb = self.ldb(call)
+        b_strides = f"1, {ldb}" if call.trans_b else f"{ldb}, 1"  # B's (row, column) strides
+        lines.append(
+            f"{body}lc_sgemm_t(k, b{call.b} + ({self.ix(b_off)}), {b_strides}, b{call.a}, {padded_columns(call.m)}, "
+            "split_m ? lo : 0, split_m ? hi : m, split_m ? 0 : lo, split_m ? n : hi, b" + str(call.c) + " + t * m * n, n);\n"
+        )
+        block = (("(split_m ? lo : 0)", "(split_m ? hi : m)"), ("(split_m ? 0 : lo)", "(split_m ? n : hi)"))
         lines.append(self.epilogue(call, *block, body))
         lines.append("        }\n")
         return "".join(lines)

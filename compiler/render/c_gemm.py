@@ -36,32 +36,37 @@ typedef float lc_vecu __attribute__((vector_size(LC_VW * 4), aligned(4)));
 /* c[mr x nr] (row stride ldc) = (or +=) the accumulators of a register tile */
 static inline __attribute__((always_inline)) void lc_store_tile(lc_vec acc[LC_MR][LC_NR / LC_VW], float *restrict c,
                                                                 int64_t ldc, int add, int64_t mr, int64_t nr) {
-    if (mr == LC_MR && nr == LC_NR) {
-        for (int i = 0; i < LC_MR; ++i)
-            for (int j = 0; j < LC_NR / LC_VW; ++j) {
+    /* whole vectors stored as vectors (a tile of fewer rows too: the last tile, or 7 of 49), the
+       columns past the last whole vector one by one */
+    const int64_t whole = nr / LC_VW, rest = nr % LC_VW;
+    for (int i = 0; i < LC_MR; ++i) {
+        if (i >= mr) break;
+        for (int j = 0; j < LC_NR / LC_VW; ++j) {
+            if (j < whole) {
                 lc_vecu *dst = (lc_vecu *)(c + i * ldc + LC_VW * j);
                 *dst = add ? *dst + acc[i][j] : acc[i][j];
+            } else if (j == whole && rest) {
+                float part[LC_VW] __attribute__((aligned(64)));
+                *(lc_vec *)part = acc[i][j];
+                float *dst = c + i * ldc + LC_VW * j;
+                for (int64_t q = 0; q < rest; ++q) dst[q] = add ? dst[q] + part[q] : part[q];
             }
-        return;
+        }
     }
-    float tile[LC_MR][LC_NR] __attribute__((aligned(64)));
-    for (int i = 0; i < LC_MR; ++i)
-        for (int j = 0; j < LC_NR / LC_VW; ++j) *(lc_vec *)&tile[i][LC_VW * j] = acc[i][j];
-    for (int64_t i = 0; i < mr; ++i)
-        for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + tile[i][j] : tile[i][j];
 }
 
 /* a packed weight's panels are LC_PW columns wide whatever the vector width: a library rebuilt for
    another CPU reads the same weights */
 #define LC_PW 16
 
-/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x LC_MR) times B's panel, kc deep, its
-   first `vectors` vectors: B's row p in LC_PW-wide pieces, piece q at b + q * b_piece + p * b_step (a
-   run-time packing's LC_NR-wide rows: b_piece LC_PW, b_step LC_NR; a packed weight's panels: b_piece
-   kc * LC_PW, b_step LC_PW) */
-static inline __attribute__((always_inline)) void lc_tile_n(int64_t kc, const float *restrict a, const float *restrict b,
-                                                            int64_t b_piece, int64_t b_step, float *restrict c,
-                                                            int64_t ldc, int add, int64_t mr, int64_t nr, int vectors) {
+/* c[mr x nr] (row stride ldc) = (or +=) the packed a panel (kc x `rows`, rows <= LC_MR, mr <= rows) times
+   B's panel, kc deep, its first `vectors` vectors: B's row p in LC_PW-wide pieces, piece q at b + q *
+   b_piece + p * b_step (a run-time packing's LC_NR-wide rows: b_piece LC_PW, b_step LC_NR; a packed
+   weight's panels: b_piece kc * LC_PW, b_step LC_PW) */
+static inline __attribute__((always_inline)) void lc_tile_n(int64_t kc, const float *restrict a, int rows,
+                                                            const float *restrict b, int64_t b_piece, int64_t b_step,
+                                                            float *restrict c, int64_t ldc, int add, int64_t mr,
+                                                            int64_t nr, int vectors) {
     lc_vec acc[LC_MR][LC_NR / LC_VW];
     for (int i = 0; i < LC_MR; ++i)
         for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
@@ -69,8 +74,8 @@ static inline __attribute__((always_inline)) void lc_tile_n(int64_t kc, const fl
         lc_vec bv[LC_NR / LC_VW];
         for (int j = 0; j < vectors; ++j)
             bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * b_piece + p * b_step + (LC_VW * j) % LC_PW);
-        for (int i = 0; i < LC_MR; ++i) {
-            const float ai = a[p * LC_MR + i];
+        for (int i = 0; i < rows; ++i) {
+            const float ai = a[p * rows + i];
             for (int j = 0; j < vectors; ++j) acc[i][j] += ai * bv[j];
         }
     }
@@ -78,18 +83,38 @@ static inline __attribute__((always_inline)) void lc_tile_n(int64_t kc, const fl
 }
 
 /* lc_tile_n in as few vectors as the tile's nr columns need (the last columns of a product) */
-static inline __attribute__((always_inline)) void lc_tile(int64_t kc, const float *restrict a, const float *restrict b,
+static inline __attribute__((always_inline)) void lc_tile(int64_t kc, const float *restrict a, int rows, const float *restrict b,
                                                           int64_t b_piece, int64_t b_step,
                                                           float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
-    if (nr <= LC_VW) lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, 1);
-    else if (nr <= 2 * LC_VW && LC_NR > 2 * LC_VW) lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, 2);
-    else lc_tile_n(kc, a, b, b_piece, b_step, c, ldc, add, mr, nr, LC_NR / LC_VW);
+    if (nr <= LC_VW) lc_tile_n(kc, a, rows, b, b_piece, b_step, c, ldc, add, mr, nr, 1);
+    else if (nr <= 2 * LC_VW && LC_NR > 2 * LC_VW) lc_tile_n(kc, a, rows, b, b_piece, b_step, c, ldc, add, mr, nr, 2);
+    else lc_tile_n(kc, a, rows, b, b_piece, b_step, c, ldc, add, mr, nr, LC_NR / LC_VW);
+}
+
+/* lc_tile for a panel `rows` tall (packed so): a product of 49 rows runs 7 tiles of 7, not 7 of 8 */
+static void lc_tile_rows(int64_t kc, const float *restrict a, int rows, const float *restrict b, int64_t b_piece,
+                         int64_t b_step, float *restrict c, int64_t ldc, int add, int64_t mr, int64_t nr) {
+    switch (rows) {
+#define LC_ROWS(R) case R: lc_tile(kc, a, R, b, b_piece, b_step, c, ldc, add, mr, nr); return;
+    LC_ROWS(1) LC_ROWS(2) LC_ROWS(3) LC_ROWS(4) LC_ROWS(5) LC_ROWS(6)
+#if LC_MR >= 8
+    LC_ROWS(7) LC_ROWS(8)
+#endif
+#undef LC_ROWS
+    default: lc_tile(kc, a, LC_MR, b, b_piece, b_step, c, ldc, add, mr, nr);
+    }
+}
+
+/* rows as even as whole tiles allow: the height of the tiles that cover mc rows */
+static inline int lc_even_rows(int64_t mc) {
+    const int64_t tiles = (mc + LC_MR - 1) / LC_MR;
+    return (int)((mc + tiles - 1) / tiles);
 }
 
 /* the packed a panel (kc x LC_MR) times the packed b panel (kc x LC_NR) */
 static void lc_micro(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c, int64_t ldc,
                      int add, int64_t mr, int64_t nr) {
-    lc_tile(kc, a, b, LC_PW, LC_NR, c, ldc, add, mr, nr);
+    lc_tile(kc, a, LC_MR, b, LC_PW, LC_NR, c, ldc, add, mr, nr);
 }
 
 /* c[mr x nr] (row stride ldc) = (or +=) A's rows (i, p) at a[i * ars + p * acs] times B's rows p at
@@ -258,14 +283,50 @@ static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64
             const float *block = pb + pc * npad;  /* this block's panels: panel j / LC_PW at j * kc */
             for (int64_t ic = 0; ic < m; ic += LC_MC) {
                 const int64_t mc = m - ic < LC_MC ? m - ic : LC_MC;
-                lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, LC_MR, packed_a);
+                const int rows = lc_even_rows(mc);
+                lc_pack_a(mc, kc, a + ic * ars + pc * acs, ars, acs, rows, packed_a);
                 for (int64_t jr = 0; jr < nc; jr += LC_NR)
-                    for (int64_t ir = 0; ir < mc; ir += LC_MR)
-                        lc_tile(kc, packed_a + ir * kc, block + (jc + jr) * kc, kc * LC_PW, LC_PW,
-                                c + (ic + ir) * ldc + jc + jr, ldc, pc > 0, mc - ir < LC_MR ? mc - ir : LC_MR,
-                                nc - jr < LC_NR ? nc - jr : LC_NR);
+                    for (int64_t ir = 0; ir < mc; ir += rows)
+                        lc_tile_rows(kc, packed_a + ir * kc, rows, block + (jc + jr) * kc, kc * LC_PW, LC_PW,
+                                     c + (ic + ir) * ldc + jc + jr, ldc, pc > 0, mc - ir < rows ? mc - ir : rows,
+                                     nc - jr < LC_NR ? nc - jr : LC_NR);
             }
         }
+    }
+}
+
+/* positions (C's columns) of a transposed product's chunk: its C^T stays in L2 until transposed */
+#define LC_T_CHUNK LC_MC
+
+/* rows [i_lo, i_hi) x columns [j_lo, j_hi) of C[m, n] (row stride ldc; c points at C[0, 0]) = A B,
+   A a weight packed transposed at compile time (pat: pack_weight(A^T), its m columns padded to
+   mpad), B's (p, j) at b[p * brs + j * bcs]: computed as C^T = B^T A^T, a chunk of C's columns at a
+   time into the thread's scratch, then transposed into C. A product of few columns (a small
+   image's positions) then fills whole register tiles along the long side, reads a weight packed
+   once instead of packing it per call, and packs only B. i_lo a multiple of LC_NR. */
+static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, const float *pat, int64_t mpad,
+                       int64_t i_lo, int64_t i_hi, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
+    static __thread float *ct;
+    static __thread int64_t ct_size;
+    const int64_t span = i_hi - i_lo;
+    if (span <= 0 || j_hi <= j_lo) return;
+    if (LC_T_CHUNK * span > ct_size) {
+        free(ct);
+        ct = aligned_alloc(64, sizeof(float) * (size_t)((LC_T_CHUNK * span + 15) / 16 * 16));
+        ct_size = ct ? LC_T_CHUNK * span : 0;
+        if (!ct) { lc_no_memory = 1; return; }
+    }
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += LC_T_CHUNK) {
+        const int64_t cn = j_hi - j0 < LC_T_CHUNK ? j_hi - j0 : LC_T_CHUNK;
+        /* C^T's chunk [cn x span], addressed from column i_lo: lc_sgemm_pw writes columns [i_lo, i_hi) */
+        lc_sgemm_pw(cn, k, b + j0 * bcs, bcs, brs, pat, mpad, i_lo, i_hi, ct - i_lo, span);
+        /* in squares of 16: both sides' reads and writes stay within a few cache lines */
+        for (int64_t ib = 0; ib < span; ib += 16)
+            for (int64_t jb = 0; jb < cn; jb += 16) {
+                const int64_t ie = ib + 16 < span ? ib + 16 : span, je = jb + 16 < cn ? jb + 16 : cn;
+                for (int64_t i = ib; i < ie; ++i)
+                    for (int64_t j = jb; j < je; ++j) c[(i_lo + i) * ldc + j0 + j] = ct[j * span + i];
+            }
     }
 }
 """

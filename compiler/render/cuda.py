@@ -373,7 +373,7 @@ def library_gemm(program: Program, kernel: Kernel) -> dict[str, object] | None:
     compute it: B computed by panels that are not a buffer's rows as they stand (a convolution's
     windows; a 1x1 convolution of stride 1 reads its input as it is), operands of different types
     or of another type than the program multiplies in, batch offsets not one stride."""
-    if not isinstance(kernel, GemmCall) or kernel.packed_b or kernel.dtype != "float32":
+    if not isinstance(kernel, GemmCall) or kernel.packed_b or kernel.packed_a or kernel.dtype != "float32":
         return None
     formats = program.tensor_cores if program.tensor_cores in NARROW_TYPES else "float32"
     b_buffer, ldb, b_strides = library_b(program, kernel)

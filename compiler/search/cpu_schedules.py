@@ -32,7 +32,7 @@ from compiler.kernels.ir import GemmCall, Program
 from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.schedule import KernelSchedule
 from compiler.progress import Tracker
-from compiler.render.c import CRenderer, prepack_weights, render
+from compiler.render.c import CRenderer, prepack_weights, render, transposed_packable
 from compiler.search.extract import Candidate
 from compiler.search.measure import CandidateFailed
 from compiler.search.schedule import (
@@ -52,7 +52,8 @@ from compiler.verify import VerificationFailed, max_error
 
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
-GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels", "loops": "loops",
+GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
+             "transposed-tiles": "transposed", "loops": "loops",
              "loops-inside": "loops-inside", "loops-columns": "loops-columns"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
@@ -72,11 +73,12 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
         text = renderer.kernel(number, kernel) + (looped.kernel(number, kernel) if kernel.loops is not None else "")
         text = _buffers_by_position(re.sub(r"\bk\d+\b", "kN", text))
         dtypes = [program.buffers[b].dtype for b in (kernel.a, kernel.b, kernel.c)]
-        signature = hashlib.sha256(f"{text}|{dtypes}".encode()).hexdigest()[:24]
+        weight_a = transposed_packable(program, kernel)
+        signature = hashlib.sha256(f"{text}|{dtypes}|{weight_a}".encode()).hexdigest()[:24]
         libraries = ("openblas",) if kernel.dtype in ("float32", "float64") else ()
         terms.append(KernelTerm(
             number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
-            loop_form=kernel.loops is not None,
+            loop_form=kernel.loops is not None, weight_a=weight_a,
         ))
     return terms
 
@@ -185,7 +187,8 @@ def _rendered(program: Program, choices: dict[int, KernelSchedule], profile: boo
     """The program with the chosen products' weights packed, and its C with each product as chosen."""
     kinds = {number: GEMM_KIND[choice.kind] for number, choice in choices.items()}
     packed = {number for number, choice in choices.items() if choice.kind in _PACKED}
-    rendered = prepack_weights(program, only=packed) if packed else program
+    transposed = {number for number, choice in choices.items() if choice.kind == "transposed-tiles"}
+    rendered = prepack_weights(program, only=packed, transposed=transposed) if packed or transposed else program
     return rendered, render(rendered, profile=profile, gemm=kinds)
 
 

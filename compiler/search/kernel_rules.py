@@ -521,6 +521,7 @@ def plain_product(program: Program, call) -> bool:
         and call.epilogue is None
         and call.b_panels is None
         and not call.packed_b
+        and not call.packed_a
         and call.dtype == "float32"
         and program.buffers[call.c].role in ("temp", "output")
     )

@@ -57,6 +57,7 @@ SCHEDULE_RULES = """
     (GeneratedTiles Kernel)
     (WindowRows Kernel)
     (GeneratedPanels Kernel)
+    (TransposedTiles Kernel)
     (ReductionLoops Kernel)
     (ReductionLoopsInside Kernel)
     (ReductionLoopsColumns Kernel))
@@ -64,6 +65,7 @@ SCHEDULE_RULES = """
 (relation CpuTarget ())
 (relation Windowed (String))
 (relation LoopForm (String))
+(relation WeightA (String))
 (relation CudaCores ())
 (relation TensorCores (String))
 (relation LibraryComputes (String String))
@@ -89,6 +91,10 @@ SCHEDULE_RULES = """
       ((union k (GeneratedTiles k))) :ruleset schedule)
 (rule ((= k (Product sig "float32")) (CpuTarget) (Windowed sig))
       ((union k (WindowRows k)) (union k (GeneratedPanels k))) :ruleset schedule)
+; a product whose A is a weight also computed transposed (C^T = B^T A^T), A packed at compile
+; time: a small image's few positions then run along the register tile's rows
+(rule ((= k (Product sig "float32")) (CpuTarget) (WeightA sig))
+      ((union k (TransposedTiles k))) :ruleset schedule)
 ; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
 ; reduction loop, which reads its operands in place: the reduced loops around the output row,
 ; each element's sum inside it, or the reduced loops around blocks of the row's columns, a thread's
@@ -125,6 +131,8 @@ class KernelTerm:
     windowed: bool = False
     # a product that can also run as its reduction loop (GemmCall.loops)
     loop_form: bool = False
+    # a product whose A is a whole weight, shared by the batch (it can run transposed, A packed)
+    weight_a: bool = False
 
     @property
     def term(self) -> str:
@@ -200,6 +208,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(Windowed "{kernel.signature}")')
         if kernel.loop_form:
             facts.append(f'(LoopForm "{kernel.signature}")')
+        if kernel.weight_a:
+            facts.append(f'(WeightA "{kernel.signature}")')
         if kernel.term not in names:
             names[kernel.term] = f"$k{len(names)}"
             facts.append(f"(let {names[kernel.term]} {kernel.term})")
@@ -280,7 +290,7 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form]
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a]
     text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
