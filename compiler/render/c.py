@@ -1137,7 +1137,7 @@ class CRenderer:
         # each filling the panel it multiplies
         lines.append("    const int64_t parts = batch * blocks < threads && m >= 32 ? threads : 1;\n")
         lines.append("    const int64_t m_span = (m + parts - 1) / parts;\n" if not call.packed_a else
-                     "    const int64_t m_span = ((m + parts - 1) / parts + LC_NR - 1) / LC_NR * LC_NR;\n")
+                     "    const int64_t m_span = ((m + parts - 1) / parts + LC_PW - 1) / LC_PW * LC_PW;\n")
         lines.extend(self.tasks(("t", "block", "part")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
@@ -1290,8 +1290,8 @@ class CRenderer:
         lines.append("    const int split_m = m >= n;\n")
         lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
         generated = (self.gemm_kind == "tiled" or call.packed_b) and call.dtype == "float32"
-        if generated:  # blocks of whole register tiles
-            lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_NR - 1) / LC_NR * LC_NR;\n")
+        if generated:  # blocks of whole register tiles of rows, or of whole panels of columns (even shares)
+            lines.append("    span = split_m ? (span + LC_MR - 1) / LC_MR * LC_MR : (span + LC_PW - 1) / LC_PW * LC_PW;\n")
         lines.extend(self.parallel_for(
             [("t", "batch"), ("block", "blocks")], "batch * blocks > 1 && m * n * k * batch >= least",
             "m * n * k * batch >= lc_wake_work", grain="1",
@@ -1352,13 +1352,13 @@ class CRenderer:
     def transposed_gemm(self, call: GemmCall) -> str:
         """A product computed as C^T = B^T A^T (lc_sgemm_t), its weight A packed transposed at
         compile time: one task per (batch index, block), the blocks splitting C's rows in whole
-        register tiles where they are many, else its columns."""
+        panels of A^T where they are many, else its columns."""
         lines = self.gemm_head(call, [call.a, call.b])
         lines.append("    const int threads = lc_threads;\n")
         lines.append(f"    const int64_t blocks = (batch >= threads || m * n * k < {GEMM_PARALLEL_MIN_FLOPS}) ? 1 : threads;\n")
         lines.append("    const int split_m = m >= LC_NR * threads;\n")
         lines.append("    int64_t span = ((split_m ? m : n) + blocks - 1) / blocks;\n")
-        lines.append("    if (split_m) span = (span + LC_NR - 1) / LC_NR * LC_NR;\n")
+        lines.append("    if (split_m) span = (span + LC_PW - 1) / LC_PW * LC_PW;  /* whole panels: even shares */\n")
         lines.extend(self.parallel_for(
             [("t", "batch"), ("block", "blocks")], f"batch * blocks > 1 && m * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}",
             "m * n * k * batch >= lc_wake_work", grain="1",

@@ -259,7 +259,7 @@ static inline void lc_row_pw(int64_t kc, const float *restrict a, const float *r
 
 /* columns [j_lo, j_hi) of C[m, n] (row stride ldc; c points at column 0) = A B, B a packed weight of
    k rows whose panels cover npad columns (n rounded up to a whole register tile of the widest
-   target, which lc_tile reads whole at the last columns too); j_lo a multiple of LC_NR. On
+   target); j_lo a multiple of LC_PW (a tile reads only the panels its columns need). On
    the calling thread; A's packing buffer is the thread's own, as lc_sgemm's. */
 static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64_t acs, const float *pb,
                         int64_t npad, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
@@ -303,7 +303,7 @@ static void lc_sgemm_pw(int64_t m, int64_t k, const float *a, int64_t ars, int64
    mpad), B's (p, j) at b[p * brs + j * bcs]: computed as C^T = B^T A^T, a chunk of C's columns at a
    time into the thread's scratch, then transposed into C. A product of few columns (a small
    image's positions) then fills whole register tiles along the long side, reads a weight packed
-   once instead of packing it per call, and packs only B. i_lo a multiple of LC_NR. */
+   once instead of packing it per call, and packs only B. i_lo a multiple of LC_PW. */
 static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, const float *pat, int64_t mpad,
                        int64_t i_lo, int64_t i_hi, int64_t j_lo, int64_t j_hi, float *c, int64_t ldc) {
     static __thread float *ct;
