@@ -31,7 +31,7 @@ from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import GEMM_KINDS, LOOP_FORMS, prepack_weights, render
+from compiler.render.c import GEMM_KINDS, LOOP_FORMS, prepack_weights, render, transposed_packable
 from compiler.search.extract import search_graph
 from compiler.shape import evaluate
 
@@ -78,9 +78,13 @@ def main() -> None:
     if args.searched_graph:
         graph, _ = search_graph(graph, True)
     program = fuse(lower(graph))  # as the compiler's candidates are
-    if args.gemm not in ("blas", *LOOP_FORMS):  # as the compiler's generated candidates do
-        program = prepack_weights(program)
     gemm = args.gemm
+    if args.gemm == "transposed":  # the products whose A is a weight transposed, the others by panels
+        chosen = [n for n, k in enumerate(program.kernels) if transposed_packable(program, k)]
+        program = prepack_weights(program, transposed=chosen)
+        gemm = {n: "transposed" if n in chosen else "panels" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)}
+    elif args.gemm not in ("blas", *LOOP_FORMS):  # as the compiler's generated candidates do
+        program = prepack_weights(program)
     if gemm in LOOP_FORMS:  # the products that have a loop form run it, the others call OpenBLAS
         gemm = {n: args.gemm for n, k in enumerate(program.kernels) if isinstance(k, GemmCall) and k.loops is not None}
     library = native_cpu.build(render(program, profile=True, gemm=gemm))

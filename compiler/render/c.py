@@ -617,13 +617,14 @@ class CRenderer:
         stored = kernel_stores(call)
         reads = lets_reads(loops) | (lets_reads(call.epilogue) if call.epilogue is not None else set())
         text = "".join(self.pointer(b) for b in sorted(reads - stored)) + "".join(self.pointer(b, writable=True) for b in sorted(stored))
+        by_row = kind == "loops-inside" and self.epilogue_by_row(call)
         if kind == "loops-inside":
-            text += self.sums_inside_row(loops)
+            text += self.sums_inside_row(loops, call if by_row else None)
         elif kind == "loops-columns":
             text += self.sums_by_columns(loops)
         else:
             text += self.loops(loops)
-        if call.epilogue is not None:
+        if call.epilogue is not None and not by_row:
             # workers run this function too: past its loop they return, and the caller, whose last
             # lc_next waited for every task, applies the epilogue once (twice, a bias was added twice)
             text += "    if (lc_is_worker) return;\n"
@@ -641,10 +642,25 @@ class CRenderer:
         out_type = C_TYPES[self.program.buffers[kernel.out].dtype]
         return rank, extents, out_type, [f"    const int64_t work = {total};\n", "    (void)work;\n"]
 
-    def sums_inside_row(self, kernel: LoopKernel) -> str:
+    @staticmethod
+    def epilogue_by_row(call: GemmCall) -> bool:
+        """Whether a loop form's epilogue can follow each output row in its task: C is the loop's
+        output, its rows of known length a block of C's: within one of C's rows (dividing them), or
+        whole rows of C (a depthwise product's C is [images x channels, positions, 1])."""
+        loops = call.loops
+        if call.epilogue is None or loops is None or loops.out != call.c:
+            return False
+        row, m, n = loops.shape[-1], call.m, call.n
+        if not (isinstance(row, int) and isinstance(n, int) and row > 0 and n > 0):
+            return False
+        return n % row == 0 or (row % n == 0 and isinstance(m, int) and (m * n) % row == 0)
+
+    def sums_inside_row(self, kernel: LoopKernel, epilogue_of: GemmCall | None = None) -> str:
         """A sum reduction with the output's last axis as the vector loop and each element's sum
         (every reduced loop, constant trip counts unrolled by the C compiler) inside it: rows too
-        short for the window form's split loops (a 7x7 window over a 4x4 image) still vectorize."""
+        short for the window form's split loops (a 7x7 window over a 4x4 image) still vectorize.
+        With `epilogue_of` (epilogue_by_row), that product's epilogue runs on each row as its task
+        writes it, on every thread (not once over all of C after the loop, on one)."""
         rank, extents, out_type, lines = self.sum_head(kernel)
         cost = max(1, _operations(kernel.value) + 1)
         outer = [(f"o{j}", dim(d)) for j, d in enumerate(kernel.shape[: rank - 1])]
@@ -660,6 +676,17 @@ class CRenderer:
             body += "    "
         lines.append(f"{body}acc += ({out_type})({self.expr(kernel.value)});\n")
         lines.append(f"{indent}    {self.target(kernel)} = acc;\n{indent}}}\n")
+        if epilogue_of is not None:
+            call, row = epilogue_of, dim(kernel.shape[-1])
+            start = self.ix(linear([Ix.var(f"o{j}") for j in range(rank - 1)], kernel.shape[: rank - 1]))
+            lines.append(f"{indent}{{\n{indent}    const int64_t m = {dim(call.m)}, n = {dim(call.n)};\n")
+            lines.append(f"{indent}    const int64_t lc_flat = ({start}) * {row}, t = lc_flat / (m * n), lc_row = lc_flat % (m * n) / n, lc_col = lc_flat % n;\n")
+            if call.n % kernel.shape[-1] == 0:  # a piece of one of C's rows
+                block = (("lc_row", "lc_row + 1"), ("lc_col", f"lc_col + {row}"))
+            else:  # whole rows of C
+                block = (("lc_row", f"lc_row + {kernel.shape[-1] // call.n}"), ("0", "n"))
+            lines.append(self.epilogue(call, *block, indent + "    "))
+            lines.append(f"{indent}}}\n")
         return "".join(lines) + "        }\n"
 
     def sums_by_columns(self, kernel: LoopKernel) -> str:
