@@ -173,6 +173,16 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class UsageVoid(Base):
+    """A request its gateway answered with an error after a runtime may have run it: it is never
+    billed, whether its usage record came before the void (deleted then) or comes after (never
+    written). Kept apart from usage_records, so that every reader of those reads billed usage."""
+
+    __tablename__ = "usage_voids"
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    voided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 # seconds to wait for a PostgreSQL connection: a dead host fails the start instead of hanging it
 _CONNECT_TIMEOUT_S = 10
 

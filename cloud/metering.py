@@ -1,4 +1,5 @@
 """The usage ledger: records usage once per request in the metadata database, and sums it.
+A request voided (answered with an error after a runtime may have run it) is never billed.
 
 It records Usage (cloud/usage.py), which the scheduler's pure pricing core (scheduler/pricing.py)
 fills in by splitting a batch's time by rows; the ledger is the UsageSink the engines are given.
@@ -6,38 +7,82 @@ fills in by splitting a batch's time by rows; the ledger is the UsageSink the en
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
-from sqlalchemy import Date, cast, func, select
+from sqlalchemy import Date, cast, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 
-from cloud.db import Database, Tenant, UsageRecord, utcnow
+from cloud.db import Database, Tenant, UsageRecord, UsageVoid, utcnow
 from cloud.usage import Usage
+
+log = logging.getLogger(__name__)
 
 # what usage can be grouped by: a tenant (by name), a model, a version (with its target and
 # price), a UTC calendar day
 DIMENSIONS = ("tenant", "model", "version", "day")
+# PostgreSQL advisory lock ordering records against voids: records share it, a void holds it alone
+LEDGER_LOCK = 0x6C756D696E616C  # "luminal"
 
 
 class Ledger:
-    """Writes usage records; a request id already recorded is left as it was."""
+    """Writes usage records; a request id already recorded, or voided, is left as it was."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
         insert = pg_insert if db.engine.dialect.name == "postgresql" else sqlite_insert
         # one statement for every call, run with a list of rows: compiled once, not per batch
         self._insert = insert(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
+        self._insert_void = insert(UsageVoid).on_conflict_do_nothing(index_elements=["request_id"])
 
     def record(self, usages: Sequence[Usage], at: datetime | None = None) -> None:
-        """Writes the records, stamped `at` (now unless given: backfills and tests)."""
+        """Writes the records, stamped `at` (now unless given: backfills and tests), but those of
+        voided requests."""
         if not usages:
             return
         stamp = utcnow() if at is None else at.astimezone(UTC)
-        rows = [{**u.__dict__, "cost": u.cost, "created_at": stamp} for u in usages]
-        with self.db.begin() as connection:
-            connection.execute(self._insert, rows)
+        with self._ordered(exclusive=False) as connection:
+            ids = [u.request_id for u in usages]
+            voided = set(connection.scalars(select(UsageVoid.request_id).where(UsageVoid.request_id.in_(ids))))
+            rows = [{**u.__dict__, "cost": u.cost, "created_at": stamp} for u in usages if u.request_id not in voided]
+            if rows:
+                connection.execute(self._insert, rows)
+        if voided:
+            log.warning("not billed: %d requests a runtime ran after their clients were answered with an error (%s)",
+                        len(voided), " ".join(sorted(voided)))
+
+    def void(self, request_ids: Sequence[str]) -> None:
+        """Marks the requests never to be billed: a record written already is deleted, one that
+        comes later is not written. Voiding twice changes nothing."""
+        if not request_ids:
+            return
+        stamp = utcnow()
+        with self._ordered(exclusive=True) as connection:
+            connection.execute(self._insert_void, [{"request_id": r, "voided_at": stamp} for r in request_ids])
+            recorded = UsageRecord.request_id.in_(request_ids)
+            deleted = connection.scalars(select(UsageRecord.request_id).where(recorded)).all()
+            if deleted:
+                connection.execute(delete(UsageRecord).where(recorded))
+        if deleted:
+            log.warning("billed no more: %d requests a runtime ran, their clients answered with an error (%s)",
+                        len(deleted), " ".join(sorted(deleted)))
+
+    @contextmanager
+    def _ordered(self, exclusive: bool) -> Iterator[Connection]:
+        """A transaction no void interleaves with, so that a record's look for voids and its
+        insert are one step: SQLite's write lock taken first; on PostgreSQL the ledger's advisory
+        lock, shared by records, held alone by a void (taken before any read, each statement of a
+        READ COMMITTED transaction then sees what committed before it)."""
+        with self.db.serialized() as session:
+            connection = session.connection()
+            if not self.db.is_sqlite:
+                lock = func.pg_advisory_xact_lock if exclusive else func.pg_advisory_xact_lock_shared
+                connection.execute(select(lock(LEDGER_LOCK)))
+            yield connection
 
     def summary(self, tenant_id: int) -> list[dict]:
         """Per model and version, all time: requests, rows, billed seconds and cost."""

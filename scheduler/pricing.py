@@ -30,6 +30,11 @@ def price_for(target: str, prices: Mapping[str, float]) -> float:
 
 class UsageSink(Protocol):
     """Where the engines send usage: each request recorded once, a request id seen before left
-    as it was (a batch run again after a runtime died must not bill twice)."""
+    as it was (a batch run again after a runtime died must not bill twice); a voided request
+    never billed, its record deleted or never written."""
 
     def record(self, usages: Sequence[Usage]) -> None: ...
+
+    def void(self, request_ids: Sequence[str]) -> None:
+        """The requests answered with an error after a runtime may have run them: billed never."""
+        ...

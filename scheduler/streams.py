@@ -37,6 +37,8 @@ WATCH_S = 0.25
 LEDGER_LINGER_S = 0.05
 # how often a gateway drops the replies it has read from its reply stream
 REPLY_TRIM_S = 0.1
+# how long a gateway waits before writing again the voids the database refused
+VOID_RETRY_S = 1.0
 # XADD unless the stream already holds ARGV[1] entries (nil then)
 APPEND_BOUNDED = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return nil end
@@ -215,13 +217,17 @@ class StreamEngine:
         self._decided: dict[int, tuple[str, float]] = {}
         # device types whose pool stream's consumer group this gateway has made sure of
         self._pools: set[str] = set()
+        # requests answered with an error after their append was tried, their voids not yet written
+        self._unbilled: set[str] = set()
         self._loop = asyncio.get_running_loop()
+        self._voids_due = asyncio.Event()
         self._append_bounded = self.redis.register_script(APPEND_BOUNDED)
         self._move_to_pool = self.redis.register_script(MOVE_TO_POOL)
         self._tasks = [
             self._loop.create_task(self._read_replies(), name="replies"),
             self._loop.create_task(self._consume_usage(), name="ledger"),
             self._loop.create_task(self._beat(), name="gateway-beat"),
+            self._loop.create_task(self._write_voids(), name="voids"),
         ]
 
     def _unreachable(self, exc: Exception) -> Unavailable:
@@ -233,6 +239,7 @@ class StreamEngine:
         waiter = _Waiter(self._loop.create_future())
         now = time.time()
         deadline = now + self.request_timeout_s
+        appending = False
         try:
             stream = await self._stream_for(route)
             message = wire.RequestMessage(
@@ -240,6 +247,7 @@ class StreamEngine:
             )
             self._waiting[request_id] = waiter
             fields = [part for pair in message.to_fields().items() for part in pair]
+            appending = True
             # the bound holds across gateways: the length check and the append are one step
             message_id = await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields])
             if message_id is None:
@@ -254,11 +262,17 @@ class StreamEngine:
                 )
         except redis.RedisError as exc:
             self._waiting.pop(request_id, None)
+            if appending:  # the append may have reached Redis, only its answer lost: a runtime may run it
+                self._void(request_id)
             raise self._unreachable(exc) from None
         waiter.stream, waiter.message_id = stream, message_id
         self._watch(route, +1)
         try:
             result = await self._wait(waiter, deadline, route)
+        except BaseException:
+            # given up (its deadline, a lost reply) or failed: a runtime may run it still, or have run it
+            self._void(request_id)
+            raise
         finally:
             self._waiting.pop(request_id, None)
             self._watch(route, -1)
@@ -279,6 +293,7 @@ class StreamEngine:
         replies: asyncio.Queue[wire.ReplyMessage] = asyncio.Queue()
         now = time.time()
         deadline = now + self.request_timeout_s
+        appending = False
         try:
             stream = await self._stream_for(route)
             message = wire.RequestMessage(
@@ -287,9 +302,12 @@ class StreamEngine:
             )
             self._generating[request.request_id] = replies
             fields = [part for pair in message.to_fields().items() for part in pair]
+            appending = True
             message_id = await self._append_bounded(keys=[stream], args=[self.max_queue_requests, *fields])
         except redis.RedisError as exc:
             self._generating.pop(request.request_id, None)
+            if appending:  # as infer's: a runtime may generate it, its client told 503
+                self._void(request.request_id)
             raise self._unreachable(exc) from None
         if message_id is None:
             self._generating.pop(request.request_id, None)
@@ -300,8 +318,8 @@ class StreamEngine:
             )
         self._watch(route, +1)
         finished = False
+        delivered, started = 0, False
         try:
-            delivered, started = 0, False
             while True:
                 wait = (
                     self.request_timeout_s + self.claim_idle_s
@@ -330,6 +348,12 @@ class StreamEngine:
                 yield event
                 if finished:
                     return
+        except LuminalError:
+            # an error before any event is the client's whole answer: what a runtime generated is
+            # not billed (after one, the sequence is billed for what it generated, however it ends)
+            if delivered == 0:
+                self._void(request.request_id)
+            raise
         finally:
             self._generating.pop(request.request_id, None)
             self._watch(route, -1)
@@ -497,6 +521,37 @@ class StreamEngine:
         else:
             waiter.future.set_exception(error_for_code(reply.code, reply.message))
 
+    def _void(self, request_id: str) -> None:
+        """The request was answered with an error, never a 200, after it may have reached a runtime:
+        its usage, recorded already or to come, is voided (written by _write_voids, off the
+        request's path: the error is answered without waiting for the database)."""
+        self._unbilled.add(request_id)
+        self._voids_due.set()
+
+    async def _write_voids(self) -> None:
+        """Writes the voids of the requests answered with an error; those the database refuses
+        (down, restarting) are kept and written again every VOID_RETRY_S."""
+        while True:
+            try:
+                await self._voids_due.wait()
+                self._voids_due.clear()
+                await self._flush_voids()
+            except asyncio.CancelledError:
+                return
+            except Exception as exc:  # noqa: BLE001  an outage of the database: the voids are kept
+                log.warning("voiding %d requests answered with an error failed (%s); retrying", len(self._unbilled), exc)
+                self._voids_due.set()
+                try:
+                    await asyncio.sleep(VOID_RETRY_S)
+                except asyncio.CancelledError:
+                    return
+
+    async def _flush_voids(self) -> None:
+        request_ids = sorted(self._unbilled)
+        if request_ids:
+            await asyncio.to_thread(self.ledger.void, request_ids)
+            self._unbilled.difference_update(request_ids)
+
     async def _consume_usage(self) -> None:
         """Usage events to the ledger. Gateways share the work in one consumer group; an event
         is acknowledged once its record is written, and one a dead gateway held is taken over."""
@@ -555,6 +610,11 @@ class StreamEngine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await self._flush_voids()
+        except Exception as exc:  # noqa: BLE001  the database down at the stop: the ids are logged, for an operator
+            log.error("requests answered with an error could not be voided (%s); they may be billed: %s",
+                      exc, " ".join(sorted(self._unbilled)))
         try:
             await self.redis.delete(self.reply_to, wire.gateway_key(self.reply_to))
         except redis.RedisError:
