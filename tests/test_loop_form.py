@@ -204,3 +204,73 @@ def test_a_loop_form_with_an_epilogue_applies_it_once_however_many_threads_run_i
     want = _onnxruntime(data, inputs)["y"]
     for run in range(6):
         np.testing.assert_allclose(loaded.run(inputs)["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"run {run}")
+
+
+def _depthwise_conv(channels: int, size: int, kernel: int, stride: int, dilation: int, activation: str) -> bytes:
+    """Conv(group = channels, kernel x kernel, stride, dilation, padded to keep the size / stride,
+    bias), then an activation (Relu, or Clip to [0, 6] as MobileNetV2 spells it)."""
+    rng = np.random.default_rng(channels + size + kernel)
+    w = init("w", rng.standard_normal((channels, 1, kernel, kernel)).astype(np.float32))
+    bias = init("bias", rng.standard_normal(channels).astype(np.float32))
+    pad = dilation * (kernel - 1) // 2
+    conv = helper.make_node(
+        "Conv", ["x", "w", "bias"], ["c"], group=channels, pads=[pad] * 4, strides=[stride] * 2, dilations=[dilation] * 2
+    )
+    inits = [w, bias]
+    if activation == "clip":
+        inits += [init("low", np.array(0.0, np.float32)), init("high", np.array(6.0, np.float32))]
+        act = helper.make_node("Clip", ["c", "low", "high"], ["y"])
+    else:
+        act = helper.make_node("Relu", ["c"], ["y"])
+    out = (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    return make_model(
+        [conv, act], [tensor("x", ["n", channels, size, size])], [tensor("y", ["n", channels, out, out])], inits
+    ).SerializeToString()
+
+
+@pytest.mark.parametrize("searched", [False, True], ids=["windows-as-b", "windows-as-a"])
+@pytest.mark.parametrize(
+    ("channels", "size", "kernel", "stride", "dilation", "activation"),
+    [(6, 9, 3, 1, 1, "relu"), (48, 16, 3, 2, 1, "clip"), (5, 7, 7, 1, 1, "relu"), (4, 12, 3, 1, 2, "clip"), (3, 17, 5, 2, 1, "relu"), (8, 4, 3, 1, 1, "clip")],
+)
+def test_a_depthwise_convolution_plane_by_plane_equals_onnxruntime(channels, size, kernel, stride, dilation, activation, searched):
+    """The "depthwise" kind: each input plane padded and split by phase into scratch (stride 2
+    reads two phases, dilation 2 one at a step), each output row one vector loop over the taps,
+    the epilogue per plane; read off the loop form whichever operand the windows are (the e-graph
+    search turns the product around), and the kernel that would store the windows is left out."""
+    from compiler.backends import native_cpu
+    from compiler.render.c import depthwise_of, render
+    from compiler.search.extract import search_graph
+
+    data = _depthwise_conv(channels, size, kernel, stride, dilation, activation)
+    graph = load_graph(data)
+    if searched:
+        graph, _ = search_graph(graph, True)
+    program = fuse_epilogues(fuse(lower(graph)))
+    (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    call = program.kernels[number]
+    assert depthwise_of(call) is not None and call.epilogue is not None
+    (term,) = kernel_terms(program)
+    assert term.depthwise and KernelSchedule("depthwise-planes") in schedule_space([term], None, target="cpu").alternatives[number]
+    source = render(program, gemm={number: "depthwise"})
+    assert "its product runs as its loop form" in source  # the windows' kernel is dead
+    loaded = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
+    for batch in (1, 3):
+        inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
+        want = _onnxruntime(data, inputs)["y"]
+        for run in range(3):  # the later runs shared with the woken worker
+            np.testing.assert_allclose(loaded.run(inputs)["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"batch {batch} run {run}")
+
+
+def test_a_product_that_is_not_a_depthwise_convolution_refuses_the_depthwise_kind():
+    from compiler.render.c import depthwise_of, render
+
+    _, dense = _programs(make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 8])], [tensor("y", ["n", 4])],
+        [init("w", np.ones((8, 4), np.float32))],
+    ).SerializeToString())
+    (number,) = [n for n, k in enumerate(dense.kernels) if isinstance(k, GemmCall)]
+    assert depthwise_of(dense.kernels[number]) is None
+    assert not kernel_terms(dense)[0].depthwise
+    with pytest.raises(ValueError, match="cannot run as 'depthwise'"):
+        render(dense, gemm={number: "depthwise"})

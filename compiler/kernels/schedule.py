@@ -18,6 +18,8 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (TransposedTiles k)     (C) a product whose A is a weight computed transposed, C^T = B^T A^T,
                             A^T packed at compile time (a small image's positions along the tile's
                             rows); a convolution's windows a panel at a time
+    (DepthwisePlanes k)     (C) a depthwise convolution's product plane by plane: each input plane
+                            padded and split by phase into cache, each output row a vector loop
     (ReductionLoops k)      (C) a matrix-vector product as its reduction loop, reading its operands
                             where the graph has them (no operand packed or windows stored), the
                             reduced loops around the output row
@@ -44,12 +46,13 @@ KINDS = {
     "WindowRows": "window-rows",
     "GeneratedPanels": "generated-panels",
     "TransposedTiles": "transposed-tiles",
+    "DepthwisePlanes": "depthwise-planes",
     "ReductionLoops": "loops",
     "ReductionLoopsInside": "loops-inside",
     "ReductionLoopsColumns": "loops-columns",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "loops", "loops-inside", "loops-columns"})
+SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "loops", "loops-inside", "loops-columns"})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

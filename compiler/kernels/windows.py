@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.kernels.ir import Guarded, Ix, Load, Panels
+from compiler.kernels.ir import Apply, Guarded, Ix, Load, LoopKernel, Panels
 
 
 @dataclass(frozen=True)
@@ -136,3 +136,90 @@ def _stride(coef: int, factor: int, extent: int) -> int | None:
     if extent <= 1 or factor <= 0 or coef % factor:
         return None
     return coef // factor
+
+
+@dataclass(frozen=True)
+class DepthwiseWindows:
+    """A depthwise convolution as a product's loop form: out[planes..., y, x] = sum over (i, j) of
+    weight[weight_base + i*weight_steps[0] + j*weight_steps[1]] * source[base + the windows of
+    `axes`], one input plane per output plane; the bases are offsets over the loop variables of
+    the planes' axes (o0..), as in the loop."""
+
+    source: int
+    base: Ix
+    weight: int
+    weight_base: Ix
+    weight_steps: tuple[int, int]
+    axes: tuple[Axis, Axis]
+
+
+def depthwise_windows(loops: LoopKernel) -> DepthwiseWindows | None:
+    """The depthwise convolution a product's loop form computes (a sum over one channel's kh x kw
+    window of a weight times the input, padding guards on the input alone), or None."""
+    if loops.reduce is None or loops.reduce[0] != "sum" or loops.lets or len(loops.shape) < 3:
+        return None
+    extents, shape = loops.reduce[1], loops.shape
+    if len(extents) < 2 or any(e != 1 for e in extents[:-2]):
+        return None
+    kh, kw, oh, ow = (*extents[-2:], *shape[-2:])
+    if not all(isinstance(d, int) and d > 0 for d in (kh, kw, oh, ow)):
+        return None
+    value = loops.value
+    if not (isinstance(value, Apply) and value.op == "mul" and len(value.args) == 2):
+        return None
+    rank, reduced = len(shape), len(extents)
+    y, x, i, j = f"o{rank - 2}", f"o{rank - 1}", f"r{reduced - 2}", f"r{reduced - 1}"
+    planes = {f"o{n}" for n in range(rank - 2)}
+    ones = {f"r{n}" for n in range(reduced - 2)}  # reduced axes of extent 1: always 0
+    for windows, weight in (value.args, value.args[::-1]):
+        guards = ()
+        if isinstance(windows, Guarded):
+            if windows.fill != 0:
+                continue
+            windows, guards = windows.value, windows.guards
+        if not (isinstance(windows, Load) and isinstance(weight, Load)):
+            continue
+        found = _depthwise(windows, guards, weight, planes, ones, (y, x, i, j), (kh, kw, oh, ow))
+        if found is not None:
+            return found
+    return None
+
+
+def _depthwise(windows: Load, guards, weight: Load, planes: set, ones: set, names, extents) -> DepthwiseWindows | None:
+    y, x, i, j = names
+    kh, kw, oh, ow = extents
+    coef, base_terms = {}, []
+    for var, factor in windows.index.terms:
+        if var in planes:
+            base_terms.append((var, factor))
+        elif var in (y, x, i, j) and isinstance(factor, int):
+            coef[var] = factor
+        elif var not in ones:
+            return None
+    steps, weight_terms = {}, []
+    for var, factor in weight.index.terms:
+        if var in planes:
+            weight_terms.append((var, factor))
+        elif var in (i, j) and isinstance(factor, int):
+            steps[var] = factor
+        elif var not in ones:
+            return None
+    if not isinstance(windows.index.const, int) or not isinstance(weight.index.const, int):
+        return None
+    const, axes, claimed = windows.index.const, [], 0
+    for k_var, o_var, k_ext, o_ext in ((i, y, kh, oh), (j, x, kw, ow)):
+        mine = [g for g in guards if {v for v, _ in g[0].terms} & {k_var, o_var}]
+        if len(mine) > 1:
+            return None
+        claimed += len(mine)
+        axis = _axis(mine[0] if mine else None, k_var, o_var, k_ext, o_ext, coef.get(k_var, 0), coef.get(o_var, 0))
+        if axis is None:
+            return None
+        axes.append(axis)
+        const += axis.pad * axis.stride
+    if claimed != len(guards) or const < 0:
+        return None
+    return DepthwiseWindows(
+        windows.buffer, Ix(tuple(base_terms), const), weight.buffer, Ix(tuple(weight_terms), weight.index.const),
+        (steps.get(i, 0), steps.get(j, 0)), (axes[0], axes[1]),
+    )

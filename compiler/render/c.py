@@ -43,7 +43,7 @@ from compiler.kernels.ir_walk import (
     walk,
 )
 from compiler.kernels.lower import OP_COST
-from compiler.kernels.windows import WindowGeometry, window_geometry
+from compiler.kernels.windows import DepthwiseWindows, WindowGeometry, depthwise_windows, window_geometry
 from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
 from compiler.shape import Dim, Shape, dim_sub, provably_le
 
@@ -94,7 +94,7 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "loops", "loops-inside", "loops-columns")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "depthwise", "loops", "loops-inside", "loops-columns")
 # the kinds that run a product as its loop form (GemmCall.loops)
 LOOP_FORMS = ("loops", "loops-inside", "loops-columns")
 # "loops-columns": the output row is split into a block of columns per thread, at most this many
@@ -434,6 +434,22 @@ def transposed_packable(program: Program, kernel: LoopKernel | GemmCall) -> bool
     )
 
 
+def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
+    """The depthwise convolution a float32 product computes, read off its loop form (either
+    orientation: the windows as A or as B), which the "depthwise" kind computes plane by plane;
+    None for any other product. Its C is the loop's output, an output plane per batch index."""
+    if not isinstance(kernel, GemmCall) or kernel.dtype != "float32" or kernel.loops is None:
+        return None
+    loops = kernel.loops
+    if loops.out != kernel.c or tuple(loops.shape[:-2]) != tuple(kernel.batch):
+        return None
+    windows = depthwise_windows(loops)
+    if windows is None or max(a.step for a in windows.axes) > 8 or not isinstance(kernel.m, int) or not isinstance(kernel.n, int):
+        return None
+    y, x = windows.axes
+    return windows if kernel.m * kernel.n == y.out * x.out else None
+
+
 def _prepack_transposed(program: Program, numbers: Collection[int]) -> Program:
     """prepack_weights' transposed products: each one's A as pack_weight(A^T), its rows dropped
     where nothing else reads them."""
@@ -576,10 +592,11 @@ class CRenderer:
         return self.kind_of(self.number)
 
     def looped(self) -> list[int]:
-        """The products that run as their reduction loop (GemmCall.loops)."""
+        """The products that run from their reduction loop (GemmCall.loops), as it stands or as
+        the depthwise convolution it computes: what packs their operands is then dead."""
         numbers = []
         for number, kernel in enumerate(self.program.kernels):
-            if isinstance(kernel, GemmCall) and self.kind_of(number) in LOOP_FORMS:
+            if isinstance(kernel, GemmCall) and self.kind_of(number) in (*LOOP_FORMS, "depthwise"):
                 if kernel.loops is None:
                     raise ValueError(f"kernel {number} is a product with no loop form: it cannot run as {self.kind_of(number)!r}")
                 numbers.append(number)
@@ -597,6 +614,11 @@ class CRenderer:
                 f"kernel {number}: a product runs transposed exactly when its weight A is packed for it "
                 f"(prepack_weights' `transposed`), here kind {self.gemm_kind!r} with packed_a={kernel.packed_a}"
             )
+        if isinstance(kernel, GemmCall) and self.gemm_kind == "depthwise":
+            windows = depthwise_of(kernel)
+            if windows is None:
+                raise ValueError(f"kernel {number} is not a depthwise convolution's product: it cannot run as 'depthwise'")
+            return head + self.depthwise_gemm(kernel, windows) + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
                 return head + (self.transposed_gemm(kernel) if kernel.packed_a else self.gemm(kernel)) + "}\n"
@@ -1373,6 +1395,64 @@ class CRenderer:
                 f"(int)(split_m ? n : hi - lo), (int)k, 1, a, (int){lda}, bm, (int){ldb}, 0, c, (int)n);\n"
             )
         lines.append(self.epilogue(call, *block, body))
+        lines.append("        }\n")
+        return "".join(lines)
+
+    def depthwise_gemm(self, call: GemmCall, windows: DepthwiseWindows) -> str:
+        """A depthwise convolution's product (depthwise_geometry), a task per image and channel:
+        its input plane copied into the thread's scratch, zero-padded and split by phase (so that
+        every tap reads at stride 1), then each output row one vector loop over its columns that
+        sums every tap, the taps' weights in locals; then the epilogue on the task's row of C."""
+        y, x = windows.axes
+        phases_y, phases_x = y.phases(), x.phases()
+        qh, qw = y.out + y.reach(), x.out + x.reach()  # a phase plane's rows and columns
+        plane = qh * qw
+        lines = self.gemm_head(call, {windows.source, windows.weight})
+        lines.extend(self.parallel_for(
+            [("t", "batch")], f"batch > 1 && n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}", "n * k * batch >= lc_wake_work",
+        ))
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
+            lines.append(f"{body}const int64_t o{j} = t{j}; (void)o{j};\n")
+        lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
+        lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
+        lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
+        lines.append(f"{body}float *restrict planes = (float *)lc_scratch((int64_t)sizeof(float) * {len(phases_y) * len(phases_x) * plane});\n")
+        lines.append(f"{body}if (!planes) continue;\n")
+        for py, ry in enumerate(phases_y):
+            for px, rx in enumerate(phases_x):
+                # the plane's (v, u) is the input's (step*v + r - pad): inside it for u in [lo, hi)
+                first = rx - x.pad
+                lo = 0 if first >= 0 else -(first // x.step)
+                hi = min(qw, 0 if x.size - first <= 0 else -(-(x.size - first) // x.step))
+                lo = min(lo, qw)
+                hi = max(hi, lo)
+                step = x.step * x.stride
+                lines.append(f"{body}for (int64_t v = 0; v < {qh}; ++v) {{\n")
+                inner = body + "    "
+                lines.append(f"{inner}float *restrict dst = planes + {(py * len(phases_x) + px) * plane} + v * {qw};\n")
+                lines.append(f"{inner}const int64_t row = {y.step} * v + {ry - y.pad};\n")
+                lines.append(f"{inner}if (row < 0 || row >= {y.size}) {{ memset(dst, 0, sizeof(float) * {qw}); continue; }}\n")
+                lines.append(f"{inner}const float *restrict from = src + row * {y.stride} + {first * x.stride};\n")
+                lines.append(f"{inner}for (int64_t u = 0; u < {lo}; ++u) dst[u] = 0.0f;\n")
+                lines.append(f"{inner}for (int64_t u = {lo}; u < {hi}; ++u) dst[u] = from[u * {step}];\n")
+                lines.append(f"{inner}for (int64_t u = {hi}; u < {qw}; ++u) dst[u] = 0.0f;\n")
+                lines.append(f"{body}}}\n")
+        taps = []
+        for i in range(y.kernel):
+            for j in range(x.kernel):
+                dy, dx = y.dilation * i, x.dilation * j
+                where = (phases_y.index(dy % y.step) * len(phases_x) + phases_x.index(dx % x.step)) * plane
+                taps.append((i * x.kernel + j, where + dy // y.step * qw + dx // x.step))
+                lines.append(f"{body}const float w{i * x.kernel + j} = a[{i * windows.weight_steps[0] + j * windows.weight_steps[1]}];\n")
+        total = " + ".join(f"w{p} * at[ox + {offset}]" for p, offset in taps)
+        lines.append(f"{body}for (int64_t oy = 0; oy < {y.out}; ++oy) {{\n")
+        lines.append(f"{body}    const float *restrict at = planes + oy * {qw};\n")
+        lines.append(f"{body}    #pragma omp simd\n")
+        lines.append(f"{body}    for (int64_t ox = 0; ox < {x.out}; ++ox) c[oy * {x.out} + ox] = {total};\n")
+        lines.append(f"{body}}}\n")
+        lines.append(self.epilogue(call, ("0", "m"), ("0", "n"), body))
         lines.append("        }\n")
         return "".join(lines)
 

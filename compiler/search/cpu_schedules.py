@@ -32,7 +32,7 @@ from compiler.kernels.ir import GemmCall, Program
 from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.schedule import KernelSchedule
 from compiler.progress import Tracker
-from compiler.render.c import CRenderer, prepack_weights, render, transposed_packable
+from compiler.render.c import CRenderer, depthwise_of, prepack_weights, render, transposed_packable
 from compiler.search.extract import Candidate
 from compiler.search.measure import CandidateFailed
 from compiler.search.schedule import (
@@ -53,7 +53,7 @@ from compiler.verify import VerificationFailed, max_error
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
-             "transposed-tiles": "transposed", "loops": "loops",
+             "transposed-tiles": "transposed", "depthwise-planes": "depthwise", "loops": "loops",
              "loops-inside": "loops-inside", "loops-columns": "loops-columns"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
@@ -73,12 +73,12 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
         text = renderer.kernel(number, kernel) + (looped.kernel(number, kernel) if kernel.loops is not None else "")
         text = _buffers_by_position(re.sub(r"\bk\d+\b", "kN", text))
         dtypes = [program.buffers[b].dtype for b in (kernel.a, kernel.b, kernel.c)]
-        weight_a = transposed_packable(program, kernel)
-        signature = hashlib.sha256(f"{text}|{dtypes}|{weight_a}".encode()).hexdigest()[:24]
+        weight_a, depthwise = transposed_packable(program, kernel), depthwise_of(kernel) is not None
+        signature = hashlib.sha256(f"{text}|{dtypes}|{weight_a}|{depthwise}".encode()).hexdigest()[:24]
         libraries = ("openblas",) if kernel.dtype in ("float32", "float64") else ()
         terms.append(KernelTerm(
             number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
-            loop_form=kernel.loops is not None, weight_a=weight_a,
+            loop_form=kernel.loops is not None, weight_a=weight_a, depthwise=depthwise,
         ))
     return terms
 

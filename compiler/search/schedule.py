@@ -58,6 +58,7 @@ SCHEDULE_RULES = """
     (WindowRows Kernel)
     (GeneratedPanels Kernel)
     (TransposedTiles Kernel)
+    (DepthwisePlanes Kernel)
     (ReductionLoops Kernel)
     (ReductionLoopsInside Kernel)
     (ReductionLoopsColumns Kernel))
@@ -66,6 +67,7 @@ SCHEDULE_RULES = """
 (relation Windowed (String))
 (relation LoopForm (String))
 (relation WeightA (String))
+(relation Depthwise (String))
 (relation CudaCores ())
 (relation TensorCores (String))
 (relation LibraryComputes (String String))
@@ -95,6 +97,10 @@ SCHEDULE_RULES = """
 ; time: a small image's few positions then run along the register tile's rows
 (rule ((= k (Product sig "float32")) (CpuTarget) (WeightA sig))
       ((union k (TransposedTiles k))) :ruleset schedule)
+; a depthwise convolution's product also plane by plane: each input plane padded and split by
+; phase into cache, every output row one vector loop summing the taps
+(rule ((= k (Product sig "float32")) (CpuTarget) (Depthwise sig))
+      ((union k (DepthwisePlanes k))) :ruleset schedule)
 ; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
 ; reduction loop, which reads its operands in place: the reduced loops around the output row,
 ; each element's sum inside it, or the reduced loops around blocks of the row's columns, a thread's
@@ -133,6 +139,8 @@ class KernelTerm:
     loop_form: bool = False
     # a product whose A is a whole weight, shared by the batch (it can run transposed, A packed)
     weight_a: bool = False
+    # a depthwise convolution's product (it can run plane by plane)
+    depthwise: bool = False
 
     @property
     def term(self) -> str:
@@ -210,6 +218,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(LoopForm "{kernel.signature}")')
         if kernel.weight_a:
             facts.append(f'(WeightA "{kernel.signature}")')
+        if kernel.depthwise:
+            facts.append(f'(Depthwise "{kernel.signature}")')
         if kernel.term not in names:
             names[kernel.term] = f"$k{len(names)}"
             facts.append(f"(let {names[kernel.term]} {kernel.term})")
@@ -290,7 +300,7 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a]
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise]
     text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
