@@ -194,10 +194,10 @@ def test_a_loop_form_with_an_epilogue_applies_it_once_however_many_threads_run_i
     from compiler.render.c import render
 
     source = render(program, gemm={number: kind})
-    # with each element's sum inside the row, the epilogue follows each row in its task, on every
-    # thread; the other forms apply it once after the loop, on the caller's
+    # where a task is an output row, the epilogue follows each row in it, on every thread; the
+    # columns form applies it once after the loop, on the caller's
     kernel = source[source.index(f"static void k{number}(") :].split("\n}\n")[0]
-    assert ("if (lc_is_worker) return;" in kernel) == (kind != "loops-inside")
+    assert ("if (lc_is_worker) return;" in kernel) == (kind == "loops-columns")
     library = native_cpu.build(source)
     loaded = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, library)
     inputs = sample_inputs(graph, seed=4, symbol_size=4)

@@ -639,13 +639,15 @@ class CRenderer:
         stored = kernel_stores(call)
         reads = lets_reads(loops) | (lets_reads(call.epilogue) if call.epilogue is not None else set())
         text = "".join(self.pointer(b) for b in sorted(reads - stored)) + "".join(self.pointer(b, writable=True) for b in sorted(stored))
-        by_row = kind == "loops-inside" and self.epilogue_by_row(call)
+        # the window form runs a row a task too, where the loop is a window reduction
+        windowed = kind == "loops" and len(loops.shape) >= 2 and self.window_reduction(loops)
+        by_row = (kind == "loops-inside" or windowed) and self.epilogue_by_row(call)
         if kind == "loops-inside":
             text += self.sums_inside_row(loops, call if by_row else None)
         elif kind == "loops-columns":
             text += self.sums_by_columns(loops)
         else:
-            text += self.loops(loops)
+            text += self.loops(loops, call if by_row else None)
         if call.epilogue is not None and not by_row:
             # workers run this function too: past its loop they return, and the caller, whose last
             # lc_next waited for every task, applies the epilogue once (twice, a bias was added twice)
@@ -699,17 +701,21 @@ class CRenderer:
         lines.append(f"{body}acc += ({out_type})({self.expr(kernel.value)});\n")
         lines.append(f"{indent}    {self.target(kernel)} = acc;\n{indent}}}\n")
         if epilogue_of is not None:
-            call, row = epilogue_of, dim(kernel.shape[-1])
-            start = self.ix(linear([Ix.var(f"o{j}") for j in range(rank - 1)], kernel.shape[: rank - 1]))
-            lines.append(f"{indent}{{\n{indent}    const int64_t m = {dim(call.m)}, n = {dim(call.n)};\n")
-            lines.append(f"{indent}    const int64_t lc_flat = ({start}) * {row}, t = lc_flat / (m * n), lc_row = lc_flat % (m * n) / n, lc_col = lc_flat % n;\n")
-            if call.n % kernel.shape[-1] == 0:  # a piece of one of C's rows
-                block = (("lc_row", "lc_row + 1"), ("lc_col", f"lc_col + {row}"))
-            else:  # whole rows of C
-                block = (("lc_row", f"lc_row + {kernel.shape[-1] // call.n}"), ("0", "n"))
-            lines.append(self.epilogue(call, *block, indent + "    "))
-            lines.append(f"{indent}}}\n")
+            lines.append(self.row_epilogue(epilogue_of, kernel, indent))
         return "".join(lines) + "        }\n"
+
+    def row_epilogue(self, call: GemmCall, kernel: LoopKernel, indent: str) -> str:
+        """`call`'s epilogue over the output row its loop form's task (o0.. but the last) has just
+        written (epilogue_by_row: the row is a piece of one of C's rows, or whole rows of C)."""
+        rank, row = len(kernel.shape), dim(kernel.shape[-1])
+        start = self.ix(linear([Ix.var(f"o{j}") for j in range(rank - 1)], kernel.shape[: rank - 1]))
+        text = f"{indent}{{\n{indent}    const int64_t m = {dim(call.m)}, n = {dim(call.n)};\n"
+        text += f"{indent}    const int64_t lc_flat = ({start}) * {row}, t = lc_flat / (m * n), lc_row = lc_flat % (m * n) / n, lc_col = lc_flat % n;\n"
+        if call.n % kernel.shape[-1] == 0:  # a piece of one of C's rows
+            block = (("lc_row", "lc_row + 1"), ("lc_col", f"lc_col + {row}"))
+        else:  # whole rows of C
+            block = (("lc_row", f"lc_row + {kernel.shape[-1] // call.n}"), ("0", "n"))
+        return text + self.epilogue(call, *block, indent + "    ") + f"{indent}}}\n"
 
     def sums_by_columns(self, kernel: LoopKernel) -> str:
         """A sum reduction whose reduced loops run outside the output's row, which accumulates in
@@ -842,13 +848,14 @@ class CRenderer:
                 return f, g
         return None
 
-    def loops(self, kernel: LoopKernel) -> str:
+    def loops(self, kernel: LoopKernel, epilogue_of: GemmCall | None = None) -> str:
         """The output loops, the outer ones shared among threads. The innermost output loop stays
         out of the parallel collapse so that it is a plain counted loop the C compiler vectorizes:
         for elementwise kernels, and for reductions over a small window (pooling), which run the
         window's loops outside it and accumulate into the output row. Padding guards that depend
         on that loop split it in three: the middle part, where every guard holds, reads without
-        checks (a row that lies in the padding runs whole in the checked part)."""
+        checks (a row that lies in the padding runs whole in the checked part). `epilogue_of`: a
+        window reduction that is that product's loop form applies its epilogue to each row."""
         rank = len(kernel.shape)
         window = rank >= 2 and self.window_reduction(kernel)
         # a reduction's reads count as work: a 3x3 pool reads 9 elements per output
@@ -887,6 +894,8 @@ class CRenderer:
             return f"{target} = LC_MAX({target}, ({out_type})({value}));"
 
         lines.append(self.row(kernel, body, accumulate))
+        if epilogue_of is not None:
+            lines.append(self.row_epilogue(epilogue_of, kernel, indent))
         return "".join(lines) + close
 
     def target(self, kernel: LoopKernel) -> str:
