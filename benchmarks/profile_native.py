@@ -31,7 +31,7 @@ from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import GEMM_KINDS, LOOP_FORMS, prepack_weights, render, transposed_packable
+from compiler.render.c import GEMM_KINDS, LOOP_FORMS, depthwise_of, prepack_weights, render, transposed_packable
 from compiler.search.extract import search_graph
 from compiler.shape import evaluate
 
@@ -83,6 +83,8 @@ def main() -> None:
         chosen = [n for n, k in enumerate(program.kernels) if transposed_packable(program, k)]
         program = prepack_weights(program, transposed=chosen)
         gemm = {n: "transposed" if n in chosen else "panels" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)}
+    elif args.gemm == "depthwise":  # depthwise convolutions' products plane by plane, the others by OpenBLAS
+        gemm = {n: "depthwise" for n, k in enumerate(program.kernels) if depthwise_of(k) is not None}
     elif args.gemm not in ("blas", *LOOP_FORMS):  # as the compiler's generated candidates do
         program = prepack_weights(program)
     if gemm in LOOP_FORMS:  # the products that have a loop form run it, the others call OpenBLAS
