@@ -138,13 +138,45 @@ def test_the_lowering_widens_int8_weights_inside_the_product_and_every_form_comp
     for batch in (1, 3, 6):  # (loops-columns: one-row tiles; a four-row tile and two one-row ones)
         inputs = sample_inputs(quantized, seed=batch, symbol_size=batch)
         want = run_graph(quantized, inputs)["y"]
-        for kind in ("blas", "panels", "loops", "loops-columns"):
+        for kind in ("blas", "panels", "loops", "loops-columns", "dequantized"):
             gemm = {n: kind for n, _ in calls}
             library = native_cpu.build(render(program, gemm=gemm))
             got = native_cpu.NativeProgram(
                 native_cpu.describe(program, quantized.size_limits), program.weights, library
             ).run(inputs)["y"]
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{kind}, batch {batch}")
+
+
+def test_the_dequantized_form_widens_strips_of_an_int8_weight_for_every_row_and_computes_the_quantized_model():
+    """x [rows, 300] @ W [300, 100]: two blocks of LC_KC rows, a last strip of columns that is part
+    of one, and rows that fill register tiles, are left over one at a time, or both."""
+    from compiler.backends import native_cpu
+    from compiler.kernels.schedule import KernelSchedule
+    from compiler.render.c import render, widens_integer_panels
+    from compiler.search.cpu_schedules import kernel_terms
+    from compiler.search.schedule import schedule_space
+
+    weight = init("w", (np.random.default_rng(5).standard_normal((300, 100)) * 0.1).astype(np.float32))
+    data = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", ["n", 300])], [tensor("y", ["n", 100])], [weight]
+    ).SerializeToString()
+    quantized, _ = quantize_weights(load_graph(data))
+    programs = {name: fuse_epilogues(fuse(lower(graph))) for name, graph in (("float", load_graph(data)), ("int8", quantized))}
+    offered = {}
+    for name, program in programs.items():
+        ((number, call),) = [(n, k) for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+        space = schedule_space(kernel_terms(program), None, target="cpu")
+        offered[name] = (widens_integer_panels(program, call), KernelSchedule("dequantized-tiles") in space.alternatives[number])
+    assert offered == {"float": (False, False), "int8": (True, True)}
+    with pytest.raises(ValueError, match="cannot run as 'dequantized'"):
+        render(programs["float"], gemm={number: "dequantized"})
+    program = programs["int8"]
+    library = native_cpu.build(render(program, gemm={number: "dequantized"}))
+    runner = native_cpu.NativeProgram(native_cpu.describe(program, quantized.size_limits), program.weights, library)
+    for batch in (1, 4, 5, 19):
+        inputs = sample_inputs(quantized, seed=batch, symbol_size=batch)
+        want = run_graph(quantized, inputs)["y"]
+        np.testing.assert_allclose(runner.run(inputs)["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"batch {batch}")
 
 
 def test_an_int8_compile_serves_within_its_tolerance_of_onnxruntime_and_reports_its_error():

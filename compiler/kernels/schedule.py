@@ -26,6 +26,8 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (ReductionLoopsInside k) (C) the same with each element's sum inside the output row's loop
     (ReductionLoopsColumns k) (C) the same with the reduced loops outside the output row, whose
                             columns the threads share (B's rows streamed, however few C's rows)
+    (DequantizedTiles k)    (C) a product by an int8 weight with B widened a strip at a time into
+                            scratch that the register tiles read, for all of A's rows at once
 
 Renderers print what a schedule says; they choose nothing.
 """
@@ -50,9 +52,13 @@ KINDS = {
     "ReductionLoops": "loops",
     "ReductionLoopsInside": "loops-inside",
     "ReductionLoopsColumns": "loops-columns",
+    "DequantizedTiles": "dequantized-tiles",
 }
 # kinds whose term has no argument
-SIZELESS = frozenset({"generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "loops", "loops-inside", "loops-columns"})
+SIZELESS = frozenset({
+    "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "loops", "loops-inside",
+    "loops-columns", "dequantized-tiles",
+})
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}
 
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from compiler.dtypes import is_signed_int, is_unsigned_int
 from compiler.kernels.ir import (
     Apply,
     Atom,
@@ -44,7 +45,7 @@ from compiler.kernels.ir_walk import (
 )
 from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import DepthwiseWindows, WindowGeometry, depthwise_windows, window_geometry
-from compiler.render.c_gemm import CONV_SGEMM, TILED_SGEMM, pack_weight, padded_columns
+from compiler.render.c_gemm import CONV_SGEMM, STRIP_SGEMM, TILED_SGEMM, pack_weight, padded_columns
 from compiler.shape import Dim, Shape, dim_sub, provably_le
 
 C_TYPES = {
@@ -94,13 +95,18 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "depthwise", "loops", "loops-inside", "loops-columns")
+GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "depthwise", "loops", "loops-inside", "loops-columns", "dequantized")
 # the kinds that run a product as its loop form (GemmCall.loops)
 LOOP_FORMS = ("loops", "loops-inside", "loops-columns")
 # "loops-columns": the output row is split into a block of columns per thread, at most this many
 # (its accumulators stay in L1: 1.4x faster than 16K-column rows, one thread, measured) and at least COLUMN_BLOCK_MIN
 COLUMN_BLOCK_MAX = 1024
 COLUMN_BLOCK_MIN = 64
+# "dequantized": a task widens at most this many of B's columns (whole strips of LC_NR) for every row
+# of A, LC_KC rows at a time into 384 KiB of scratch (L2): each row of B is read as a run that long
+DEQUANTIZED_COLUMNS = 384
+# ... prefetching the row of an int8 weight this many rows ahead (its rows lie a row's length apart)
+STRIP_PREFETCH_ROWS = 16
 # a convolution whose output rows are at least this wide multiplies its windows in place (lc_conv_rows)
 # in the generated kinds: narrower rows waste too many of the padded rows' columns
 CONV_MIN_WIDTH = 20
@@ -487,6 +493,44 @@ def _prepack_transposed(program: Program, numbers: Collection[int]) -> Program:
     return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
 
 
+def _scaled_int8(program: Program, value: Expr, column: str, row: str) -> tuple[Load, Load, Dim] | None:
+    """(q, scale, q's step per row) where a Panels kernel's value is an int8 weight's element times a
+    float32 scale, both contiguous along the column variable (compiler.quantize's cast(q) * scale):
+    the "dequantized" product widens a strip's row of it with lc_widen_int8. None otherwise."""
+    if not (isinstance(value, Apply) and value.op == "mul" and len(value.args) == 2):
+        return None
+    for widened, scale in (value.args, value.args[::-1]):
+        if not (isinstance(widened, Apply) and widened.op == "cast" and widened.dtype == "float32"):
+            continue
+        (q,) = widened.args
+        if not (isinstance(q, Load) and isinstance(scale, Load)):
+            continue
+        if program.buffers[q.buffer].dtype != "int8" or program.buffers[scale.buffer].dtype != "float32":
+            continue
+        q_steps, scale_steps = dict(q.index.terms), dict(scale.index.terms)
+        if any(not isinstance(v, str) for v in (*q_steps, *scale_steps)):
+            continue  # a gathered or divided index: not a plain strided row
+        if q_steps.get(column) == 1 and scale_steps.get(column) == 1 and row in q_steps:
+            return q, scale, q_steps[row]
+    return None
+
+
+def widens_integer_panels(program: Program, kernel: LoopKernel | GemmCall) -> bool:
+    """Whether a float32 product's B is computed by its Panels kernel from an integer weight
+    (compiler.quantize's int8 weights widened and scaled) along one n axis: the products that can
+    run "dequantized"."""
+    if not isinstance(kernel, GemmCall) or kernel.dtype != "float32" or kernel.b_panels is None:
+        return False
+    panels = kernel.b_panels
+    if len(panels.kernel.shape) != len(panels.batch_axes) + panels.k_axes + 1 or panels.kernel.reduce is not None:
+        return False
+    return any(
+        isinstance(e, Load) and program.buffers[e.buffer].role == "weight"
+        and (is_signed_int(program.buffers[e.buffer].dtype) or is_unsigned_int(program.buffers[e.buffer].dtype))
+        for e in walk(panels.kernel.value)
+    )
+
+
 def _packable(program: Program, kernel: LoopKernel | GemmCall) -> bool:
     """A float32 product whose B is one whole weight matrix of known size, the same for the batch."""
     return (
@@ -524,6 +568,8 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
         parts.append(TILED_SGEMM)
         if any(isinstance(k, GemmCall) and renderer.windows(k, n) is not None for n, k in enumerate(program.kernels)):
             parts.append(CONV_SGEMM)
+    if any(isinstance(k, GemmCall) and kinds[n] == "dequantized" for n, k in enumerate(program.kernels)):
+        parts.extend((TILED_SGEMM, STRIP_SGEMM) if TILED_SGEMM not in parts else (STRIP_SGEMM,))
     for number, kernel in enumerate(program.kernels):
         parts.append(renderer.kernel(number, kernel))
     if profile:
@@ -619,6 +665,10 @@ class CRenderer:
             if windows is None:
                 raise ValueError(f"kernel {number} is not a depthwise convolution's product: it cannot run as 'depthwise'")
             return head + self.depthwise_gemm(kernel, windows) + "}\n"
+        if isinstance(kernel, GemmCall) and self.gemm_kind == "dequantized":
+            if not widens_integer_panels(self.program, kernel):
+                raise ValueError(f"kernel {number} is a product whose B widens no integer weight: it cannot run as 'dequantized'")
+            return head + self.strip_gemm(kernel) + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
                 return head + (self.transposed_gemm(kernel) if kernel.packed_a else self.gemm(kernel)) + "}\n"
@@ -1243,6 +1293,81 @@ class CRenderer:
         else:
             lines.append(f"{body}{library}\n")
         lines.append(self.epilogue(call, ("m_lo", "m_lo + rows_m"), ("lo * lc_rest", "hi * lc_rest"), body))
+        lines.append("        }\n")
+        return "".join(lines)
+
+    def strip_gemm(self, call: GemmCall) -> str:
+        """A product whose B is an integer weight widened by its Panels kernel ("dequantized"): a
+        task is a block of at most DEQUANTIZED_COLUMNS of C's columns for every row; LC_KC rows of
+        B at a time, the block is widened into the thread's scratch as strips of LC_NR columns, the
+        layout the register tile reads (each of B's rows read as one run of the block's width: a
+        strip's row alone, a run of LC_NR, measured 10% slower), and each strip multiplied by all
+        of A's rows (lc_strip_product), so each weight is widened once per call however many rows A
+        has (loops-columns widens it once per LC_QR rows)."""
+        panels = call.b_panels
+        producer = panels.kernel
+        shape = producer.shape
+        rank = len(shape)
+        first = len(panels.batch_axes)  # the k axes: o{first} .. o{rank - 2}; the n axis: o{rank - 1}
+        column = f"o{rank - 1}"
+        lines = self.gemm_head(call, expr_reads(producer.value) | {call.a})
+        lines.append("    const int64_t strips = (n + LC_NR - 1) / LC_NR;\n")
+        lines.append("    int64_t per_task = (strips + lc_threads - 1) / lc_threads;\n")
+        lines.append(f"    if (per_task > {DEQUANTIZED_COLUMNS} / LC_NR) per_task = {DEQUANTIZED_COLUMNS} / LC_NR;\n")
+        lines.append("    const int64_t blocks = (strips + per_task - 1) / per_task;\n")
+        # widening B costs about as much as LC_MR rows of multiply-adds, whatever A's rows
+        lines.extend(self.parallel_for(
+            [("t", "batch"), ("block", "blocks")],
+            f"batch * blocks > 1 && (m + LC_MR) * n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}", "1", grain="1",
+        ))
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        for j, axis in enumerate(panels.batch_axes):
+            lines.append(f"{body}const int64_t o{j} = t{axis};\n")
+        lda = self.lda(call)
+        a_rows, a_cols = ("1", lda) if call.trans_a else (lda, "1")  # A's (row, column) strides
+        a_off = self.batch_offset(call.batch, call.a_batch_strides)
+        lines.append(f"{body}const float *a = b{call.a} + ({self.ix(a_off)});\n")
+        lines.append(f"{body}float *c = b{call.c} + t * m * n;\n")
+        lines.append(f"{body}const int64_t lo = block * per_task * LC_NR, hi = lo + per_task * LC_NR < n ? lo + per_task * LC_NR : n;\n")
+        lines.append(f"{body}const int64_t full = lo + (hi - lo) / LC_NR * LC_NR;  /* past it: the last strip, part of one */\n")
+        lines.append(f"{body}float *restrict panel = (float *)lc_scratch((int64_t)sizeof(float) * (k < LC_KC ? k : LC_KC) * per_task * LC_NR);\n")
+        lines.append(f"{body}if (!panel) continue;\n")
+        lines.append(f"{body}for (int64_t pc = 0; pc < k; pc += LC_KC) {{\n")
+        at = body + "    "
+        lines.append(f"{at}const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;\n")
+        lines.append(f"{at}for (int64_t p = 0; p < kc; ++p) {{\n")
+        row = at + "    "
+        lines.append(f"{row}int64_t lc_left = pc + p; (void)lc_left;\n")  # B's row pc + p as its k axes' indices
+        for j in range(rank - 2, first - 1, -1):
+            if j == first:
+                lines.append(f"{row}const int64_t o{j} = lc_left;\n")
+            else:
+                lines.append(f"{row}const int64_t o{j} = lc_left % ({dim(shape[j])}); lc_left /= ({dim(shape[j])});\n")
+        # strip (j0 - lo) / LC_NR holds column j at [p][j - j0]
+        store = lambda value: f"panel[(j0 - lo) * kc + p * LC_NR + ({column} - j0)] = (float)({value});"
+        lines.append(f"{row}for (int64_t j0 = lo; j0 < full; j0 += LC_NR) {{\n")
+        widened = _scaled_int8(self.program, producer.value, column, f"o{rank - 2}")
+        if widened is not None:
+            q, scale, row_step = widened
+            lines.append(
+                f"{row}    const int64_t {column} = j0;\n{row}    lc_widen_int8(LC_NR, &b{q.buffer}[{self.ix(q.index)}], "
+                f"&b{scale.buffer}[{self.ix(scale.index)}], {STRIP_PREFETCH_ROWS} * ({dim(row_step)}), "
+                "&panel[(j0 - lo) * kc + p * LC_NR]);\n"
+            )
+        else:  # a whole strip's row: a loop of constant length, which GCC vectorizes whole
+            lines.append(self.row(producer, row + "    ", store, "j0", "j0 + LC_NR"))
+        lines.append(f"{row}}}\n{row}if (full < hi) {{\n{row}    const int64_t j0 = full;\n")
+        lines.append(self.row(producer, row + "    ", store, "j0", "hi"))
+        lines.append(f"{row}    for (int64_t j = hi - j0; j < LC_NR; ++j) panel[(j0 - lo) * kc + p * LC_NR + j] = 0.0f;\n")
+        lines.append(f"{row}}}\n{at}}}\n")
+        lines.append(f"{at}for (int64_t j0 = lo; j0 < hi; j0 += LC_NR)\n")
+        lines.append(
+            f"{at}    lc_strip_product(m, kc, a + pc * {a_cols}, {a_rows}, {a_cols}, panel + (j0 - lo) * kc, c + j0, n, pc > 0, "
+            "hi - j0 < LC_NR ? hi - j0 : LC_NR);\n"
+        )
+        lines.append(f"{body}}}\n")
+        lines.append(self.epilogue(call, ("0", "m"), ("lo", "hi"), body))
         lines.append("        }\n")
         return "".join(lines)
 

@@ -331,6 +331,63 @@ static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, cons
 }
 """
 
+# A product whose B a generated loop computes (an int8 weight widened, "dequantized" products; needs
+# TILED_SGEMM): each thread computes a strip of B (LC_KC x LC_NR) into scratch and multiplies every row
+# of A by it at once, so each weight is widened once per call whatever the rows.
+STRIP_SGEMM = r"""
+#include <immintrin.h>
+
+/* out[0 .. count) = q[j] * s[j]: a row of an int8 weight widened and scaled, a vector at a time
+   (GCC's vector conversions from int8 are scalar code); the row `ahead` elements on is prefetched
+   (B's rows lie far apart: the hardware fetches none ahead) */
+static inline __attribute__((always_inline)) void lc_widen_int8(int64_t count, const int8_t *q, const float *s,
+                                                                int64_t ahead, float *restrict out) {
+    __builtin_prefetch(q + ahead);
+    __builtin_prefetch(q + ahead + count - 1);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= count; j += 16)
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))),
+                                                _mm512_loadu_ps(s + j)));
+#elif defined(__AVX2__)
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)))),
+                                                _mm256_loadu_ps(s + j)));
+#endif
+    for (; j < count; ++j) out[j] = (float)q[j] * s[j];
+}
+
+/* c[0, 0 .. nr) = (or +=) the row a (kc long, column stride acs) times a strip (kc x LC_NR row-major, its
+   columns past nr zero): a row left below a register tile's height streams the strip once, where the tile
+   would multiply LC_MR - 1 copies of it */
+static inline void lc_row_strip(int64_t kc, const float *a, int64_t acs, const float *restrict b, float *restrict c,
+                                int add, int64_t nr) {
+    lc_vec acc[2][LC_NR / LC_VW];
+    for (int u = 0; u < 2; ++u)
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[u][j] = (lc_vec){0};
+    int64_t p = 0;
+    for (; p + 1 < kc; p += 2)  /* two partial sums: twice the independent FMA chains */
+        for (int u = 0; u < 2; ++u)
+            for (int j = 0; j < LC_NR / LC_VW; ++j) acc[u][j] += a[(p + u) * acs] * *(const lc_vecu *)(b + (p + u) * LC_NR + LC_VW * j);
+    for (; p < kc; ++p)
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[0][j] += a[p * acs] * *(const lc_vecu *)(b + p * LC_NR + LC_VW * j);
+    float out[LC_NR] __attribute__((aligned(64)));
+    for (int j = 0; j < LC_NR / LC_VW; ++j) *(lc_vec *)(out + LC_VW * j) = acc[0][j] + acc[1][j];
+    for (int64_t j = 0; j < nr; ++j) c[j] = add ? c[j] + out[j] : out[j];
+}
+
+/* C's rows [0, m) (row stride ldc), columns [0, nr) at c = (or +=) A's rows (a[i * ars + p * acs], p < kc,
+   read in place) times a strip of B (kc x LC_NR row-major, its columns past nr zero): register tiles of
+   LC_MR rows, the last few rows (at most half a tile) one at a time */
+static void lc_strip_product(int64_t m, int64_t kc, const float *a, int64_t ars, int64_t acs, const float *strip,
+                             float *c, int64_t ldc, int add, int64_t nr) {
+    int64_t i0 = 0;
+    for (; i0 < m && 2 * (m - i0) > LC_MR; i0 += LC_MR)
+        lc_micro_direct(kc, a + i0 * ars, ars, acs, strip, LC_NR, c + i0 * ldc, ldc, add, m - i0 < LC_MR ? m - i0 : LC_MR, nr);
+    for (; i0 < m; ++i0) lc_row_strip(kc, a + i0 * ars, acs, strip, c + i0 * ldc, add, nr);
+}
+"""
+
 # the packed weight's layout, which lc_sgemm_pw reads (LC_PW and LC_KC above)
 PANEL_WIDTH = 16
 PANEL_DEPTH = 256

@@ -32,7 +32,14 @@ from compiler.kernels.ir import GemmCall, Program
 from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.schedule import KernelSchedule
 from compiler.progress import Tracker
-from compiler.render.c import CRenderer, depthwise_of, prepack_weights, render, transposed_packable
+from compiler.render.c import (
+    CRenderer,
+    depthwise_of,
+    prepack_weights,
+    render,
+    transposed_packable,
+    widens_integer_panels,
+)
 from compiler.search.extract import Candidate
 from compiler.search.measure import CandidateFailed
 from compiler.search.schedule import (
@@ -54,7 +61,7 @@ NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
              "transposed-tiles": "transposed", "depthwise-planes": "depthwise", "loops": "loops",
-             "loops-inside": "loops-inside", "loops-columns": "loops-columns"}
+             "loops-inside": "loops-inside", "loops-columns": "loops-columns", "dequantized-tiles": "dequantized"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
 
@@ -79,6 +86,7 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
         terms.append(KernelTerm(
             number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
             loop_form=kernel.loops is not None, weight_a=weight_a, depthwise=depthwise,
+            dequantized=widens_integer_panels(program, kernel),
         ))
     return terms
 

@@ -61,13 +61,15 @@ SCHEDULE_RULES = """
     (DepthwisePlanes Kernel)
     (ReductionLoops Kernel)
     (ReductionLoopsInside Kernel)
-    (ReductionLoopsColumns Kernel))
+    (ReductionLoopsColumns Kernel)
+    (DequantizedTiles Kernel))
 (relation CudaTarget ())
 (relation CpuTarget ())
 (relation Windowed (String))
 (relation LoopForm (String))
 (relation WeightA (String))
 (relation Depthwise (String))
+(relation Dequantized (String))
 (relation CudaCores ())
 (relation TensorCores (String))
 (relation LibraryComputes (String String))
@@ -108,6 +110,10 @@ SCHEDULE_RULES = """
 (rule ((= k (Product sig dtype)) (CpuTarget) (LoopForm sig))
       ((union k (ReductionLoops k)) (union k (ReductionLoopsInside k)) (union k (ReductionLoopsColumns k)))
       :ruleset schedule)
+; a product by an int8 weight also with B widened a strip at a time into the register tiles' layout,
+; once for all of A's rows
+(rule ((= k (Product sig "float32")) (CpuTarget) (Dequantized sig))
+      ((union k (DequantizedTiles k))) :ruleset schedule)
 """
 
 # the most alternatives read back per kernel (the rules derive at most five today)
@@ -141,6 +147,8 @@ class KernelTerm:
     weight_a: bool = False
     # a depthwise convolution's product (it can run plane by plane)
     depthwise: bool = False
+    # a product whose B widens an integer weight (compiler.render.c.widens_integer_panels)
+    dequantized: bool = False
 
     @property
     def term(self) -> str:
@@ -220,6 +228,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(WeightA "{kernel.signature}")')
         if kernel.depthwise:
             facts.append(f'(Depthwise "{kernel.signature}")')
+        if kernel.dequantized:
+            facts.append(f'(Dequantized "{kernel.signature}")')
         if kernel.term not in names:
             names[kernel.term] = f"$k{len(names)}"
             facts.append(f"(let {names[kernel.term]} {kernel.term})")
@@ -300,7 +310,7 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise]
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise, kernel.dequantized]
     text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
