@@ -493,10 +493,11 @@ def _prepack_transposed(program: Program, numbers: Collection[int]) -> Program:
     return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
 
 
-def _scaled_int8(program: Program, value: Expr, column: str, row: str) -> tuple[Load, Load, Dim] | None:
+def _scaled_int8(program: Program, value: Expr, column: str, row: str, summed: set[str]) -> tuple[Load, Load, Dim] | None:
     """(q, scale, q's step per row) where a Panels kernel's value is an int8 weight's element times a
-    float32 scale, both contiguous along the column variable (compiler.quantize's cast(q) * scale):
-    the "dequantized" product widens a strip's row of it with lc_widen_int8. None otherwise."""
+    float32 scale, both contiguous along the column variable and the scale the same for every
+    `summed` (k) variable (compiler.quantize's cast(q) * scale): the "dequantized" product widens a
+    strip's row of q with lc_widen_int8 and scales C's columns after. None otherwise."""
     if not (isinstance(value, Apply) and value.op == "mul" and len(value.args) == 2):
         return None
     for widened, scale in (value.args, value.args[::-1]):
@@ -510,7 +511,7 @@ def _scaled_int8(program: Program, value: Expr, column: str, row: str) -> tuple[
         q_steps, scale_steps = dict(q.index.terms), dict(scale.index.terms)
         if any(not isinstance(v, str) for v in (*q_steps, *scale_steps)):
             continue  # a gathered or divided index: not a plain strided row
-        if q_steps.get(column) == 1 and scale_steps.get(column) == 1 and row in q_steps:
+        if q_steps.get(column) == 1 and scale_steps.get(column) == 1 and row in q_steps and not summed & set(scale_steps):
             return q, scale, q_steps[row]
     return None
 
@@ -1301,7 +1302,7 @@ class CRenderer:
         task is a block of at most DEQUANTIZED_COLUMNS of C's columns for every row; LC_KC rows of
         B at a time, the block is widened into the thread's scratch as strips of LC_NR columns, the
         layout the register tile reads (each of B's rows read as one run of the block's width: a
-        strip's row alone, a run of LC_NR, measured 10% slower), and each strip multiplied by all
+        strip's row alone, a run of LC_NR, measured 10-25% slower), and each strip multiplied by all
         of A's rows (lc_strip_product), so each weight is widened once per call however many rows A
         has (loops-columns widens it once per LC_QR rows)."""
         panels = call.b_panels
@@ -1346,19 +1347,24 @@ class CRenderer:
                 lines.append(f"{row}const int64_t o{j} = lc_left % ({dim(shape[j])}); lc_left /= ({dim(shape[j])});\n")
         # strip (j0 - lo) / LC_NR holds column j at [p][j - j0]
         store = lambda value: f"panel[(j0 - lo) * kc + p * LC_NR + ({column} - j0)] = (float)({value});"
-        lines.append(f"{row}for (int64_t j0 = lo; j0 < full; j0 += LC_NR) {{\n")
-        widened = _scaled_int8(self.program, producer.value, column, f"o{rank - 2}")
+        summed = {f"o{j}" for j in range(first, rank - 1)}
+        widened = _scaled_int8(self.program, producer.value, column, f"o{rank - 2}", summed)
         if widened is not None:
             q, scale, row_step = widened
-            lines.append(
-                f"{row}    const int64_t {column} = j0;\n{row}    lc_widen_int8(LC_NR, &b{q.buffer}[{self.ix(q.index)}], "
-                f"&b{scale.buffer}[{self.ix(scale.index)}], {STRIP_PREFETCH_ROWS} * ({dim(row_step)}), "
+            widen = (
+                f"lc_widen_int8({{count}}, &b{q.buffer}[{self.ix(q.index)}], {STRIP_PREFETCH_ROWS} * ({dim(row_step)}), "
                 "&panel[(j0 - lo) * kc + p * LC_NR]);\n"
             )
-        else:  # a whole strip's row: a loop of constant length, which GCC vectorizes whole
+            lines.append(f"{row}for (int64_t j0 = lo; j0 < full; j0 += LC_NR) {{\n")
+            lines.append(f"{row}    const int64_t {column} = j0;\n{row}    " + widen.format(count="LC_NR"))
+            lines.append(f"{row}}}\n{row}if (full < hi) {{\n{row}    const int64_t j0 = full, {column} = j0;\n")
+            lines.append(f"{row}    " + widen.format(count="hi - j0"))
+        else:
+            lines.append(f"{row}for (int64_t j0 = lo; j0 < full; j0 += LC_NR) {{\n")
+            # a whole strip's row: a loop of constant length, which GCC vectorizes whole
             lines.append(self.row(producer, row + "    ", store, "j0", "j0 + LC_NR"))
-        lines.append(f"{row}}}\n{row}if (full < hi) {{\n{row}    const int64_t j0 = full;\n")
-        lines.append(self.row(producer, row + "    ", store, "j0", "hi"))
+            lines.append(f"{row}}}\n{row}if (full < hi) {{\n{row}    const int64_t j0 = full;\n")
+            lines.append(self.row(producer, row + "    ", store, "j0", "hi"))
         lines.append(f"{row}    for (int64_t j = hi - j0; j < LC_NR; ++j) panel[(j0 - lo) * kc + p * LC_NR + j] = 0.0f;\n")
         lines.append(f"{row}}}\n{at}}}\n")
         lines.append(f"{at}for (int64_t j0 = lo; j0 < hi; j0 += LC_NR)\n")
@@ -1367,6 +1373,11 @@ class CRenderer:
             "hi - j0 < LC_NR ? hi - j0 : LC_NR);\n"
         )
         lines.append(f"{body}}}\n")
+        if widened is not None:  # sum_k a q s = s sum_k a q: the scale once per element of C, not per weight
+            lines.append(f"{body}{{\n{body}    const int64_t {column} = lo;\n")
+            lines.append(f"{body}    const float *restrict lc_scale = &b{scale.buffer}[{self.ix(scale.index)}];\n")
+            lines.append(f"{body}    for (int64_t i = 0; i < m; ++i) {{\n{body}        #pragma omp simd\n")
+            lines.append(f"{body}        for (int64_t j = lo; j < hi; ++j) c[i * n + j] *= lc_scale[j - lo];\n{body}    }}\n{body}}}\n")
         lines.append(self.epilogue(call, ("0", "m"), ("lo", "hi"), body))
         lines.append("        }\n")
         return "".join(lines)

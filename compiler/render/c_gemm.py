@@ -337,24 +337,22 @@ static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, cons
 STRIP_SGEMM = r"""
 #include <immintrin.h>
 
-/* out[0 .. count) = q[j] * s[j]: a row of an int8 weight widened and scaled, a vector at a time
-   (GCC's vector conversions from int8 are scalar code); the row `ahead` elements on is prefetched
-   (B's rows lie far apart: the hardware fetches none ahead) */
-static inline __attribute__((always_inline)) void lc_widen_int8(int64_t count, const int8_t *q, const float *s,
-                                                                int64_t ahead, float *restrict out) {
+/* out[0 .. count) = q[j]: a row of an int8 weight widened, a vector at a time (GCC's vector conversions
+   from int8 are scalar code; its scale multiplies C's columns after the product); the row `ahead`
+   elements on is prefetched (B's rows lie far apart: the hardware fetches none ahead) */
+static inline __attribute__((always_inline)) void lc_widen_int8(int64_t count, const int8_t *q, int64_t ahead,
+                                                                float *restrict out) {
     __builtin_prefetch(q + ahead);
     __builtin_prefetch(q + ahead + count - 1);
     int64_t j = 0;
 #if defined(__AVX512F__)
     for (; j + 16 <= count; j += 16)
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))),
-                                                _mm512_loadu_ps(s + j)));
+        _mm512_storeu_ps(out + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))));
 #elif defined(__AVX2__)
     for (; j + 8 <= count; j += 8)
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)))),
-                                                _mm256_loadu_ps(s + j)));
+        _mm256_storeu_ps(out + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)))));
 #endif
-    for (; j < count; ++j) out[j] = (float)q[j] * s[j];
+    for (; j < count; ++j) out[j] = (float)q[j];
 }
 
 /* c[0, 0 .. nr) = (or +=) the row a (kc long, column stride acs) times a strip (kc x LC_NR row-major, its
