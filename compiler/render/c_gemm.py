@@ -332,8 +332,8 @@ static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, cons
 """
 
 # A product whose B a generated loop computes (an int8 weight widened, "dequantized" products; needs
-# TILED_SGEMM): each thread computes a strip of B (LC_KC x LC_NR) into scratch and multiplies every row
-# of A by it at once, so each weight is widened once per call whatever the rows.
+# TILED_SGEMM): each thread widens strips of B (LC_KC x LC_NR) into scratch and multiplies every row
+# of A by each at once, so each weight is widened once per call whatever the rows.
 STRIP_SGEMM = r"""
 #include <immintrin.h>
 
