@@ -80,6 +80,21 @@ def test_each_size_weighs_the_same_in_the_choice():
     assert extract_by_measurement(space, measure_round, 60).choices[0] == TILE64
 
 
+def test_a_size_one_alternative_missed_still_decides_between_those_measured_at_it():
+    space = schedule_space([_product(0)], tensor_cores=None)
+
+    def measure_round(choices):
+        # cuBLAS's round skipped the large size; between the tiles, which both ran it, tile64
+        # loses at batch 1 by 10% and wins the large size by 2x: over the sizes every alternative
+        # has (batch 1 alone) tile128 would win
+        table = {
+            TILE64: {"b1": 0.011, "b32": 0.5}, TILE128: {"b1": 0.010, "b32": 1.0}, CUBLAS: {"b1": 0.03},
+        }
+        return {n: table[s] for n, s in choices.items()}
+
+    assert extract_by_measurement(space, measure_round, 60).choices[0] == TILE64
+
+
 def test_every_kernel_is_measured_in_the_same_rounds_and_keeps_its_own_winner():
     kernels = [_product(0, "a"), KernelTerm(1, "elementwise", "e"), _product(2, "b", library=False)]
     space = schedule_space(kernels, tensor_cores=None)

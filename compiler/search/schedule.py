@@ -448,13 +448,22 @@ def extract_by_measurement(
 
 
 def _fastest(timed: Mapping[KernelSchedule, dict[str, float]]) -> KernelSchedule:
-    """The alternative with the least sum over sizes of its time over the size's best (each size
-    weighs the same); ties go to the one tried first."""
-    sizes = set.intersection(*(set(by_size) for by_size in timed.values()))
-    if not sizes:
-        return next(iter(timed))
-    best = {size: min(by_size[size] for by_size in timed.values()) or 1e-9 for size in sizes}
-    return min(timed, key=lambda a: sum(timed[a][size] / best[size] for size in sizes))
+    """The alternatives in the order tried, each challenging the fastest so far over the sizes
+    both were measured at: the one with the least sum over those sizes of its time over the
+    pair's best (each size weighs the same) stays; ties keep the earlier. Pairwise, a size some
+    third alternative was not measured at (its rounds skipped the large size) still decides
+    between the two that were: taken over every alternative at once, it was dropped for all."""
+    alternatives = list(timed)
+    fastest = alternatives[0]
+    for challenger in alternatives[1:]:
+        sizes = set(timed[fastest]) & set(timed[challenger])
+        if not sizes:
+            continue
+        best = {size: min(timed[fastest][size], timed[challenger][size]) or 1e-9 for size in sizes}
+        score = {a: sum(timed[a][size] / best[size] for size in sizes) for a in (fastest, challenger)}
+        if score[challenger] < score[fastest]:
+            fastest = challenger
+    return fastest
 
 
 def _rounded(by_size: Mapping[str, float]) -> dict[str, float]:
