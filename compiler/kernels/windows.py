@@ -83,21 +83,11 @@ def window_geometry(panels: Panels) -> WindowGeometry | None:
             return None
     if not isinstance(value.index.const, int):
         return None
-    const = value.index.const
-    axes, claimed = [], 0
-    for k_var, o_var, k_ext, o_ext in ((i, y, kh, oh), (j, x, kw, ow)):
-        mine = [g for g in guards if {v for v, _ in g[0].terms} & {k_var, o_var}]
-        if len(mine) > 1:
-            return None
-        claimed += len(mine)
-        axis = _axis(mine[0] if mine else None, k_var, o_var, k_ext, o_ext, coef.get(k_var, 0), coef.get(o_var, 0))
-        if axis is None:
-            return None
-        axes.append(axis)
-        const += axis.pad * axis.stride
-    if claimed != len(guards) or const < 0 or (channels > 1 and coef.get(c, 0) <= 0):
+    found = _spatial_axes(guards, coef, value.index.const, (i, j, y, x), (kh, kw, oh, ow))
+    if found is None or (channels > 1 and coef.get(c, 0) <= 0):
         return None
-    return WindowGeometry(value.buffer, Ix(tuple(base_terms), const), channels, coef.get(c, 0), (axes[0], axes[1]))
+    axes, const = found
+    return WindowGeometry(value.buffer, Ix(tuple(base_terms), const), channels, coef.get(c, 0), axes)
 
 
 def _axis(guard, k_var: str, o_var: str, k_ext: int, o_ext: int, k_coef: int, o_coef: int) -> Axis | None:
@@ -206,7 +196,24 @@ def _depthwise(windows: Load, guards, weight: Load, planes: set, ones: set, name
             return None
     if not isinstance(windows.index.const, int) or not isinstance(weight.index.const, int):
         return None
-    const, axes, claimed = windows.index.const, [], 0
+    found = _spatial_axes(guards, coef, windows.index.const, (i, j, y, x), (kh, kw, oh, ow))
+    if found is None:
+        return None
+    axes, const = found
+    return DepthwiseWindows(
+        windows.buffer, Ix(tuple(base_terms), const), weight.buffer, Ix(tuple(weight_terms), weight.index.const),
+        (steps.get(i, 0), steps.get(j, 0)), axes,
+    )
+
+
+def _spatial_axes(guards, coef: dict, const: int, names, extents) -> tuple[tuple[Axis, Axis], int] | None:
+    """The (y, x) axes of windows read at `coef` (a coefficient per window and output variable,
+    names (i, j, y, x)) under their padding guards, and the read's offset with the padding taken
+    out (the offset of the input's first element); None where a guard is not one axis's, or left
+    over, or the padding reaches before the input."""
+    i, j, y, x = names
+    kh, kw, oh, ow = extents
+    axes, claimed = [], 0
     for k_var, o_var, k_ext, o_ext in ((i, y, kh, oh), (j, x, kw, ow)):
         mine = [g for g in guards if {v for v, _ in g[0].terms} & {k_var, o_var}]
         if len(mine) > 1:
@@ -219,7 +226,4 @@ def _depthwise(windows: Load, guards, weight: Load, planes: set, ones: set, name
         const += axis.pad * axis.stride
     if claimed != len(guards) or const < 0:
         return None
-    return DepthwiseWindows(
-        windows.buffer, Ix(tuple(base_terms), const), weight.buffer, Ix(tuple(weight_terms), weight.index.const),
-        (steps.get(i, 0), steps.get(j, 0)), (axes[0], axes[1]),
-    )
+    return (axes[0], axes[1]), const
