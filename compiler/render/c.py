@@ -390,43 +390,54 @@ def prepack_weights(program: Program, only: Collection[int] | None = None, trans
     kernel numbers of the products to pack (those the schedule runs generated), else all.
     `transposed`: products to compute transposed instead, their weight A packed as A^T's panels
     (`GemmCall.packed_a`; where A is such a weight, transposed_packable)."""
-    program = _prepack_transposed(program, transposed) if transposed else program
+    if transposed:
+        program = _pack_operands(program, {n for n in transposed if transposed_packable(program, program.kernels[n])}, "a")
+    chosen = {
+        n for n, kernel in enumerate(program.kernels)
+        if _packable(program, kernel) and not kernel.packed_a and (only is None or n in only)
+    }
+    return _pack_operands(program, chosen, "b")
+
+
+def _pack_operands(program: Program, chosen: Collection[int], operand: str) -> Program:
+    """The program with operand "a" or "b" of each chosen product, a weight, read as the panels
+    pack_weight makes of it as a [k, columns] matrix (B as it is, A transposed): packed once, its
+    rows dropped where only such products read them."""
+    if not chosen:
+        return program
     reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
-
-    def packs(number: int, kernel: LoopKernel | GemmCall) -> bool:
-        return _packable(program, kernel) and not kernel.packed_a and (only is None or number in only)
-
-    buffers = list(program.buffers)
-    weights = dict(program.weights)
+    buffers, weights = list(program.buffers), dict(program.weights)
     packed: dict[tuple[int, bool], int] = {}
     kernels = []
     for number, kernel in enumerate(program.kernels):
-        if not packs(number, kernel):
+        if number not in chosen:
             kernels.append(kernel)
             continue
-        buffer = program.buffers[kernel.b]
-        key = (kernel.b, kernel.trans_b)
+        stored, trans = getattr(kernel, operand), getattr(kernel, f"trans_{operand}")
+        key = (stored, trans)
         if key not in packed:
+            buffer = program.buffers[stored]
+            columns = kernel.n if operand == "b" else kernel.m
+            by_rows = trans == (operand == "a")  # stored as [k, columns]: B untransposed, A transposed
             matrix = np.asarray(program.weights[buffer.name], np.float32).reshape(
-                (kernel.n, kernel.k) if kernel.trans_b else (kernel.k, kernel.n)
+                (kernel.k, columns) if by_rows else (columns, kernel.k)
             )
-            panels = pack_weight(matrix.T if kernel.trans_b else matrix)
-            name = f"{buffer.name}:panels{'T' if kernel.trans_b else ''}"
+            panels = pack_weight(matrix if by_rows else matrix.T)
+            name = f"{buffer.name}:panels{'' if operand == 'b' else '-of-transpose'}{'T' if trans else ''}"
             weights[name] = panels
             # every kernel that reads the weight reads it packed this way: the rows can go
-            alone = reads[kernel.b] == sum(
-                1 for n, k in enumerate(program.kernels) if packs(n, k) and k.b == kernel.b and k.trans_b == kernel.trans_b
+            alone = reads[stored] == sum(
+                1 for n in chosen
+                if getattr(program.kernels[n], operand) == stored and getattr(program.kernels[n], f"trans_{operand}") == trans
             )
-            number = kernel.b if alone else len(buffers)
+            target = stored if alone else len(buffers)
             if alone:
                 del weights[buffer.name]
-                buffers[number] = Buffer(number, "float32", panels.shape, "weight", name)
+                buffers[target] = Buffer(target, "float32", panels.shape, "weight", name)
             else:
-                buffers.append(Buffer(number, "float32", panels.shape, "weight", name))
-            packed[key] = number
-        kernels.append(replace(kernel, b=packed[key], packed_b=True, trans_b=False))
-    if not packed:
-        return program
+                buffers.append(Buffer(target, "float32", panels.shape, "weight", name))
+            packed[key] = target
+        kernels.append(replace(kernel, **{operand: packed[key], f"packed_{operand}": True, f"trans_{operand}": False}))
     return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
 
 
@@ -454,43 +465,6 @@ def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
         return None
     y, x = windows.axes
     return windows if kernel.m * kernel.n == y.out * x.out else None
-
-
-def _prepack_transposed(program: Program, numbers: Collection[int]) -> Program:
-    """prepack_weights' transposed products: each one's A as pack_weight(A^T), its rows dropped
-    where nothing else reads them."""
-    chosen = {n for n in numbers if transposed_packable(program, program.kernels[n])}
-    if not chosen:
-        return program
-    reads = Counter(b for kernel in program.kernels for b in kernel_reads(kernel))
-    buffers, weights = list(program.buffers), dict(program.weights)
-    packed: dict[tuple[int, bool], int] = {}
-    kernels = []
-    for number, kernel in enumerate(program.kernels):
-        if number not in chosen:
-            kernels.append(kernel)
-            continue
-        key = (kernel.a, kernel.trans_a)
-        if key not in packed:
-            buffer = program.buffers[kernel.a]
-            matrix = np.asarray(program.weights[buffer.name], np.float32).reshape(
-                (kernel.k, kernel.m) if kernel.trans_a else (kernel.m, kernel.k)
-            )
-            panels = pack_weight(matrix if kernel.trans_a else matrix.T)
-            name = f"{buffer.name}:panels-of-transpose{'T' if kernel.trans_a else ''}"
-            weights[name] = panels
-            alone = reads[kernel.a] == sum(
-                1 for n in chosen if program.kernels[n].a == kernel.a and program.kernels[n].trans_a == kernel.trans_a
-            )
-            target = kernel.a if alone else len(buffers)
-            if alone:
-                del weights[buffer.name]
-                buffers[target] = Buffer(target, "float32", panels.shape, "weight", name)
-            else:
-                buffers.append(Buffer(target, "float32", panels.shape, "weight", name))
-            packed[key] = target
-        kernels.append(replace(kernel, a=packed[key], packed_a=True, trans_a=False))
-    return Program(buffers, kernels, program.symbols, dict(program.slots), weights)
 
 
 def _scaled_int8(program: Program, value: Expr, column: str, row: str, summed: set[str]) -> tuple[Load, Load, Dim] | None:
