@@ -47,18 +47,21 @@ def test_partial_register_tiles_equal_onnxruntime(case: int, candidate: str) -> 
     data = _conv_bias_relu(*CONVOLUTIONS[case])
     artifact = compile_onnx(data, candidates=(candidate,))
     assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
-    program = executable(artifact)
+    _equals_onnxruntime(executable(artifact), data, case, candidate)
+
+
+def _equals_onnxruntime(program, data: bytes, case: int, label: str) -> None:
+    """The program's output against onnxruntime's at batch 1 and 3, several runs each: worker
+    threads wake after the first run and share the later ones."""
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(case)
     in_channels, height, width = CONVOLUTIONS[case][1], *CONVOLUTIONS[case][5:]
     for batch in (1, 3):
         x = rng.standard_normal((batch, in_channels, height, width)).astype(np.float32)
         want = session.run(None, {"x": x})[0]
-        for run in range(4):  # worker threads wake after the first run and share the later ones
+        for run in range(4):
             got = program.run({"x": x})["y"]
-            np.testing.assert_allclose(
-                got, want, rtol=1e-4, atol=1e-4, err_msg=f"{candidate} batch {batch} run {run}"
-            )
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{label} batch {batch} run {run}")
 
 
 def _transposed_program(data: bytes):
@@ -89,15 +92,7 @@ def test_convolutions_computed_transposed_equal_onnxruntime(case: int) -> None:
     whole tiles allow (49 = 7 x 7), channels in partial tiles of a vector or two, the result
     transposed back into C in squares, then the fused bias and relu."""
     data = _conv_bias_relu(*CONVOLUTIONS[case])
-    program = _transposed_program(data)
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(case)
-    in_channels, height, width = CONVOLUTIONS[case][1], *CONVOLUTIONS[case][5:]
-    for batch in (1, 3):
-        x = rng.standard_normal((batch, in_channels, height, width)).astype(np.float32)
-        want = session.run(None, {"x": x})[0]
-        for run in range(3):  # the later runs on the woken worker threads
-            np.testing.assert_allclose(program.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4, err_msg=f"batch {batch} run {run}")
+    _equals_onnxruntime(_transposed_program(data), data, case, "transposed")
 
 
 @pytest.mark.parametrize(("rows", "trans_a"), [(100, 0), (100, 1), (7, 0), (300, 1)])
