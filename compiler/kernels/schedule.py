@@ -20,6 +20,8 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
                             rows); a convolution's windows a panel at a time
     (DepthwisePlanes k)     (C) a depthwise convolution's product plane by plane: each input plane
                             padded and split by phase into cache, each output row a vector loop
+    (DepthwiseRegisters k)  (C) the same a plane a vector register, where both planes fit one: each
+                            tap a permutation of the input plane (a 4x4 image's 2x2 output)
     (ReductionLoops k)      (C) a matrix-vector product as its reduction loop, reading its operands
                             where the graph has them (no operand packed or windows stored), the
                             reduced loops around the output row
@@ -49,6 +51,7 @@ KINDS = {
     "GeneratedPanels": "generated-panels",
     "TransposedTiles": "transposed-tiles",
     "DepthwisePlanes": "depthwise-planes",
+    "DepthwiseRegisters": "depthwise-registers",
     "ReductionLoops": "loops",
     "ReductionLoopsInside": "loops-inside",
     "ReductionLoopsColumns": "loops-columns",
@@ -56,7 +59,8 @@ KINDS = {
 }
 # kinds whose term has no argument
 SIZELESS = frozenset({
-    "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "loops", "loops-inside",
+    "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "depthwise-registers", "loops",
+    "loops-inside",
     "loops-columns", "dequantized-tiles",
 })
 _CONSTRUCTORS = {kind: name for name, kind in KINDS.items()}

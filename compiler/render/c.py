@@ -95,7 +95,15 @@ PANEL_MIN_COLUMNS = 128
 # many elements of A (256 KiB: L2-resident), and the library above
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
-GEMM_KINDS = ("blas", "tiled", "mixed", "panels", "transposed", "depthwise", "loops", "loops-inside", "loops-columns", "dequantized")
+GEMM_KINDS = (
+    "blas", "tiled", "mixed", "panels", "transposed", "depthwise", "depthwise-registers", "loops", "loops-inside",
+    "loops-columns", "dequantized",
+)
+# the floats of the widest vector register the C targets (AVX-512): a depthwise convolution whose
+# input and output planes fit one can run a plane a register ("depthwise-registers")
+REGISTER_PLANE_LANES = 16
+# the work of a tap of a plane in a register (a permutation and a multiply-add), in loop-nest work units
+REGISTER_PLANE_COST = 4
 # the kinds that run a product as its loop form (GemmCall.loops)
 LOOP_FORMS = ("loops", "loops-inside", "loops-columns")
 # "loops-columns": the output row is split into a block of columns per thread, at most this many
@@ -467,6 +475,18 @@ def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
     return windows if kernel.m * kernel.n == y.out * x.out else None
 
 
+def register_planes(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
+    """The depthwise convolution (depthwise_of) whose input and output planes each fit one vector
+    register (REGISTER_PLANE_LANES floats), which the "depthwise-registers" kind computes a plane
+    a register; None for any other product."""
+    windows = depthwise_of(kernel)
+    if windows is None:
+        return None
+    y, x = windows.axes
+    fits = y.size * x.size <= REGISTER_PLANE_LANES and y.out * x.out <= REGISTER_PLANE_LANES
+    return windows if fits else None
+
+
 def _scaled_int8(program: Program, value: Expr, column: str, row: str, summed: set[str]) -> tuple[Load, Load, Dim] | None:
     """(q, scale, q's step per row) where a Panels kernel's value is an int8 weight's element times a
     float32 scale, both contiguous along the column variable and the scale the same for every
@@ -617,7 +637,7 @@ class CRenderer:
         the depthwise convolution it computes: what packs their operands is then dead."""
         numbers = []
         for number, kernel in enumerate(self.program.kernels):
-            if isinstance(kernel, GemmCall) and self.kind_of(number) in (*LOOP_FORMS, "depthwise"):
+            if isinstance(kernel, GemmCall) and self.kind_of(number) in (*LOOP_FORMS, "depthwise", "depthwise-registers"):
                 if kernel.loops is None:
                     raise ValueError(f"kernel {number} is a product with no loop form: it cannot run as {self.kind_of(number)!r}")
                 numbers.append(number)
@@ -640,6 +660,13 @@ class CRenderer:
             if windows is None:
                 raise ValueError(f"kernel {number} is not a depthwise convolution's product: it cannot run as 'depthwise'")
             return head + self.depthwise_gemm(kernel, windows) + "}\n"
+        if isinstance(kernel, GemmCall) and self.gemm_kind == "depthwise-registers":
+            windows = register_planes(kernel)
+            if windows is None:
+                raise ValueError(
+                    f"kernel {number} is not a depthwise convolution whose planes fit a register: it cannot run as 'depthwise-registers'"
+                )
+            return head + self.depthwise_registers(kernel, windows) + "}\n"
         if isinstance(kernel, GemmCall) and self.gemm_kind == "dequantized":
             if not widens_integer_panels(self.program, kernel):
                 raise ValueError(f"kernel {number} is a product whose B widens no integer weight: it cannot run as 'dequantized'")
@@ -1578,6 +1605,82 @@ class CRenderer:
         lines.append("        }\n")
         return "".join(lines)
 
+    def depthwise_registers(self, call: GemmCall, windows: DepthwiseWindows) -> str:
+        """A depthwise convolution's product (register_planes) a plane a task, the plane in one
+        vector register: each tap's windows are one two-source permutation of it (lanes outside
+        the input pick a zero), times the tap's weight, summed per window row; then the epilogue.
+        Without AVX-512 each output is its taps' sum, unrolled. Tiny planes (a 4x4 image's 2x2
+        output) spent their time on the plane form's loops and copies, not on multiply-adds."""
+        y, x = windows.axes
+        lanes = REGISTER_PLANE_LANES
+        lines = self.gemm_head(call, {windows.source, windows.weight})
+        # a plane costs its permutations and multiply-adds, and about 64 more for its copy, store and
+        # epilogue; shared as a product of as much work is (a worker woken for 384 planes of 4x4
+        # made them 4x slower)
+        work = f"batch * (n * k + 64) * {REGISTER_PLANE_COST}"
+        lines.extend(self.parallel_for([("t", "batch")], f"batch > 1 && {work} >= {GEMM_PARALLEL_MIN_FLOPS}", f"{work} >= lc_wake_work"))
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
+            lines.append(f"{body}const int64_t o{j} = t{j}; (void)o{j};\n")
+        lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
+        lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
+        lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
+        taps = {}  # tap -> [(output position, input position in the plane)]
+        for i in range(y.kernel):
+            for j in range(x.kernel):
+                tap = i * x.kernel + j
+                lines.append(f"{body}const float w{tap} = a[{i * windows.weight_steps[0] + j * windows.weight_steps[1]}];\n")
+                taps[tap] = []
+                for oy in range(y.out):
+                    for ox in range(x.out):
+                        iy, ix = oy * y.step + y.dilation * i - y.pad, ox * x.step + x.dilation * j - x.pad
+                        if 0 <= iy < y.size and 0 <= ix < x.size:
+                            taps[tap].append((oy * x.out + ox, iy * x.size + ix))
+        inner = body + "    "
+        lines.append("#if defined(__AVX512F__)\n")
+        lines.append(f"{body}{{\n")
+        lines.append(f"{inner}typedef float lc_f{lanes} __attribute__((vector_size({lanes * 4})));\n")
+        lines.append(f"{inner}typedef int32_t lc_i{lanes} __attribute__((vector_size({lanes * 4})));\n")
+        lines.append(f"{inner}float plane[{lanes}] __attribute__((aligned(64))) = {{0}};\n")
+        if x.stride == 1 and y.stride == x.size:  # a dense plane: one copy
+            lines.append(f"{inner}memcpy(plane, src, sizeof(float) * {y.size * x.size});\n")
+        else:
+            for iy in range(y.size):
+                for ix in range(x.size):
+                    lines.append(f"{inner}plane[{iy * x.size + ix}] = src[{iy * y.stride + ix * x.stride}];\n")
+        lines.append(f"{inner}const lc_f{lanes} in = *(const lc_f{lanes} *)plane, zero = {{0}};\n")
+        row_sums = []
+        for i in range(y.kernel):
+            terms = []
+            for j in range(x.kernel):
+                tap = i * x.kernel + j
+                if not taps[tap]:
+                    continue  # a tap that reads only padding
+                picks = [lanes] * lanes  # lane `lanes` is the zero vector's first
+                for out, at in taps[tap]:
+                    picks[out] = at
+                mask = ", ".join(map(str, picks))
+                terms.append(f"w{tap} * __builtin_shuffle(in, zero, (lc_i{lanes}){{{mask}}})")
+            if terms:
+                row_sums.append(f"({' + '.join(terms)})")
+        total = " + ".join(row_sums) or "zero"
+        lines.append(f"{inner}const lc_f{lanes} sums = {total};\n")
+        lines.append(f"{inner}memcpy(c, &sums, sizeof(float) * {y.out * x.out});\n")
+        lines.append(f"{body}}}\n")
+        lines.append("#else\n")
+        by_output = {o: [] for o in range(y.out * x.out)}
+        for tap, reads in taps.items():
+            for out, at in reads:
+                iy, ix = divmod(at, x.size)
+                by_output[out].append(f"w{tap} * src[{iy * y.stride + ix * x.stride}]")
+        for out, terms in by_output.items():
+            lines.append(f"{body}c[{out}] = {' + '.join(terms) or '0.0f'};\n")
+        lines.append("#endif\n")
+        lines.append(self.epilogue(call, ("0", "m"), ("0", "n"), body))
+        lines.append("        }\n")
+        return "".join(lines)
+
     def transposed_gemm(self, call: GemmCall) -> str:
         """A product computed as C^T = B^T A^T (lc_sgemm_t), its weight A packed transposed at
         compile time: one task per (batch index, block), the blocks splitting C's rows in whole
@@ -1646,11 +1749,13 @@ class CRenderer:
         # the epilogue's own element of C, read and written: a row at a time the loop vectorizes
         # (its bounds computed first: GCC vectorizes no loop whose bound is a conditional)
         inner = indent + "        "
+        # C of one column (a depthwise product whose windows are A): the rows are the vector loop
+        outer, vector = ("j", "i") if call.n == 1 and call.m != 1 else ("i", "j")
         return (
             f"{indent}{{\n"
             f"{indent}    const int64_t lc_i0 = {rows[0]}, lc_i1 = {rows[1]}, lc_j0 = {columns[0]}, lc_j1 = {columns[1]};\n"
-            f"{indent}    for (int64_t i = lc_i0; i < lc_i1; ++i) {{\n"
-            + self.let_rows(call.epilogue.lets, call.epilogue.value, "j", ("lc_j0", "lc_j1"),
+            f"{indent}    for (int64_t {outer} = lc_{outer}0; {outer} < lc_{outer}1; ++{outer}) {{\n"
+            + self.let_rows(call.epilogue.lets, call.epilogue.value, vector, (f"lc_{vector}0", f"lc_{vector}1"),
                             "t * m * n + i * n + j", store, inner)
             + f"{indent}    }}\n"
             f"{indent}}}\n"

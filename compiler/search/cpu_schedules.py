@@ -36,6 +36,7 @@ from compiler.render.c import (
     CRenderer,
     depthwise_of,
     prepack_weights,
+    register_planes,
     render,
     transposed_packable,
     widens_integer_panels,
@@ -60,7 +61,8 @@ from compiler.verify import VerificationFailed, max_error
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
-             "transposed-tiles": "transposed", "depthwise-planes": "depthwise", "loops": "loops",
+             "transposed-tiles": "transposed", "depthwise-planes": "depthwise",
+             "depthwise-registers": "depthwise-registers", "loops": "loops",
              "loops-inside": "loops-inside", "loops-columns": "loops-columns", "dequantized-tiles": "dequantized"}
 # the products whose weight is packed at compile time: the generated ones
 _PACKED = frozenset({"generated-tiles", "window-rows", "generated-panels"})
@@ -86,7 +88,7 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
         terms.append(KernelTerm(
             number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
             loop_form=kernel.loops is not None, weight_a=weight_a, depthwise=depthwise,
-            dequantized=widens_integer_panels(program, kernel),
+            dequantized=widens_integer_panels(program, kernel), register_planes=register_planes(kernel) is not None,
         ))
     return terms
 

@@ -59,6 +59,7 @@ SCHEDULE_RULES = """
     (GeneratedPanels Kernel)
     (TransposedTiles Kernel)
     (DepthwisePlanes Kernel)
+    (DepthwiseRegisters Kernel)
     (ReductionLoops Kernel)
     (ReductionLoopsInside Kernel)
     (ReductionLoopsColumns Kernel)
@@ -69,6 +70,7 @@ SCHEDULE_RULES = """
 (relation LoopForm (String))
 (relation WeightA (String))
 (relation Depthwise (String))
+(relation RegisterPlanes (String))
 (relation Dequantized (String))
 (relation CudaCores ())
 (relation TensorCores (String))
@@ -103,6 +105,10 @@ SCHEDULE_RULES = """
 ; phase into cache, every output row one vector loop summing the taps
 (rule ((= k (Product sig "float32")) (CpuTarget) (Depthwise sig))
       ((union k (DepthwisePlanes k))) :ruleset schedule)
+; one whose input and output planes each fit a vector register also a plane a register, each tap
+; a permutation of the plane
+(rule ((= k (Product sig "float32")) (CpuTarget) (Depthwise sig) (RegisterPlanes sig))
+      ((union k (DepthwiseRegisters k))) :ruleset schedule)
 ; a matrix-vector product (a depthwise convolution's, a dense layer's at one row) also as its
 ; reduction loop, which reads its operands in place: the reduced loops around the output row,
 ; each element's sum inside it, or the reduced loops around blocks of the row's columns, a thread's
@@ -147,6 +153,8 @@ class KernelTerm:
     weight_a: bool = False
     # a depthwise convolution's product (it can run plane by plane)
     depthwise: bool = False
+    # a depthwise one whose input and output planes each fit a vector register
+    register_planes: bool = False
     # a product whose B widens an integer weight (compiler.render.c.widens_integer_panels)
     dequantized: bool = False
 
@@ -228,6 +236,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(WeightA "{kernel.signature}")')
         if kernel.depthwise:
             facts.append(f'(Depthwise "{kernel.signature}")')
+        if kernel.register_planes:
+            facts.append(f'(RegisterPlanes "{kernel.signature}")')
         if kernel.dequantized:
             facts.append(f'(Dequantized "{kernel.signature}")')
         if kernel.term not in names:
@@ -310,7 +320,7 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise, kernel.dequantized]
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise, kernel.register_planes, kernel.dequantized]
     text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
