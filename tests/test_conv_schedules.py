@@ -19,18 +19,27 @@ CONVOLUTIONS = [
     (21, 13, 1, 1, 0, 7, 7),  # a 1x1 convolution: a plain product of 49 columns
     (8, 3, 7, 2, 3, 31, 45),  # a stem: 4 phase planes, 23 columns a row
 ]
+# for the "direct" kind besides: channels copied innermost 8 by 8 with some left over (21 = 2 x 8 +
+# 5 columns, 17 = 2 x 8 + 1 channels), C^T's tiles stored 8 by 8 (64 = 48 + 16 channels, 8 + 3), a
+# dilated window, and 7 rows that two threads share by channels
+DIRECT_CONVOLUTIONS = [
+    (64, 17, 3, 1, 1, 10, 21, 1),
+    (11, 16, 3, 2, 1, 16, 16, 1),
+    (24, 8, 3, 1, 2, 12, 12, 2),
+    (96, 32, 3, 1, 1, 7, 7, 1),
+]
 
 
 def _conv_bias_relu(
-    out_channels: int, in_channels: int, kernel: int, stride: int, pad: int, height: int, width: int
+    out_channels: int, in_channels: int, kernel: int, stride: int, pad: int, height: int, width: int, dilation: int = 1
 ) -> bytes:
     rng = np.random.default_rng(out_channels * 100 + in_channels)
     weight = rng.standard_normal((out_channels, in_channels, kernel, kernel)).astype(np.float32)
     bias = rng.standard_normal(out_channels).astype(np.float32)
-    out_h, out_w = ((size + 2 * pad - kernel) // stride + 1 for size in (height, width))
+    out_h, out_w = ((size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size in (height, width))
     graph = helper.make_graph(
         [
-            helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[pad] * 4, strides=[stride, stride]),
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[pad] * 4, strides=[stride, stride], dilations=[dilation] * 2),
             helper.make_node("Relu", ["c"], ["y"]),
         ],
         "conv_bias_relu",
@@ -47,15 +56,15 @@ def test_partial_register_tiles_equal_onnxruntime(case: int, candidate: str) -> 
     data = _conv_bias_relu(*CONVOLUTIONS[case])
     artifact = compile_onnx(data, candidates=(candidate,))
     assert artifact.report["chosen"] == candidate, artifact.report["rejected"]
-    _equals_onnxruntime(executable(artifact), data, case, candidate)
+    _equals_onnxruntime(executable(artifact), data, CONVOLUTIONS[case], candidate)
 
 
-def _equals_onnxruntime(program, data: bytes, case: int, label: str) -> None:
+def _equals_onnxruntime(program, data: bytes, shape: tuple, label: str) -> None:
     """The program's output against onnxruntime's at batch 1 and 3, several runs each: worker
     threads wake after the first run and share the later ones."""
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(case)
-    in_channels, height, width = CONVOLUTIONS[case][1], *CONVOLUTIONS[case][5:]
+    rng = np.random.default_rng(sum(shape))
+    in_channels, height, width = shape[1], shape[5], shape[6]
     for batch in (1, 3):
         x = rng.standard_normal((batch, in_channels, height, width)).astype(np.float32)
         want = session.run(None, {"x": x})[0]
@@ -64,9 +73,10 @@ def _equals_onnxruntime(program, data: bytes, case: int, label: str) -> None:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{label} batch {batch} run {run}")
 
 
-def _transposed_program(data: bytes):
+def _transposed_program(data: bytes, kind: str = "transposed"):
     """The model's program with every product whose A is a weight computed transposed (its weight
-    packed as A^T's panels, lc_sgemm_t), the others as generated panels."""
+    packed as A^T's panels: lc_sgemm_t, or lc_conv_direct for the "direct" kind), the others as
+    generated panels."""
     from compiler.backends import native_cpu
     from compiler.frontends.onnx import load_graph
     from compiler.kernels.fusion import fuse
@@ -80,9 +90,9 @@ def _transposed_program(data: bytes):
     assert chosen, "no product whose A is a weight"
     program = prepack_weights(lowered, transposed=chosen)
     assert all(program.kernels[n].packed_a for n in chosen)
-    kinds = {n: "transposed" if n in chosen else "panels" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)}
+    kinds = {n: kind if n in chosen else "panels" for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)}
     source = render(program, gemm=kinds)
-    assert "lc_sgemm_t(k, " in source
+    assert ("lc_sgemm_t(k, " if kind == "transposed" else "lc_conv_direct(g, ") in source
     return native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
 
 
@@ -92,7 +102,30 @@ def test_convolutions_computed_transposed_equal_onnxruntime(case: int) -> None:
     whole tiles allow (49 = 7 x 7), channels in partial tiles of a vector or two, the result
     transposed back into C in squares, then the fused bias and relu."""
     data = _conv_bias_relu(*CONVOLUTIONS[case])
-    _equals_onnxruntime(_transposed_program(data), data, case, "transposed")
+    _equals_onnxruntime(_transposed_program(data), data, CONVOLUTIONS[case], "transposed")
+
+
+@pytest.mark.parametrize("shape", [c for c in CONVOLUTIONS + DIRECT_CONVOLUTIONS if c[2] > 1], ids=str)
+def test_convolutions_computed_direct_equal_onnxruntime(shape: tuple) -> None:
+    """The "direct" kind: the input rows a task reads copied channels innermost (zero-padded), a
+    register tile of positions (each broadcast from its window through k's offsets) by output
+    channels (the weight packed as A^T's panels), stored transposed into C, then bias and relu;
+    offered by the e-graph for every convolution whose A is its weight (a 1x1 one is a plain
+    product, without windows)."""
+    from compiler.frontends.onnx import load_graph
+    from compiler.kernels.fusion import fuse
+    from compiler.kernels.lower import lower
+    from compiler.kernels.schedule import KernelSchedule
+    from compiler.search.cpu_schedules import kernel_terms
+    from compiler.search.schedule import schedule_space
+
+    data = _conv_bias_relu(*shape)
+    program = fuse(lower(load_graph(data)))
+    terms = [term for term in kernel_terms(program) if term.direct]
+    assert len(terms) == 1
+    space = schedule_space(terms, None, target="cpu")
+    assert KernelSchedule("direct-windows") in space.alternatives[terms[0].number]
+    _equals_onnxruntime(_transposed_program(data, "direct"), data, shape, "direct")
 
 
 @pytest.mark.parametrize(("rows", "trans_a"), [(100, 0), (100, 1), (7, 0), (300, 1)])

@@ -250,8 +250,9 @@ def test_the_cpu_rules_offer_generated_products_and_a_convolution_its_windows_in
     cnn = schedule_space(kernel_terms(_lowered("torch_cnn")), None, target="cpu")
     mlp = schedule_space(kernel_terms(_lowered("torch_mlp")), None, target="cpu")
     labels = [{a.label for a in alternatives} for alternatives in cnn.alternatives.values()]
-    # a convolution's weight is its product's A: it can also run transposed, that weight packed
-    assert {"openblas", "generated-tiles", "window-rows", "generated-panels", "transposed-tiles"} in labels
+    # a convolution's weight is its product's A: it can also run transposed, that weight packed, from
+    # a panel of its windows or from its windows in place ("direct-windows")
+    assert {"openblas", "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "direct-windows"} in labels
     assert all(set(a) == {KernelSchedule("library", library="openblas"), KernelSchedule("generated-tiles")} for a in mlp.alternatives.values())
     assert all(a[0].kind == "library" for a in [*cnn.alternatives.values(), *mlp.alternatives.values()])  # OpenBLAS first
     # the MLP's three products are three kernels with different shapes: three signatures

@@ -18,6 +18,9 @@ A `KernelSchedule` is one alternative of a kernel's e-class in the schedule e-gr
     (TransposedTiles k)     (C) a product whose A is a weight computed transposed, C^T = B^T A^T,
                             A^T packed at compile time (a small image's positions along the tile's
                             rows); a convolution's windows a panel at a time
+    (DirectWindows k)       (C) a convolution's product computed transposed with its windows read in
+                            place from a channels-last copy of the input rows: a register tile of
+                            output positions by output channels, A^T packed at compile time
     (DepthwisePlanes k)     (C) a depthwise convolution's product plane by plane: each input plane
                             padded and split by phase into cache, each output row a vector loop
     (DepthwiseRegisters k)  (C) the same a plane a vector register, where both planes fit one: each
@@ -50,6 +53,7 @@ KINDS = {
     "WindowRows": "window-rows",
     "GeneratedPanels": "generated-panels",
     "TransposedTiles": "transposed-tiles",
+    "DirectWindows": "direct-windows",
     "DepthwisePlanes": "depthwise-planes",
     "DepthwiseRegisters": "depthwise-registers",
     "ReductionLoops": "loops",
@@ -59,7 +63,7 @@ KINDS = {
 }
 # kinds whose term has no argument
 SIZELESS = frozenset({
-    "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "depthwise-planes", "depthwise-registers", "loops",
+    "generated-tiles", "window-rows", "generated-panels", "transposed-tiles", "direct-windows", "depthwise-planes", "depthwise-registers", "loops",
     "loops-inside",
     "loops-columns", "dequantized-tiles",
 })

@@ -45,7 +45,14 @@ from compiler.kernels.ir_walk import (
 )
 from compiler.kernels.lower import OP_COST
 from compiler.kernels.windows import DepthwiseWindows, WindowGeometry, depthwise_windows, window_geometry
-from compiler.render.c_gemm import CONV_SGEMM, STRIP_SGEMM, TILED_SGEMM, pack_weight, padded_columns
+from compiler.render.c_gemm import (
+    CONV_SGEMM,
+    DIRECT_SGEMM,
+    STRIP_SGEMM,
+    TILED_SGEMM,
+    pack_weight,
+    padded_columns,
+)
 from compiler.shape import Dim, Shape, dim_sub, provably_le
 
 C_TYPES = {
@@ -96,8 +103,8 @@ PANEL_MIN_COLUMNS = 128
 DIRECT_A_MAX_ELEMENTS = 64 * 1024
 # how float32 matrix products run: the library call or the generated tiled product
 GEMM_KINDS = (
-    "blas", "tiled", "mixed", "panels", "transposed", "depthwise", "depthwise-registers", "loops", "loops-inside",
-    "loops-columns", "dequantized",
+    "blas", "tiled", "mixed", "panels", "transposed", "direct", "depthwise", "depthwise-registers", "loops",
+    "loops-inside", "loops-columns", "dequantized",
 )
 # the floats of the widest vector register the C targets (AVX-512): a depthwise convolution whose
 # input and output planes fit one can run a plane a register ("depthwise-registers")
@@ -459,6 +466,14 @@ def transposed_packable(program: Program, kernel: LoopKernel | GemmCall) -> bool
     )
 
 
+def direct_windows(program: Program, kernel: LoopKernel | GemmCall) -> WindowGeometry | None:
+    """The 2-D convolution windows of a product whose A is a weight (transposed_packable), which the
+    "direct" kind reads in place from a channels-last copy of the input; None for any other."""
+    if not transposed_packable(program, kernel) or kernel.b_panels is None:
+        return None
+    return window_geometry(kernel.b_panels)
+
+
 def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
     """The depthwise convolution a float32 product computes, read off its loop form (either
     orientation: the windows as A or as B), which the "depthwise" kind computes plane by plane;
@@ -563,6 +578,8 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
         parts.append(TILED_SGEMM)
         if any(isinstance(k, GemmCall) and renderer.windows(k, n) is not None for n, k in enumerate(program.kernels)):
             parts.append(CONV_SGEMM)
+        if any(isinstance(k, GemmCall) and kinds[n] == "direct" for n, k in enumerate(program.kernels)):
+            parts.append(DIRECT_SGEMM)
     if any(isinstance(k, GemmCall) and kinds[n] == "dequantized" for n, k in enumerate(program.kernels)):
         parts.extend((TILED_SGEMM, STRIP_SGEMM) if TILED_SGEMM not in parts else (STRIP_SGEMM,))
     for number, kernel in enumerate(program.kernels):
@@ -650,9 +667,9 @@ class CRenderer:
             return head + "    (void)B;  /* its product runs as its loop form and reads no packed operand */\n}\n"
         if isinstance(kernel, GemmCall) and self.gemm_kind in LOOP_FORMS:
             return head + self.loop_form(kernel, self.gemm_kind) + "}\n"
-        if isinstance(kernel, GemmCall) and (self.gemm_kind == "transposed") != kernel.packed_a:
+        if isinstance(kernel, GemmCall) and (self.gemm_kind in ("transposed", "direct")) != kernel.packed_a:
             raise ValueError(
-                f"kernel {number}: a product runs transposed exactly when its weight A is packed for it "
+                f"kernel {number}: a product runs transposed (or direct) exactly when its weight A is packed for it "
                 f"(prepack_weights' `transposed`), here kind {self.gemm_kind!r} with packed_a={kernel.packed_a}"
             )
         if isinstance(kernel, GemmCall) and self.gemm_kind == "depthwise":
@@ -671,6 +688,11 @@ class CRenderer:
             if not widens_integer_panels(self.program, kernel):
                 raise ValueError(f"kernel {number} is a product whose B widens no integer weight: it cannot run as 'dequantized'")
             return head + self.strip_gemm(kernel) + "}\n"
+        if isinstance(kernel, GemmCall) and self.gemm_kind == "direct":
+            geometry = window_geometry(kernel.b_panels) if kernel.b_panels is not None else None
+            if geometry is None:
+                raise ValueError(f"kernel {number} is not a convolution's product: it cannot run as 'direct'")
+            return head + self.direct_conv(kernel, geometry) + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
                 return head + (self.transposed_gemm(kernel) if kernel.packed_a else self.gemm(kernel)) + "}\n"
@@ -1386,7 +1408,7 @@ class CRenderer:
     def windows(self, call: GemmCall, number: int | None = None) -> WindowGeometry | None:
         """A convolution's windows that the generated kinds multiply in place, else None (of the
         kernel being rendered, or of kernel `number`)."""
-        if self.kind_of(self.number if number is None else number) in ("blas", "transposed") or call.dtype != "float32" or call.b_panels is None:
+        if self.kind_of(self.number if number is None else number) in ("blas", "transposed", "direct") or call.dtype != "float32" or call.b_panels is None:
             return None
         geometry = window_geometry(call.b_panels)
         if geometry is None or geometry.axes[1].out < CONV_MIN_WIDTH or max(a.step for a in geometry.axes) > 32:
@@ -1435,6 +1457,44 @@ class CRenderer:
             f"b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows}, {a_rows}, {a_cols}, b{call.c} + t * m * n + m_lo * n, n, r0, r1, call);\n"
         )
         lines.append(self.epilogue(call, ("m_lo", "m_lo + rows_m"), (f"r0 * {x.out}", f"r1 * {x.out}"), body))
+        lines.append("        }\n")
+        return "".join(lines)
+
+    def direct_conv(self, call: GemmCall, geometry: WindowGeometry) -> str:
+        """A convolution's product computed transposed from its windows in place (lc_conv_direct):
+        each task is a block of output rows of one batch index (and a share of the channels where
+        there are too few), copying the input rows it reads into its scratch channels innermost."""
+        y, x = geometry.axes
+        numbers = [geometry.channels, geometry.channel_stride]
+        for axis in (y, x):
+            numbers += [axis.kernel, axis.dilation, axis.step, axis.pad, axis.size, axis.stride, axis.out]
+        columns = (x.out - 1) * x.step + (x.kernel - 1) * x.dilation + 1
+        row_bytes = geometry.channels * columns * 4 * y.step  # the input an output row adds to a block
+        rows = max(1, min(y.out, CONV_PLANE_BYTES // row_bytes))
+        lines = self.gemm_head(call, {geometry.source, call.a})
+        lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
+        lines.append("    const int threads = lc_threads;\n")
+        lines.append(f"    int64_t blocks = ({y.out} + {rows} - 1) / {rows}, parts = 1;\n")
+        # images the threads cannot share evenly, whose rows they cannot either (7 rows for 2
+        # threads): the channels are shared, in whole panels, and every thread copies the rows
+        lines.append(f"    if (batch % threads && ({y.out} % threads || blocks < threads) && m >= threads * LC_PW) parts = threads;\n")
+        lines.append(f"    else while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
+        lines.append(f"    const int64_t rows = ({y.out} + blocks - 1) / blocks;\n")
+        lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
+        lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_PW - 1) / LC_PW * LC_PW;  /* whole panels */\n")
+        lines.extend(self.tasks(("part", "t", "block")))
+        body = "            "
+        lines.extend(self.batch_indices(call, body))
+        for j, axis in enumerate(call.b_panels.batch_axes):
+            lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        lines.append(f"{body}const int64_t m_lo = part * m_span, m_hi = m_lo + m_span < m ? m_lo + m_span : m;\n")
+        lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
+        lines.append(f"{body}if (m_lo >= m_hi || r0 >= r1) continue;\n")
+        lines.append(
+            f"{body}lc_conv_direct(g, b{geometry.source} + ({self.ix(geometry.base)}), b{call.a}, {padded_columns(call.m)}, "
+            f"m_lo, m_hi, b{call.c} + t * m * n, n, r0, r1);\n"
+        )
+        lines.append(self.epilogue(call, ("m_lo", "m_hi"), (f"r0 * {x.out}", f"r1 * {x.out}"), body))
         lines.append("        }\n")
         return "".join(lines)
 

@@ -331,6 +331,153 @@ static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, cons
 }
 """
 
+# A convolution's product computed transposed with its windows read in place (needs TILED_SGEMM's
+# tile and packed-weight layout): each task copies the input rows it reads into scratch channels
+# innermost, zero-padded, so that a window's (channel, row, column) is one offset from the window's
+# origin; a register tile is LC_MR output positions (their windows' values broadcast) by LC_NR output
+# channels (the weight packed as A^T's panels at compile time), summed over all of k in registers and
+# stored transposed into C. Nothing is materialized per window: no im2col panel, no packing of B.
+DIRECT_SGEMM = r"""
+#include <immintrin.h>
+
+/* dst[r * dst_stride + q] = src[q * src_stride + r] for r, q < 8: an 8 x 8 block transposed, in
+   registers where the CPU has AVX (the channels-last copy and the transposed store move blocks) */
+static inline __attribute__((always_inline)) void lc_transpose8(const float *src, int64_t src_stride, float *dst,
+                                                                int64_t dst_stride) {
+#if defined(__AVX2__)
+    __m256 r[8], t[8], u[8];
+    for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(src + q * src_stride);
+    for (int q = 0; q < 4; ++q) {
+        t[2 * q] = _mm256_unpacklo_ps(r[2 * q], r[2 * q + 1]);
+        t[2 * q + 1] = _mm256_unpackhi_ps(r[2 * q], r[2 * q + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  /* rows 0-3 (h 0) and 4-7 (h 1) of the source */
+        u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+    }
+    for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_ps(dst + q * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x20));
+        _mm256_storeu_ps(dst + (4 + q) * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x31));
+    }
+#else
+    for (int q = 0; q < 8; ++q)
+        for (int r = 0; r < 8; ++r) dst[r * dst_stride + q] = src[q * src_stride + r];
+#endif
+}
+/* tile[i * LC_NR + ..] = the window at at[i] (i < count; element p at at[i][off[p]]) times A^T's
+   packed panels from column j0, `vectors` vectors of them, over all k */
+static inline __attribute__((always_inline)) void lc_direct_tile_n(int64_t k, const float *const *at, int count,
+                                                                   const int64_t *restrict off, const float *restrict pat,
+                                                                   int64_t mpad, int64_t j0, float *restrict tile, int vectors) {
+    lc_vec acc[LC_MR][LC_NR / LC_VW];
+    const float *row[LC_MR];
+    for (int i = 0; i < LC_MR; ++i) {
+        row[i] = at[i < count ? i : 0];
+        for (int j = 0; j < LC_NR / LC_VW; ++j) acc[i][j] = (lc_vec){0};
+    }
+    for (int64_t pc = 0; pc < k; pc += LC_KC) {
+        const int64_t kc = k - pc < LC_KC ? k - pc : LC_KC;
+        const float *restrict b = pat + pc * mpad + j0 * kc;  /* this block's panel j0 / LC_PW */
+        const int64_t *restrict o = off + pc;
+        for (int64_t p = 0; p < kc; ++p) {
+            lc_vec bv[LC_NR / LC_VW];
+            for (int j = 0; j < vectors; ++j)
+                bv[j] = *(const lc_vecu *)(b + (LC_VW * j / LC_PW) * kc * LC_PW + p * LC_PW + (LC_VW * j) % LC_PW);
+            const int64_t q = o[p];
+            for (int i = 0; i < count; ++i) {
+                const float ai = row[i][q];
+                for (int j = 0; j < vectors; ++j) acc[i][j] += ai * bv[j];
+            }
+        }
+    }
+    for (int i = 0; i < count; ++i)
+        for (int j = 0; j < vectors; ++j) *(lc_vec *)(tile + i * LC_NR + LC_VW * j) = acc[i][j];
+}
+
+/* lc_direct_tile_n in as few vectors as nr channels need */
+static inline __attribute__((always_inline)) void lc_direct_tile_v(int64_t k, const float *const *at, int count,
+                                                                   const int64_t *restrict off, const float *restrict pat,
+                                                                   int64_t mpad, int64_t j0, float *restrict tile, int64_t nr) {
+    if (nr <= LC_VW) lc_direct_tile_n(k, at, count, off, pat, mpad, j0, tile, 1);
+    else if (nr <= 2 * LC_VW && LC_NR > 2 * LC_VW) lc_direct_tile_n(k, at, count, off, pat, mpad, j0, tile, 2);
+    else lc_direct_tile_n(k, at, count, off, pat, mpad, j0, tile, LC_NR / LC_VW);
+}
+
+/* lc_direct_tile_v for `count` positions, a constant in each case: the accumulators stay in registers */
+static void lc_direct_tile(int64_t k, const float *const *at, int count, const int64_t *restrict off,
+                           const float *restrict pat, int64_t mpad, int64_t j0, float *restrict tile, int64_t nr) {
+    switch (count) {
+#define LC_COUNT(R) case R: lc_direct_tile_v(k, at, R, off, pat, mpad, j0, tile, nr); return;
+    LC_COUNT(1) LC_COUNT(2) LC_COUNT(3) LC_COUNT(4) LC_COUNT(5)
+#if LC_MR >= 8
+    LC_COUNT(6) LC_COUNT(7)
+#endif
+#undef LC_COUNT
+    default: lc_direct_tile_v(k, at, LC_MR, off, pat, mpad, j0, tile, nr);
+    }
+}
+
+/* Output rows [r0, r1) of C[m, n] (row stride n; channels [m_lo, m_hi), m_lo a multiple of LC_PW) = the
+   windows of image x times A, A^T packed at pat (mpad columns), on the calling thread. g: channels,
+   channel stride, then for y and for x: window extent, dilation, step, pad, input size, element
+   stride, output extent. */
+static void lc_conv_direct(const int64_t *g, const float *x, const float *pat, int64_t mpad, int64_t m_lo, int64_t m_hi,
+                           float *c, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t channels = g[0], cs = g[1], *gy = g + 2, *gx = g + 9, ow = gx[6];
+    /* the input rows and columns the windows read, from (r0 * step - pad, -pad) */
+    const int64_t iy0 = r0 * gy[2] - gy[3], rows_in = (r1 - 1 - r0) * gy[2] + (gy[0] - 1) * gy[1] + 1;
+    const int64_t wp = (ow - 1) * gx[2] + (gx[0] - 1) * gx[1] + 1, k = channels * gy[0] * gx[0];
+    const int64_t cells = (rows_in * wp * channels + 15) / 16 * 16;
+    float *xs = (float *)lc_scratch((int64_t)sizeof(float) * cells + (int64_t)sizeof(int64_t) * k);
+    if (!xs) return;
+    int64_t *off = (int64_t *)(xs + cells);
+    /* columns u of a row read the input's column u - pad: inside it for u in [u_lo, u_hi) */
+    int64_t u_lo = gx[3] < wp ? gx[3] : wp, u_hi = gx[3] + gx[4] < wp ? gx[3] + gx[4] : wp;
+    if (u_hi < u_lo) u_hi = u_lo;
+    for (int64_t r = 0; r < rows_in; ++r) {
+        const int64_t iy = iy0 + r;
+        float *dst = xs + r * wp * channels;
+        if (iy < 0 || iy >= gy[4]) { memset(dst, 0, sizeof(float) * wp * channels); continue; }
+        memset(dst, 0, sizeof(float) * u_lo * channels);
+        memset(dst + u_hi * channels, 0, sizeof(float) * (wp - u_hi) * channels);
+        const float *row = x + iy * gy[5] + (u_lo - gx[3]) * gx[5];
+        float *to = dst + u_lo * channels;
+        int64_t ch = 0, u = 0;
+        if (gx[5] == 1)  /* 8 channels by 8 columns at a time */
+            for (; ch + 8 <= channels; ch += 8) {
+                for (u = 0; u + 8 <= u_hi - u_lo; u += 8) lc_transpose8(row + ch * cs + u, cs, to + u * channels + ch, channels);
+                for (int64_t q = ch; q < ch + 8; ++q)
+                    for (int64_t v = u; v < u_hi - u_lo; ++v) to[v * channels + q] = row[q * cs + v];
+            }
+        for (; ch < channels; ++ch)
+            for (u = 0; u < u_hi - u_lo; ++u) to[u * channels + ch] = row[ch * cs + u * gx[5]];
+    }
+    for (int64_t ch = 0, p = 0; ch < channels; ++ch)
+        for (int64_t i = 0; i < gy[0]; ++i)
+            for (int64_t j = 0; j < gx[0]; ++j, ++p) off[p] = (i * gy[1] * wp + j * gx[1]) * channels + ch;
+    float tile[LC_MR * LC_NR] __attribute__((aligned(64)));
+    for (int64_t q0 = r0 * ow; q0 < r1 * ow; q0 += LC_MR) {
+        const int count = r1 * ow - q0 < LC_MR ? (int)(r1 * ow - q0) : LC_MR;
+        const float *at[LC_MR];
+        for (int i = 0; i < count; ++i) {
+            const int64_t oy = (q0 + i) / ow, ox = (q0 + i) % ow;
+            at[i] = xs + ((oy - r0) * gy[2] * wp + ox * gx[2]) * channels;
+        }
+        for (int64_t j0 = m_lo; j0 < m_hi; j0 += LC_NR) {
+            const int64_t nr = m_hi - j0 < LC_NR ? m_hi - j0 : LC_NR;
+            lc_direct_tile(k, at, count, off, pat, mpad, j0, tile, nr);
+            int64_t jj = 0;
+            if (count == 8)  /* C^T's tile stored into C 8 channels by 8 positions at a time */
+                for (; jj + 8 <= nr; jj += 8) lc_transpose8(tile + jj, LC_NR, c + (j0 + jj) * n + q0, n);
+            for (; jj < nr; ++jj)
+                for (int i = 0; i < count; ++i) c[(j0 + jj) * n + q0 + i] = tile[i * LC_NR + jj];
+        }
+    }
+}
+"""
+
 # A product whose B a generated loop computes (an int8 weight widened, "dequantized" products; needs
 # TILED_SGEMM): each thread widens strips of B (LC_KC x LC_NR) into scratch and multiplies every row
 # of A by each at once, so each weight is widened once per call whatever the rows.

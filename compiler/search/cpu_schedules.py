@@ -35,6 +35,7 @@ from compiler.progress import Tracker
 from compiler.render.c import (
     CRenderer,
     depthwise_of,
+    direct_windows,
     prepack_weights,
     register_planes,
     render,
@@ -61,7 +62,7 @@ from compiler.verify import VerificationFailed, max_error
 NAME = "native-searched"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
-             "transposed-tiles": "transposed", "depthwise-planes": "depthwise",
+             "transposed-tiles": "transposed", "direct-windows": "direct", "depthwise-planes": "depthwise",
              "depthwise-registers": "depthwise-registers", "loops": "loops",
              "loops-inside": "loops-inside", "loops-columns": "loops-columns", "dequantized-tiles": "dequantized"}
 # the products whose weight is packed at compile time: the generated ones
@@ -89,6 +90,7 @@ def kernel_terms(program: Program) -> list[KernelTerm]:
             number, "product", signature, kernel.dtype, libraries=libraries, windowed=kernel.b_panels is not None,
             loop_form=kernel.loops is not None, weight_a=weight_a, depthwise=depthwise,
             dequantized=widens_integer_panels(program, kernel), register_planes=register_planes(kernel) is not None,
+            direct=direct_windows(program, kernel) is not None,
         ))
     return terms
 
@@ -197,7 +199,7 @@ def _rendered(program: Program, choices: dict[int, KernelSchedule], profile: boo
     """The program with the chosen products' weights packed, and its C with each product as chosen."""
     kinds = {number: GEMM_KIND[choice.kind] for number, choice in choices.items()}
     packed = {number for number, choice in choices.items() if choice.kind in _PACKED}
-    transposed = {number for number, choice in choices.items() if choice.kind == "transposed-tiles"}
+    transposed = {number for number, choice in choices.items() if choice.kind in ("transposed-tiles", "direct-windows")}
     rendered = prepack_weights(program, only=packed, transposed=transposed) if packed or transposed else program
     return rendered, render(rendered, profile=profile, gemm=kinds)
 

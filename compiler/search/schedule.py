@@ -58,6 +58,7 @@ SCHEDULE_RULES = """
     (WindowRows Kernel)
     (GeneratedPanels Kernel)
     (TransposedTiles Kernel)
+    (DirectWindows Kernel)
     (DepthwisePlanes Kernel)
     (DepthwiseRegisters Kernel)
     (ReductionLoops Kernel)
@@ -70,6 +71,7 @@ SCHEDULE_RULES = """
 (relation LoopForm (String))
 (relation WeightA (String))
 (relation Depthwise (String))
+(relation DirectConvolution (String))
 (relation RegisterPlanes (String))
 (relation Dequantized (String))
 (relation CudaCores ())
@@ -101,6 +103,10 @@ SCHEDULE_RULES = """
 ; time: a small image's few positions then run along the register tile's rows
 (rule ((= k (Product sig "float32")) (CpuTarget) (WeightA sig))
       ((union k (TransposedTiles k))) :ruleset schedule)
+; a convolution's product whose A is its weight also computed transposed from its windows in place:
+; the input rows a task reads copied channels innermost, a tile of positions by output channels
+(rule ((= k (Product sig "float32")) (CpuTarget) (DirectConvolution sig))
+      ((union k (DirectWindows k))) :ruleset schedule)
 ; a depthwise convolution's product also plane by plane: each input plane padded and split by
 ; phase into cache, every output row one vector loop summing the taps
 (rule ((= k (Product sig "float32")) (CpuTarget) (Depthwise sig))
@@ -153,6 +159,8 @@ class KernelTerm:
     weight_a: bool = False
     # a depthwise convolution's product (it can run plane by plane)
     depthwise: bool = False
+    # a 2-D convolution's product whose A is its weight (it can run from its windows in place, transposed)
+    direct: bool = False
     # a depthwise one whose input and output planes each fit a vector register
     register_planes: bool = False
     # a product whose B widens an integer weight (compiler.render.c.widens_integer_panels)
@@ -236,6 +244,8 @@ def schedule_space(kernels: Sequence[KernelTerm], tensor_cores: str | None, seed
             facts.append(f'(WeightA "{kernel.signature}")')
         if kernel.depthwise:
             facts.append(f'(Depthwise "{kernel.signature}")')
+        if kernel.direct:
+            facts.append(f'(DirectConvolution "{kernel.signature}")')
         if kernel.register_planes:
             facts.append(f'(RegisterPlanes "{kernel.signature}")')
         if kernel.dequantized:
@@ -320,7 +330,7 @@ class DirectoryKernelCache:
 def cache_key(kernel: KernelTerm, device: str, sizes: Sequence[str], version: str) -> str:
     """The cache's key of a kernel's winner: its term (signature and facts), the device's
     fingerprint, the sizes it was measured at and the compiler's version."""
-    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise, kernel.register_planes, kernel.dequantized]
+    facts = [sorted(kernel.libraries), kernel.windowed, kernel.loop_form, kernel.weight_a, kernel.depthwise, kernel.register_planes, kernel.direct, kernel.dequantized]
     text = json.dumps([kernel.term, *facts, device, list(sizes), version])
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
