@@ -340,10 +340,11 @@ static void lc_sgemm_t(int64_t k, const float *b, int64_t brs, int64_t bcs, cons
 DIRECT_SGEMM = r"""
 #include <immintrin.h>
 
-/* dst[r * dst_stride + q] = src[q * src_stride + r] for r, q < 8: an 8 x 8 block transposed, in
-   registers where the CPU has AVX (the channels-last copy and the transposed store move blocks) */
+/* dst[r * dst_stride + q] = src[q * src_stride + r] for r < 8, q < `columns` (at most 8; src's rows
+   past it are read, not stored): an 8 x 8 block transposed, in registers where the CPU has AVX (the
+   channels-last copy and the transposed store move blocks) */
 static inline __attribute__((always_inline)) void lc_transpose8(const float *src, int64_t src_stride, float *dst,
-                                                                int64_t dst_stride) {
+                                                                int64_t dst_stride, int columns) {
 #if defined(__AVX2__)
     __m256 r[8], t[8], u[8];
     for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(src + q * src_stride);
@@ -357,12 +358,20 @@ static inline __attribute__((always_inline)) void lc_transpose8(const float *src
         u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
         u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
     }
-    for (int q = 0; q < 4; ++q) {
-        _mm256_storeu_ps(dst + q * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x20));
-        _mm256_storeu_ps(dst + (4 + q) * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x31));
+    if (columns == 8)
+        for (int q = 0; q < 4; ++q) {
+            _mm256_storeu_ps(dst + q * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x20));
+            _mm256_storeu_ps(dst + (4 + q) * dst_stride, _mm256_permute2f128_ps(u[q], u[4 + q], 0x31));
+        }
+    else {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(columns), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int q = 0; q < 4; ++q) {
+            _mm256_maskstore_ps(dst + q * dst_stride, mask, _mm256_permute2f128_ps(u[q], u[4 + q], 0x20));
+            _mm256_maskstore_ps(dst + (4 + q) * dst_stride, mask, _mm256_permute2f128_ps(u[q], u[4 + q], 0x31));
+        }
     }
 #else
-    for (int q = 0; q < 8; ++q)
+    for (int q = 0; q < columns; ++q)
         for (int r = 0; r < 8; ++r) dst[r * dst_stride + q] = src[q * src_stride + r];
 #endif
 }
@@ -447,7 +456,7 @@ static void lc_conv_direct(const int64_t *g, const float *x, const float *pat, i
         int64_t ch = 0, u = 0;
         if (gx[5] == 1)  /* 8 channels by 8 columns at a time */
             for (; ch + 8 <= channels; ch += 8) {
-                for (u = 0; u + 8 <= u_hi - u_lo; u += 8) lc_transpose8(row + ch * cs + u, cs, to + u * channels + ch, channels);
+                for (u = 0; u + 8 <= u_hi - u_lo; u += 8) lc_transpose8(row + ch * cs + u, cs, to + u * channels + ch, channels, 8);
                 for (int64_t q = ch; q < ch + 8; ++q)
                     for (int64_t v = u; v < u_hi - u_lo; ++v) to[v * channels + q] = row[q * cs + v];
             }
@@ -457,9 +466,12 @@ static void lc_conv_direct(const int64_t *g, const float *x, const float *pat, i
     for (int64_t ch = 0, p = 0; ch < channels; ++ch)
         for (int64_t i = 0; i < gy[0]; ++i)
             for (int64_t j = 0; j < gx[0]; ++j, ++p) off[p] = (i * gy[1] * wp + j * gx[1]) * channels + ch;
+    /* positions in tiles as even as whole tiles allow: 49 are 7 tiles of 7, not 6 of 8 and one of 1 */
     float tile[LC_MR * LC_NR] __attribute__((aligned(64)));
-    for (int64_t q0 = r0 * ow; q0 < r1 * ow; q0 += LC_MR) {
-        const int count = r1 * ow - q0 < LC_MR ? (int)(r1 * ow - q0) : LC_MR;
+    const int64_t first = r0 * ow, positions = (r1 - r0) * ow, tiles = (positions + LC_MR - 1) / LC_MR;
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t q0 = first + positions * t / tiles;
+        const int count = (int)(first + positions * (t + 1) / tiles - q0);
         const float *at[LC_MR];
         for (int i = 0; i < count; ++i) {
             const int64_t oy = (q0 + i) / ow, ox = (q0 + i) % ow;
@@ -469,8 +481,8 @@ static void lc_conv_direct(const int64_t *g, const float *x, const float *pat, i
             const int64_t nr = m_hi - j0 < LC_NR ? m_hi - j0 : LC_NR;
             lc_direct_tile(k, at, count, off, pat, mpad, j0, tile, nr);
             int64_t jj = 0;
-            if (count == 8)  /* C^T's tile stored into C 8 channels by 8 positions at a time */
-                for (; jj + 8 <= nr; jj += 8) lc_transpose8(tile + jj, LC_NR, c + (j0 + jj) * n + q0, n);
+            if (LC_MR == 8)  /* C^T's tile stored into C 8 channels by `count` positions at a time */
+                for (; jj + 8 <= nr; jj += 8) lc_transpose8(tile + jj, LC_NR, c + (j0 + jj) * n + q0, n, count);
             for (; jj < nr; ++jj)
                 for (int i = 0; i < count; ++i) c[(j0 + jj) * n + q0 + i] = tile[i * LC_NR + jj];
         }
