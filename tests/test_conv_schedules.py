@@ -27,6 +27,7 @@ DIRECT_CONVOLUTIONS = [
     (11, 16, 3, 2, 1, 16, 16, 1),
     (24, 8, 3, 1, 2, 12, 12, 2),
     (96, 32, 3, 1, 1, 7, 7, 1),
+    (40, 24, 1, 1, 0, 28, 28, 1),  # a 1x1 convolution's 784 columns as 14 rows of 56
 ]
 
 
@@ -105,13 +106,13 @@ def test_convolutions_computed_transposed_equal_onnxruntime(case: int) -> None:
     _equals_onnxruntime(_transposed_program(data), data, CONVOLUTIONS[case], "transposed")
 
 
-@pytest.mark.parametrize("shape", [c for c in CONVOLUTIONS + DIRECT_CONVOLUTIONS if c[2] > 1], ids=str)
+@pytest.mark.parametrize("shape", CONVOLUTIONS + DIRECT_CONVOLUTIONS, ids=str)
 def test_convolutions_computed_direct_equal_onnxruntime(shape: tuple) -> None:
     """The "direct" kind: the input rows a task reads copied channels innermost (zero-padded), a
     register tile of positions (each broadcast from its window through k's offsets) by output
     channels (the weight packed as A^T's panels), stored transposed into C, then bias and relu;
-    offered by the e-graph for every convolution whose A is its weight (a 1x1 one is a plain
-    product, without windows)."""
+    offered by the e-graph for every convolution whose A is its weight (a 1x1 one's plain product
+    reads its 49 columns as a row of 49, windows of one)."""
     from compiler.frontends.onnx import load_graph
     from compiler.kernels.fusion import fuse
     from compiler.kernels.lower import lower

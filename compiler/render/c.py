@@ -44,7 +44,13 @@ from compiler.kernels.ir_walk import (
     walk,
 )
 from compiler.kernels.lower import OP_COST
-from compiler.kernels.windows import DepthwiseWindows, WindowGeometry, depthwise_windows, window_geometry
+from compiler.kernels.windows import (
+    Axis,
+    DepthwiseWindows,
+    WindowGeometry,
+    depthwise_windows,
+    window_geometry,
+)
 from compiler.render.c_gemm import (
     CONV_SGEMM,
     DIRECT_SGEMM,
@@ -466,12 +472,32 @@ def transposed_packable(program: Program, kernel: LoopKernel | GemmCall) -> bool
     )
 
 
+# the widest rows a plain product's columns are read in, as windows of one (direct_windows)
+DIRECT_PLAIN_WIDTH = 64
+
+
 def direct_windows(program: Program, kernel: LoopKernel | GemmCall) -> WindowGeometry | None:
     """The 2-D convolution windows of a product whose A is a weight (transposed_packable), which the
-    "direct" kind reads in place from a channels-last copy of the input; None for any other."""
-    if not transposed_packable(program, kernel) or kernel.b_panels is None:
+    "direct" kind reads in place from a channels-last copy of the input; None for any other. A plain
+    product's B (a 1x1 convolution's input: k channels of n positions) is windows of one, its n
+    columns read as rows of the widest width up to DIRECT_PLAIN_WIDTH that divides n (its base is
+    over the product's batch indices t0.., where a convolution's is over its panels' o0..)."""
+    if not transposed_packable(program, kernel):
         return None
-    return window_geometry(kernel.b_panels)
+    if kernel.b_panels is not None:
+        return window_geometry(kernel.b_panels)
+    if kernel.trans_b or not isinstance(kernel.n, int) or not (kernel.ldb is None or isinstance(kernel.ldb, int)):
+        return None
+    n = kernel.n
+    width = max(w for w in range(1, min(n, DIRECT_PLAIN_WIDTH) + 1) if n % w == 0)
+    rows = n // width
+    base = Ix()
+    for j, stride in enumerate(kernel.b_batch_strides):
+        base = base + Ix.var(f"t{j}").scale(stride)
+    return WindowGeometry(
+        kernel.b, base, kernel.k, n if kernel.ldb is None else kernel.ldb,
+        (Axis(1, 1, 1, 0, rows, width, rows), Axis(1, 1, 1, 0, width, 1, width)),
+    )
 
 
 def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
@@ -689,9 +715,9 @@ class CRenderer:
                 raise ValueError(f"kernel {number} is a product whose B widens no integer weight: it cannot run as 'dequantized'")
             return head + self.strip_gemm(kernel) + "}\n"
         if isinstance(kernel, GemmCall) and self.gemm_kind == "direct":
-            geometry = window_geometry(kernel.b_panels) if kernel.b_panels is not None else None
+            geometry = direct_windows(self.program, kernel)
             if geometry is None:
-                raise ValueError(f"kernel {number} is not a convolution's product: it cannot run as 'direct'")
+                raise ValueError(f"kernel {number} is not a convolution's product by its weight: it cannot run as 'direct'")
             return head + self.direct_conv(kernel, geometry) + "}\n"
         if isinstance(kernel, GemmCall):
             if kernel.b_panels is None:
@@ -1485,7 +1511,7 @@ class CRenderer:
         lines.extend(self.tasks(("part", "t", "block")))
         body = "            "
         lines.extend(self.batch_indices(call, body))
-        for j, axis in enumerate(call.b_panels.batch_axes):
+        for j, axis in enumerate(call.b_panels.batch_axes if call.b_panels is not None else ()):
             lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
         lines.append(f"{body}const int64_t m_lo = part * m_span, m_hi = m_lo + m_span < m ? m_lo + m_span : m;\n")
         lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
