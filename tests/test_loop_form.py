@@ -266,13 +266,15 @@ def test_a_depthwise_convolution_plane_by_plane_equals_onnxruntime(channels, siz
 @pytest.mark.parametrize(
     ("channels", "size", "kernel", "stride", "dilation", "activation"),
     [(48, 4, 3, 1, 1, "clip"), (96, 4, 3, 2, 1, "relu"), (96, 2, 3, 1, 1, "clip"), (5, 3, 3, 1, 1, "relu"),
-     (5, 4, 3, 1, 2, "clip"), (6, 4, 7, 1, 1, "relu"), (3, 3, 3, 2, 1, "relu")],
+     (5, 4, 3, 1, 2, "clip"), (6, 4, 7, 1, 1, "relu"), (3, 3, 3, 2, 1, "relu"), (6, 8, 3, 1, 1, "clip"),
+     (4, 16, 3, 2, 1, "relu"), (3, 5, 3, 1, 1, "relu"), (2, 7, 3, 1, 1, "clip")],
 )
 def test_a_depthwise_convolution_a_plane_a_register_equals_onnxruntime(channels, size, kernel, stride, dilation, activation, searched):
-    """The "depthwise-registers" kind, for planes of at most 16 floats (a 4x4 image): the plane in
-    one vector register, each tap a permutation of it with the lanes outside the image zero
-    (padding, dilation, stride 2, a 7x7 window wider than the image, an odd image at stride 2), the epilogue
-    per plane; offered by the e-graph only where both planes fit."""
+    """The "depthwise-registers" kind, for planes of a few vectors (up to a 16x16 image): each
+    output vector's taps a two-source permutation of the input vectors with the lanes outside the
+    image zero (padding, dilation, stride 2, a 7x7 window wider than the image, odd images whose
+    rows straddle vectors, an 8x8 output of four vectors), the epilogue per plane; offered by the
+    e-graph only where the planes fit and no tap reads more than two input vectors at once."""
     from compiler.backends import native_cpu
     from compiler.render.c import register_planes, render
     from compiler.search.extract import search_graph
@@ -288,7 +290,7 @@ def test_a_depthwise_convolution_a_plane_a_register_equals_onnxruntime(channels,
     assert term.register_planes
     assert KernelSchedule("depthwise-registers") in schedule_space([term], None, target="cpu").alternatives[number]
     source = render(program, gemm={number: "depthwise-registers"})
-    assert "__builtin_shuffle" in source and "its product runs as its loop form" in source
+    assert "_mm512_maskz_permutex2var_ps" in source and "its product runs as its loop form" in source
     loaded = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
     for batch in (1, 3):
         inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
@@ -297,10 +299,12 @@ def test_a_depthwise_convolution_a_plane_a_register_equals_onnxruntime(channels,
             np.testing.assert_allclose(loaded.run(inputs)["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"batch {batch} run {run}")
 
 
-def test_a_depthwise_convolution_whose_plane_does_not_fit_a_register_is_not_offered_the_register_kind():
+# 289 floats a plane (more than 16 vectors); a 6x6 output whose vectors span rows of three input vectors
+@pytest.mark.parametrize(("size", "stride"), [(17, 1), (12, 2)])
+def test_a_depthwise_convolution_whose_plane_does_not_fit_registers_is_not_offered_the_register_kind(size, stride):
     from compiler.render.c import depthwise_of, register_planes, render
 
-    graph = load_graph(_depthwise_conv(8, 5, 3, 1, 1, "relu"))  # 25 floats a plane
+    graph = load_graph(_depthwise_conv(8, size, 3, stride, 1, "relu"))
     program = fuse_epilogues(fuse(lower(graph)))
     (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
     assert depthwise_of(program.kernels[number]) is not None and register_planes(program.kernels[number]) is None

@@ -115,8 +115,14 @@ GEMM_KINDS = (
 # the floats of the widest vector register the C targets (AVX-512): a depthwise convolution whose
 # input and output planes fit one can run a plane a register ("depthwise-registers")
 REGISTER_PLANE_LANES = 16
+# the most vectors of a plane held in registers: input (a 16x16 image) and output (8x8)
+REGISTER_PLANE_INPUTS = 16
+REGISTER_PLANE_OUTPUTS = 4
 # the work of a tap of a plane in a register (a permutation and a multiply-add), in loop-nest work units
 REGISTER_PLANE_COST = 4
+# planes in registers share the threads from this much work (3072 planes of 2x2, 1.2M, ran 1.6x
+# faster on two threads; 384 of 4x4, 320K, 4x slower: the woken worker costs more than it does)
+REGISTER_PLANES_PARALLEL_MIN_WORK = 1 << 19
 # the kinds that run a product as its loop form (GemmCall.loops)
 LOOP_FORMS = ("loops", "loops-inside", "loops-columns")
 # "loops-columns": the output row is split into a block of columns per thread, at most this many
@@ -516,16 +522,42 @@ def depthwise_of(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
     return windows if kernel.m * kernel.n == y.out * x.out else None
 
 
+def plane_taps(windows: DepthwiseWindows) -> dict[int, list[tuple[int, int]]]:
+    """Each tap's reads of a depthwise convolution's plane: (output position, input position), both
+    flat in their planes, where the input position is inside the input (padding reads nothing)."""
+    y, x = windows.axes
+    taps: dict[int, list[tuple[int, int]]] = {}
+    for i in range(y.kernel):
+        for j in range(x.kernel):
+            reads = taps.setdefault(i * x.kernel + j, [])
+            for oy in range(y.out):
+                for ox in range(x.out):
+                    iy, ix = oy * y.step + y.dilation * i - y.pad, ox * x.step + x.dilation * j - x.pad
+                    if 0 <= iy < y.size and 0 <= ix < x.size:
+                        reads.append((oy * x.out + ox, iy * x.size + ix))
+    return taps
+
+
 def register_planes(kernel: LoopKernel | GemmCall) -> DepthwiseWindows | None:
-    """The depthwise convolution (depthwise_of) whose input and output planes each fit one vector
-    register (REGISTER_PLANE_LANES floats), which the "depthwise-registers" kind computes a plane
-    a register; None for any other product."""
+    """The depthwise convolution (depthwise_of) whose planes fit a few vector registers
+    (REGISTER_PLANE_LANES floats each: at most REGISTER_PLANE_INPUTS of the input, REGISTER_PLANE_OUTPUTS
+    of the output) and whose every tap reads each output vector's lanes from at most two input
+    vectors, which the "depthwise-registers" kind computes a plane in registers, each tap a
+    two-source permutation; None for any other product."""
     windows = depthwise_of(kernel)
     if windows is None:
         return None
     y, x = windows.axes
-    fits = y.size * x.size <= REGISTER_PLANE_LANES and y.out * x.out <= REGISTER_PLANE_LANES
-    return windows if fits else None
+    lanes = REGISTER_PLANE_LANES
+    if y.size * x.size > lanes * REGISTER_PLANE_INPUTS or y.out * x.out > lanes * REGISTER_PLANE_OUTPUTS:
+        return None
+    for reads in plane_taps(windows).values():
+        sources: dict[int, set[int]] = {}
+        for out, at in reads:
+            sources.setdefault(out // lanes, set()).add(at // lanes)
+        if any(len(vectors) > 2 for vectors in sources.values()):
+            return None
+    return windows
 
 
 def _scaled_int8(program: Program, value: Expr, column: str, row: str, summed: set[str]) -> tuple[Load, Load, Dim] | None:
@@ -606,6 +638,8 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
             parts.append(CONV_SGEMM)
         if any(isinstance(k, GemmCall) and kinds[n] == "direct" for n, k in enumerate(program.kernels)):
             parts.append(DIRECT_SGEMM)
+    if any(isinstance(k, GemmCall) and kinds[n] == "depthwise-registers" for n, k in enumerate(program.kernels)):
+        parts.append("#include <immintrin.h>\n")  # (the planes' permutations)
     if any(isinstance(k, GemmCall) and kinds[n] == "dequantized" for n, k in enumerate(program.kernels)):
         parts.extend((TILED_SGEMM, STRIP_SGEMM) if TILED_SGEMM not in parts else (STRIP_SGEMM,))
     for number, kernel in enumerate(program.kernels):
@@ -1692,19 +1726,21 @@ class CRenderer:
         return "".join(lines)
 
     def depthwise_registers(self, call: GemmCall, windows: DepthwiseWindows) -> str:
-        """A depthwise convolution's product (register_planes) a plane a task, the plane in one
-        vector register: each tap's windows are one two-source permutation of it (lanes outside
-        the input pick a zero), times the tap's weight, summed per window row; then the epilogue.
-        Without AVX-512 each output is its taps' sum, unrolled. Tiny planes (a 4x4 image's 2x2
-        output) spent their time on the plane form's loops and copies, not on multiply-adds."""
+        """A depthwise convolution's product (register_planes) a plane a task, the plane in vector
+        registers: for each output vector, each tap's windows are one two-source permutation of
+        the input vectors its lanes read (lanes reading padding zeroed by the mask), times the
+        tap's weight, summed per window row; then the epilogue. Without AVX-512 each output is its
+        taps' sum, unrolled. Small planes (a 4x4 image's 2x2 output, 8x8 ones) spent their time on
+        the plane form's loops and phase copies, not on multiply-adds."""
         y, x = windows.axes
         lanes = REGISTER_PLANE_LANES
         lines = self.gemm_head(call, {windows.source, windows.weight})
         # a plane costs its permutations and multiply-adds, and about 64 more for its copy, store and
-        # epilogue; shared as a product of as much work is (a worker woken for 384 planes of 4x4
-        # made them 4x slower)
+        # epilogue; shared from REGISTER_PLANES_PARALLEL_MIN_WORK
         work = f"batch * (n * k + 64) * {REGISTER_PLANE_COST}"
-        lines.extend(self.parallel_for([("t", "batch")], f"batch > 1 && {work} >= {GEMM_PARALLEL_MIN_FLOPS}", f"{work} >= lc_wake_work"))
+        lines.extend(self.parallel_for(
+            [("t", "batch")], f"batch > 1 && {work} >= {REGISTER_PLANES_PARALLEL_MIN_WORK}", f"{work} >= lc_wake_work",
+        ))
         body = "            "
         lines.extend(self.batch_indices(call, body))
         for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
@@ -1712,50 +1748,56 @@ class CRenderer:
         lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
         lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
         lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
-        taps = {}  # tap -> [(output position, input position in the plane)]
         for i in range(y.kernel):
             for j in range(x.kernel):
-                tap = i * x.kernel + j
-                lines.append(f"{body}const float w{tap} = a[{i * windows.weight_steps[0] + j * windows.weight_steps[1]}];\n")
-                taps[tap] = []
-                for oy in range(y.out):
-                    for ox in range(x.out):
-                        iy, ix = oy * y.step + y.dilation * i - y.pad, ox * x.step + x.dilation * j - x.pad
-                        if 0 <= iy < y.size and 0 <= ix < x.size:
-                            taps[tap].append((oy * x.out + ox, iy * x.size + ix))
+                lines.append(f"{body}const float w{i * x.kernel + j} = a[{i * windows.weight_steps[0] + j * windows.weight_steps[1]}];\n")
+        taps = plane_taps(windows)
+        plane_in, plane_out = y.size * x.size, y.out * x.out
+        inputs, outputs = -(-plane_in // lanes), -(-plane_out // lanes)
         inner = body + "    "
         lines.append("#if defined(__AVX512F__)\n")
         lines.append(f"{body}{{\n")
-        lines.append(f"{inner}typedef float lc_f{lanes} __attribute__((vector_size({lanes * 4})));\n")
-        lines.append(f"{inner}typedef int32_t lc_i{lanes} __attribute__((vector_size({lanes * 4})));\n")
-        lines.append(f"{inner}float plane[{lanes}] __attribute__((aligned(64))) = {{0}};\n")
+        lines.append(f"{inner}float plane[{inputs * lanes}] __attribute__((aligned(64)));\n")
         if x.stride == 1 and y.stride == x.size:  # a dense plane: one copy
-            lines.append(f"{inner}memcpy(plane, src, sizeof(float) * {y.size * x.size});\n")
+            lines.append(f"{inner}memcpy(plane, src, sizeof(float) * {plane_in});\n")
         else:
             for iy in range(y.size):
                 for ix in range(x.size):
                     lines.append(f"{inner}plane[{iy * x.size + ix}] = src[{iy * y.stride + ix * x.stride}];\n")
-        lines.append(f"{inner}const lc_f{lanes} in = *(const lc_f{lanes} *)plane, zero = {{0}};\n")
-        row_sums = []
-        for i in range(y.kernel):
-            terms = []
-            for j in range(x.kernel):
-                tap = i * x.kernel + j
-                if not taps[tap]:
-                    continue  # a tap that reads only padding
-                picks = [lanes] * lanes  # lane `lanes` is the zero vector's first
-                for out, at in taps[tap]:
-                    picks[out] = at
-                mask = ", ".join(map(str, picks))
-                terms.append(f"w{tap} * __builtin_shuffle(in, zero, (lc_i{lanes}){{{mask}}})")
-            if terms:
-                row_sums.append(f"({' + '.join(terms)})")
-        total = " + ".join(row_sums) or "zero"
-        lines.append(f"{inner}const lc_f{lanes} sums = {total};\n")
-        lines.append(f"{inner}memcpy(c, &sums, sizeof(float) * {y.out * x.out});\n")
+        if plane_in % lanes:
+            lines.append(f"{inner}memset(plane + {plane_in}, 0, sizeof(float) * {inputs * lanes - plane_in});\n")
+        for v in range(inputs):
+            lines.append(f"{inner}const __m512 x{v} = _mm512_load_ps(plane + {v * lanes});\n")
+        for v in range(outputs):
+            row_sums = []
+            for i in range(y.kernel):
+                terms = []
+                for j in range(x.kernel):
+                    tap = i * x.kernel + j
+                    reads = [(out % lanes, at) for out, at in taps[tap] if out // lanes == v]
+                    if not reads:
+                        continue  # this vector's lanes of this tap read only padding
+                    sources = sorted({at // lanes for _, at in reads})
+                    first, second = sources[0], sources[-1]
+                    index, mask = [0] * lanes, 0
+                    for lane, at in reads:
+                        index[lane] = at % lanes + (lanes if at // lanes != first else 0)
+                        mask |= 1 << lane
+                    picks = f"_mm512_maskz_permutex2var_ps(0x{mask:04x}, x{first}, _mm512_setr_epi32({', '.join(map(str, index))}), x{second})"
+                    terms.append(f"_mm512_mul_ps(_mm512_set1_ps(w{tap}), {picks})")
+                if terms:
+                    row_sums.append(" + ".join(terms))
+            total = " + ".join(f"({row})" for row in row_sums) or "_mm512_setzero_ps()"
+            valid = min(lanes, plane_out - v * lanes)
+            lines.append(f"{inner}{{\n{inner}    const __m512 sums = {total};\n")
+            if valid == lanes:
+                lines.append(f"{inner}    _mm512_storeu_ps(c + {v * lanes}, sums);\n")
+            else:
+                lines.append(f"{inner}    _mm512_mask_storeu_ps(c + {v * lanes}, 0x{(1 << valid) - 1:04x}, sums);\n")
+            lines.append(f"{inner}}}\n")
         lines.append(f"{body}}}\n")
         lines.append("#else\n")
-        by_output = {o: [] for o in range(y.out * x.out)}
+        by_output: dict[int, list[str]] = {o: [] for o in range(plane_out)}
         for tap, reads in taps.items():
             for out, at in reads:
                 iy, ix = divmod(at, x.size)
