@@ -238,8 +238,21 @@ def test_a_depthwise_convolution_plane_by_plane_equals_onnxruntime(channels, siz
     reads two phases, dilation 2 one at a step), each output row one vector loop over the taps,
     the epilogue per plane; read off the loop form whichever operand the windows are (the e-graph
     search turns the product around), and the kernel that would store the windows is left out."""
-    from compiler.backends import native_cpu
     from compiler.render.c import depthwise_of, render
+
+    data, graph, program, number = _depthwise_program(channels, size, kernel, stride, dilation, activation, searched)
+    call = program.kernels[number]
+    assert depthwise_of(call) is not None and call.epilogue is not None
+    (term,) = kernel_terms(program)
+    assert term.depthwise and KernelSchedule("depthwise-planes") in schedule_space([term], None, target="cpu").alternatives[number]
+    source = render(program, gemm={number: "depthwise"})
+    assert "its product runs as its loop form" in source  # the windows' kernel is dead
+    _built_equals_onnxruntime(data, graph, program, source)
+
+
+def _depthwise_program(channels, size, kernel, stride, dilation, activation, searched):
+    """A depthwise convolution's model, graph (as the e-graph search rewrote it, or as exported),
+    program and the number of its product."""
     from compiler.search.extract import search_graph
 
     data = _depthwise_conv(channels, size, kernel, stride, dilation, activation)
@@ -248,12 +261,13 @@ def test_a_depthwise_convolution_plane_by_plane_equals_onnxruntime(channels, siz
         graph, _ = search_graph(graph, True)
     program = fuse_epilogues(fuse(lower(graph)))
     (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
-    call = program.kernels[number]
-    assert depthwise_of(call) is not None and call.epilogue is not None
-    (term,) = kernel_terms(program)
-    assert term.depthwise and KernelSchedule("depthwise-planes") in schedule_space([term], None, target="cpu").alternatives[number]
-    source = render(program, gemm={number: "depthwise"})
-    assert "its product runs as its loop form" in source  # the windows' kernel is dead
+    return data, graph, program, number
+
+
+def _built_equals_onnxruntime(data: bytes, graph, program, source: str) -> None:
+    """The program built from `source` answers as onnxruntime at batch 1 and 3, a few runs each."""
+    from compiler.backends import native_cpu
+
     loaded = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
     for batch in (1, 3):
         inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
@@ -275,28 +289,16 @@ def test_a_depthwise_convolution_a_plane_a_register_equals_onnxruntime(channels,
     image zero (padding, dilation, stride 2, a 7x7 window wider than the image, odd images whose
     rows straddle vectors, an 8x8 output of four vectors), the epilogue per plane; offered by the
     e-graph only where the planes fit and no tap reads more than two input vectors at once."""
-    from compiler.backends import native_cpu
     from compiler.render.c import register_planes, render
-    from compiler.search.extract import search_graph
 
-    data = _depthwise_conv(channels, size, kernel, stride, dilation, activation)
-    graph = load_graph(data)
-    if searched:
-        graph, _ = search_graph(graph, True)
-    program = fuse_epilogues(fuse(lower(graph)))
-    (number,) = [n for n, k in enumerate(program.kernels) if isinstance(k, GemmCall)]
+    data, graph, program, number = _depthwise_program(channels, size, kernel, stride, dilation, activation, searched)
     assert register_planes(program.kernels[number]) is not None
     (term,) = kernel_terms(program)
     assert term.register_planes
     assert KernelSchedule("depthwise-registers") in schedule_space([term], None, target="cpu").alternatives[number]
     source = render(program, gemm={number: "depthwise-registers"})
     assert "_mm512_maskz_permutex2var_ps" in source and "its product runs as its loop form" in source
-    loaded = native_cpu.NativeProgram(native_cpu.describe(program, graph.size_limits), program.weights, native_cpu.build(source))
-    for batch in (1, 3):
-        inputs = sample_inputs(graph, seed=batch, symbol_size=batch)
-        want = _onnxruntime(data, inputs)["y"]
-        for run in range(3):
-            np.testing.assert_allclose(loaded.run(inputs)["y"], want, rtol=1e-5, atol=1e-5, err_msg=f"batch {batch} run {run}")
+    _built_equals_onnxruntime(data, graph, program, source)
 
 
 # 289 floats a plane (more than 16 vectors); a 6x6 output whose vectors span rows of three input vectors

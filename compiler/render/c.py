@@ -1496,21 +1496,16 @@ class CRenderer:
         lines.append(f"    int64_t blocks = ({y.out} + {rows} - 1) / {rows};\n")
         # a multiple of the threads, down to a row each; then shares of m
         lines.append(f"    while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
-        lines.append(f"    const int64_t rows = ({y.out} + blocks - 1) / blocks;\n")
-        lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
-        lines.append("    const int64_t parts = batch * blocks < threads && m >= 2 * LC_CMR ? (threads + batch * blocks - 1) / (batch * blocks) : 1;\n")
-        lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_CMR - 1) / LC_CMR * LC_CMR;\n")
         # parts of m outermost: a thread takes the tasks of one part in a row and packs its A once
-        lines.extend(self.tasks(("part", "t", "block")))
         body = "            "
-        lines.extend(self.batch_indices(call, body))
-        for j, axis in enumerate(call.b_panels.batch_axes):
-            lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        lines.extend(self.row_block_tasks(call, y.out, body, [
+            "    const int64_t parts = batch * blocks < threads && m >= 2 * LC_CMR ? (threads + batch * blocks - 1) / (batch * blocks) : 1;\n",
+            "    const int64_t m_span = ((m + parts - 1) / parts + LC_CMR - 1) / LC_CMR * LC_CMR;\n",
+        ]))
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
         lda = self.lda(call)
         a_rows, a_cols = ("1", lda) if call.trans_a else (lda, "1")  # A's (row, column) strides
         lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
-        lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
         lines.append(f"{body}if (rows_m <= 0 || r0 >= r1) continue;\n")
         lines.append(
             f"{body}lc_conv_rows(g, b{geometry.source} + ({self.ix(geometry.base)}), rows_m, "
@@ -1519,6 +1514,23 @@ class CRenderer:
         lines.append(self.epilogue(call, ("m_lo", "m_lo + rows_m"), (f"r0 * {x.out}", f"r1 * {x.out}"), body))
         lines.append("        }\n")
         return "".join(lines)
+
+    def row_block_tasks(self, call: GemmCall, out_rows: int, body: str, shares: list[str]) -> list[str]:
+        """The blocks of output rows evened out (`blocks` of them, as many as the caller chose), the
+        lines `shares` (which split m into `parts` of `m_span`), then the threads' loop over a
+        convolution's tasks (a part of m, a batch index t, a block of rows) and each task's batch
+        indices, its panels' indices o0.. (where B is windows) and its output rows [r0, r1)."""
+        lines = [
+            f"    const int64_t rows = ({out_rows} + blocks - 1) / blocks;\n",
+            f"    blocks = ({out_rows} + rows - 1) / rows;\n",
+            *shares,
+            *self.tasks(("part", "t", "block")),
+        ]
+        lines.extend(self.batch_indices(call, body))
+        for j, axis in enumerate(call.b_panels.batch_axes if call.b_panels is not None else ()):
+            lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {out_rows} ? r0 + rows : {out_rows};\n")
+        return lines
 
     def direct_conv(self, call: GemmCall, geometry: WindowGeometry) -> str:
         """A convolution's product computed transposed from its windows in place (lc_conv_direct):
@@ -1539,16 +1551,11 @@ class CRenderer:
         # threads): the channels are shared, in whole panels, and every thread copies the rows
         lines.append(f"    if (batch % threads && ({y.out} % threads || blocks < threads) && m >= threads * LC_PW) parts = threads;\n")
         lines.append(f"    else while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
-        lines.append(f"    const int64_t rows = ({y.out} + blocks - 1) / blocks;\n")
-        lines.append(f"    blocks = ({y.out} + rows - 1) / rows;\n")
-        lines.append("    const int64_t m_span = ((m + parts - 1) / parts + LC_PW - 1) / LC_PW * LC_PW;  /* whole panels */\n")
-        lines.extend(self.tasks(("part", "t", "block")))
         body = "            "
-        lines.extend(self.batch_indices(call, body))
-        for j, axis in enumerate(call.b_panels.batch_axes if call.b_panels is not None else ()):
-            lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        lines.extend(self.row_block_tasks(call, y.out, body, [
+            "    const int64_t m_span = ((m + parts - 1) / parts + LC_PW - 1) / LC_PW * LC_PW;  /* whole panels */\n",
+        ]))
         lines.append(f"{body}const int64_t m_lo = part * m_span, m_hi = m_lo + m_span < m ? m_lo + m_span : m;\n")
-        lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {y.out} ? r0 + rows : {y.out};\n")
         lines.append(f"{body}if (m_lo >= m_hi || r0 >= r1) continue;\n")
         lines.append(
             f"{body}lc_conv_direct(g, b{geometry.source} + ({self.ix(geometry.base)}), b{call.a}, {padded_columns(call.m)}, "
