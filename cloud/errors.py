@@ -18,7 +18,8 @@
     ├── Overloaded (429)             a queue is full; carries retry_after seconds
     ├── ClientDisconnected (499)     the client left before sending the whole body (a client event)
     ├── Unavailable (503)
-    │   └── Unreachable (503)        the database or object store cannot be reached or refuses us
+    │   ├── Unreachable (503)        the database or object store cannot be reached or refuses us
+    │   └── NoRuntimeStarted (503)   no runtime of the request's pool started within its deadline
     └── DeadlineExceeded (504)
 """
 
@@ -139,6 +140,13 @@ class Unreachable(Unavailable):
     the message names it (URL with the password masked), so an operator can fix the setting."""
 
     code = "backend_unreachable"
+
+
+class NoRuntimeStarted(Unavailable):
+    """A request waited its whole deadline in a pool that had no runtime (scaled to zero, or a device
+    type no pool serves) and none started; the message names the pool and the device type."""
+
+    code = "no_runtime_started"
 
 
 class DeadlineExceeded(LuminalError):

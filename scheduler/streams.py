@@ -21,7 +21,14 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from cloud.errors import DeadlineExceeded, LuminalError, Overloaded, Unavailable, error_for_code
+from cloud.errors import (
+    DeadlineExceeded,
+    LuminalError,
+    NoRuntimeStarted,
+    Overloaded,
+    Unavailable,
+    error_for_code,
+)
 from cloud.usage import Usage
 from scheduler import wire
 from scheduler.engine import InferenceResult, Route
@@ -440,7 +447,7 @@ class StreamEngine:
             except TimeoutError:
                 pass
 
-    async def _gave_up_waiting_for_a_runtime(self, waiter: _Waiter, route: Route) -> DeadlineExceeded:
+    async def _gave_up_waiting_for_a_runtime(self, waiter: _Waiter, route: Route) -> NoRuntimeStarted:
         """A request that waited in the pool stream past its deadline leaves it, so that no runtime
         runs it later and no autoscaler starts one for it (a runtime that took it already drops
         it unrun: its deadline passed)."""
@@ -448,11 +455,12 @@ class StreamEngine:
             await self.redis.xdel(waiter.stream, waiter.message_id)
         except redis.RedisError as exc:
             log.warning("removing an expired request from %s failed: %s", waiter.stream, exc)
-        return DeadlineExceeded(
-            f"the request waited {self.request_timeout_s:g} s for a {route.target} runtime to start (the pool "
-            f"had none running when it arrived) and passed its deadline",
+        return NoRuntimeStarted(
+            f"no {route.target} runtime started within the request's {self.request_timeout_s:g} s deadline: the pool "
+            f"{waiter.stream} had none running when it arrived (scaled to zero, or no pool serves {route.target})",
             waited_for="runtime_start",
             device_type=route.target,
+            pool=waiter.stream,
             waited_seconds=self.request_timeout_s,
         )
 

@@ -77,7 +77,8 @@ def test_a_gateway_killed_under_load_sends_its_clients_to_the_other_and_bills_no
 
 def test_redis_restarted_under_load_answers_503_meanwhile_and_loses_nothing(stack: Stack) -> None:
     outcome = kept(stack, "redis")
-    assert set(outcome.errors) <= {"503 unavailable", "504 deadline_exceeded"}, outcome.errors
+    # (a request that waited out its deadline for a runtime to register again: 504 while running, 503 before)
+    assert set(outcome.errors) <= {"503 unavailable", "503 no_runtime_started", "504 deadline_exceeded"}, outcome.errors
 
 
 def test_postgres_restarted_under_load_answers_503_meanwhile_and_loses_nothing(stack: Stack) -> None:

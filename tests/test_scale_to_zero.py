@@ -201,7 +201,7 @@ def test_a_request_to_a_pool_at_zero_waits_for_a_runtime_and_its_cold_start_is_r
     assert "cold start of mlp v1" in log and "Traceback" not in log
 
 
-def test_a_request_whose_deadline_passes_before_a_runtime_starts_gets_504_and_leaves_nothing(
+def test_a_request_whose_deadline_passes_before_a_runtime_starts_gets_503_naming_the_pool_and_leaves_nothing(
     deployed, redis_client, tmp_path
 ) -> None:
     settings = settings_for(deployed, request_timeout_s=1.0)
@@ -214,11 +214,12 @@ def test_a_request_whose_deadline_passes_before_a_runtime_starts_gets_504_and_le
         started = time.monotonic()
         reply = post(http, deployed.key, X)
         assert 1.0 <= time.monotonic() - started < 3.0
-        assert reply.status_code == 504, reply.text
+        assert reply.status_code == 503, reply.text
         error = reply.json()["error"]
-        assert error["code"] == "deadline_exceeded" and error["waited_for"] == "runtime_start"
-        assert error["device_type"] == "cpu" and "for a cpu runtime to start" in error["message"]
         pool_stream = wire.pool_stream("cpu")
+        assert error["code"] == "no_runtime_started" and error["waited_for"] == "runtime_start"
+        assert error["device_type"] == "cpu" and error["pool"] == pool_stream
+        assert "no cpu runtime started" in error["message"] and pool_stream in error["message"]
         assert redis_client.xlen(pool_stream) == 0 and pool_lag(redis_client, "cpu") == 0
         assert redis_client.xpending(pool_stream, wire.RUNTIME_GROUP)["pending"] == 0
         assert pool.running == 0
