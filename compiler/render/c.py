@@ -1505,8 +1505,7 @@ class CRenderer:
         a_off = self.batch_offset(call.batch, call.a_batch_strides)
         lda = self.lda(call)
         a_rows, a_cols = ("1", lda) if call.trans_a else (lda, "1")  # A's (row, column) strides
-        lines.append(f"{body}const int64_t m_lo = part * m_span, rows_m = m_lo + m_span < m ? m_span : m - m_lo;\n")
-        lines.append(f"{body}if (rows_m <= 0 || r0 >= r1) continue;\n")
+        lines.append(f"{body}const int64_t rows_m = m_hi - m_lo;\n")
         lines.append(
             f"{body}lc_conv_rows(g, b{geometry.source} + ({self.ix(geometry.base)}), rows_m, "
             f"b{call.a} + ({self.ix(a_off)}) + m_lo * {a_rows}, {a_rows}, {a_cols}, b{call.c} + t * m * n + m_lo * n, n, r0, r1, call);\n"
@@ -1519,7 +1518,8 @@ class CRenderer:
         """The blocks of output rows evened out (`blocks` of them, as many as the caller chose), the
         lines `shares` (which split m into `parts` of `m_span`), then the threads' loop over a
         convolution's tasks (a part of m, a batch index t, a block of rows) and each task's batch
-        indices, its panels' indices o0.. (where B is windows) and its output rows [r0, r1)."""
+        indices, its panels' indices o0.. (where B is windows), its rows of C [m_lo, m_hi) and its
+        output rows [r0, r1); a task with none of either is skipped."""
         lines = [
             f"    const int64_t rows = ({out_rows} + blocks - 1) / blocks;\n",
             f"    blocks = ({out_rows} + rows - 1) / rows;\n",
@@ -1529,7 +1529,9 @@ class CRenderer:
         lines.extend(self.batch_indices(call, body))
         for j, axis in enumerate(call.b_panels.batch_axes if call.b_panels is not None else ()):
             lines.append(f"{body}const int64_t o{j} = t{axis}; (void)o{j};\n")
+        lines.append(f"{body}const int64_t m_lo = part * m_span, m_hi = m_lo + m_span < m ? m_lo + m_span : m;\n")
         lines.append(f"{body}const int64_t r0 = block * rows, r1 = r0 + rows < {out_rows} ? r0 + rows : {out_rows};\n")
+        lines.append(f"{body}if (m_lo >= m_hi || r0 >= r1) continue;\n")
         return lines
 
     def direct_conv(self, call: GemmCall, geometry: WindowGeometry) -> str:
@@ -1555,8 +1557,6 @@ class CRenderer:
         lines.extend(self.row_block_tasks(call, y.out, body, [
             "    const int64_t m_span = ((m + parts - 1) / parts + LC_PW - 1) / LC_PW * LC_PW;  /* whole panels */\n",
         ]))
-        lines.append(f"{body}const int64_t m_lo = part * m_span, m_hi = m_lo + m_span < m ? m_lo + m_span : m;\n")
-        lines.append(f"{body}if (m_lo >= m_hi || r0 >= r1) continue;\n")
         lines.append(
             f"{body}lc_conv_direct(g, b{geometry.source} + ({self.ix(geometry.base)}), b{call.a}, {padded_columns(call.m)}, "
             f"m_lo, m_hi, b{call.c} + t * m * n, n, r0, r1);\n"
@@ -1685,12 +1685,7 @@ class CRenderer:
             [("t", "batch")], f"batch > 1 && n * k * batch >= {GEMM_PARALLEL_MIN_FLOPS}", "n * k * batch >= lc_wake_work",
         ))
         body = "            "
-        lines.extend(self.batch_indices(call, body))
-        for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
-            lines.append(f"{body}const int64_t o{j} = t{j}; (void)o{j};\n")
-        lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
-        lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
-        lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
+        lines.extend(self.plane_task(call, windows, body))
         lines.append(f"{body}float *restrict planes = (float *)lc_scratch((int64_t)sizeof(float) * {len(phases_y) * len(phases_x) * plane});\n")
         lines.append(f"{body}if (!planes) continue;\n")
         for py, ry in enumerate(phases_y):
@@ -1732,6 +1727,17 @@ class CRenderer:
         lines.append("        }\n")
         return "".join(lines)
 
+    def plane_task(self, call: GemmCall, windows: DepthwiseWindows, body: str) -> list[str]:
+        """A depthwise product's task t (one plane): its batch indices, the loop's plane indices
+        o0.., and the plane's weights `a`, input `src` and output `c`."""
+        lines = self.batch_indices(call, body)
+        for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
+            lines.append(f"{body}const int64_t o{j} = t{j}; (void)o{j};\n")
+        lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
+        lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
+        lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
+        return lines
+
     def depthwise_registers(self, call: GemmCall, windows: DepthwiseWindows) -> str:
         """A depthwise convolution's product (register_planes) a plane a task, the plane in vector
         registers: for each output vector, each tap's windows are one two-source permutation of
@@ -1749,12 +1755,7 @@ class CRenderer:
             [("t", "batch")], f"batch > 1 && {work} >= {REGISTER_PLANES_PARALLEL_MIN_WORK}", f"{work} >= lc_wake_work",
         ))
         body = "            "
-        lines.extend(self.batch_indices(call, body))
-        for j in range(len(call.batch)):  # the loop's plane axes are the product's batch axes
-            lines.append(f"{body}const int64_t o{j} = t{j}; (void)o{j};\n")
-        lines.append(f"{body}const float *restrict a = b{windows.weight} + ({self.ix(windows.weight_base)});\n")
-        lines.append(f"{body}const float *restrict src = b{windows.source} + ({self.ix(windows.base)});\n")
-        lines.append(f"{body}float *restrict c = b{call.c} + t * m * n;\n")
+        lines.extend(self.plane_task(call, windows, body))
         for i in range(y.kernel):
             for j in range(x.kernel):
                 lines.append(f"{body}const float w{i * x.kernel + j} = a[{i * windows.weight_steps[0] + j * windows.weight_steps[1]}];\n")
