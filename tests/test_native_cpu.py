@@ -392,8 +392,8 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
         )
         artifact = compile_onnx(pool, candidates=("native-blas",))
         source = artifact.kernels[0]["source"]
-        # the window's loops run outside the loop over a row, which splits at the padding
-        assert "for (int64_t r1 = 0; r1 < 3LL; ++r1)" in source and "lc_lo" in source, source
+        # each output row by lc_pool_row: its input rows staged padded and split by phase
+        assert "lc_pool_row(1, " in source, source
         program = executable(artifact)
         session = onnxruntime.InferenceSession(pool, providers=["CPUExecutionProvider"])
         x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
@@ -401,6 +401,33 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
         x[1, 2, h - 1, w - 1] = np.nan  # in the last window of the row and column
         got = program.run({"x": x})["y"]
         assert np.isnan(got[1, 2, -1, -1]) and np.isnan(got).sum() == 1, f"{h}x{w}"
+
+
+@pytest.mark.parametrize(
+    ("op", "h", "w", "attributes"),
+    [
+        ("MaxPool", 17, 23, {"kernel_shape": [3, 2], "strides": [1, 3], "pads": [1, 0, 1, 1]}),
+        ("MaxPool", 20, 19, {"kernel_shape": [3, 3], "strides": [2, 2], "dilations": [2, 3], "pads": [2, 1, 1, 2]}),
+        ("MaxPool", 14, 14, {"kernel_shape": [3, 3], "strides": [2, 2]}),
+        ("MaxPool", 15, 16, {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+        ("AveragePool", 13, 18, {"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+        ("AveragePool", 13, 18, {"kernel_shape": [3, 5], "strides": [2, 2], "pads": [1, 2, 1, 2]}),
+        ("AveragePool", 9, 7, {"kernel_shape": [2, 3]}),
+    ],
+)
+def test_pooling_rows_equal_onnxruntime(op: str, h: int, w: int, attributes: dict) -> None:
+    """Max and average pooling by lc_pool_row at strides, dilations, uneven padding and ceil mode:
+    the staged phases of each input row must hand every tap the columns the window reads, and
+    `fill` (the max's -inf, the sum's 0) where it reaches past the input."""
+    from onnx import TensorProto
+
+    data = _single_node_model(op, [("x", TensorProto.FLOAT, ["n", 4, h, w])], TensorProto.FLOAT, ["n", 4, "oh", "ow"], **attributes)
+    artifact = compile_onnx(data, candidates=("native-blas",))
+    assert f"lc_pool_row({int(op == 'MaxPool')}, " in artifact.kernels[0]["source"]
+    program = executable(artifact)
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(5).standard_normal((3, 4, h, w)).astype(np.float32)
+    np.testing.assert_allclose(program.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("candidate", ["native-blas", "native-mixed", "native-tiled"])

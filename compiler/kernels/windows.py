@@ -10,6 +10,8 @@ non-zero fill), so a renderer can fall back to the panels it always supports.
 With the positions split by phase (position = step*(o + q) + r, where dil*k = step*q + r), every
 window reads its input at stride 1 in one phase plane: a renderer copies the planes (about the
 input's size, once) and B's row (c, i, j) is then a fixed offset into them plus the column.
+
+The same windows read by a max or sum (a pooling's window reduction) are `pooling_windows`.
 """
 
 from __future__ import annotations
@@ -204,6 +206,56 @@ def _depthwise(windows: Load, guards, weight: Load, planes: set, ones: set, name
         windows.buffer, Ix(tuple(base_terms), const), weight.buffer, Ix(tuple(weight_terms), weight.index.const),
         (steps.get(i, 0), steps.get(j, 0)), axes,
     )
+
+
+@dataclass(frozen=True)
+class PoolingWindows:
+    """A 2-D window reduction (pooling): out[planes..., y, x] = the `kind` ("max" or "sum") over
+    (i, j) of source[base + the windows of `axes`], `fill` where a window reaches past the input;
+    the base is an offset over the loop variables of the planes' axes (o0..), as in the loop."""
+
+    kind: str
+    source: int
+    base: Ix
+    fill: float
+    axes: tuple[Axis, Axis]
+
+
+def pooling_windows(loops: LoopKernel) -> PoolingWindows | None:
+    """The pooling a window reduction computes (a max or sum over the last two output axes' kh x kw
+    windows of one input, padding guards on it alone, any fill), or None."""
+    if loops.reduce is None or loops.reduce[0] not in ("max", "sum") or loops.lets or len(loops.shape) < 2:
+        return None
+    extents, shape = loops.reduce[1], loops.shape
+    if len(extents) < 2 or any(e != 1 for e in extents[:-2]):
+        return None
+    kh, kw, oh, ow = (*extents[-2:], *shape[-2:])
+    if not all(isinstance(d, int) and d > 0 for d in (kh, kw, oh, ow)):
+        return None
+    value, guards, fill = loops.value, (), 0.0
+    if isinstance(value, Guarded):
+        if not isinstance(value.fill, (int, float)):
+            return None
+        value, guards, fill = value.value, value.guards, float(value.fill)
+    if not isinstance(value, Load) or not isinstance(value.index.const, int):
+        return None
+    rank, reduced = len(shape), len(extents)
+    y, x, i, j = f"o{rank - 2}", f"o{rank - 1}", f"r{reduced - 2}", f"r{reduced - 1}"
+    planes = {f"o{n}" for n in range(rank - 2)}
+    ones = {f"r{n}" for n in range(reduced - 2)}  # reduced axes of extent 1: always 0
+    coef, base_terms = {}, []
+    for var, factor in value.index.terms:
+        if var in planes:
+            base_terms.append((var, factor))
+        elif var in (y, x, i, j) and isinstance(factor, int):
+            coef[var] = factor
+        elif var not in ones:
+            return None
+    found = _spatial_axes(guards, coef, value.index.const, (i, j, y, x), (kh, kw, oh, ow))
+    if found is None:
+        return None
+    axes, const = found
+    return PoolingWindows(loops.reduce[0], value.buffer, Ix(tuple(base_terms), const), fill, axes)
 
 
 def _spatial_axes(guards, coef: dict, const: int, names, extents) -> tuple[tuple[Axis, Axis], int] | None:
