@@ -23,8 +23,11 @@ schedules were never tuned on) at batch 1 and at CORPUS_BATCH, at the longest se
 script checked. --minilm FOLDER adds the real all-MiniLM-L6-v2 (its export by
 benchmarks/real_minilm.py, which needs torch) at batch 1 and 8, sequence 128. Times are medians of at least --repeats runs (quick rows repeat for
 about MIN_TIMED_S) after 3 warm-ups, the runtimes taking turns in ROUNDS blocks (cpu_latency's
-interleaved_medians_ms): the machine is shared, and a slow spell of a few seconds then falls on
-every runtime, not on whichever ran in it.
+interleaved_rounds_ms): the machine is shared, and a slow spell of a few seconds then falls on
+every runtime, not on whichever ran in it. The ratios are paired: the median over the rounds of
+the ratio of the two runtimes' medians in that round (a slow spell that still falls on one
+runtime's block moves one round's ratio, not the row's), so they need not equal the quotient of
+the two medians the table prints.
 
 The same run measures the machine's float32 peak as the median time of a 2048x2048x2048 NumPy
 matmul (the better of a measurement at its start and one at its end: the machine is shared), and
@@ -44,6 +47,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -65,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import models
-from benchmarks.cpu_latency import interleaved_medians_ms, median_ms
+from benchmarks.cpu_latency import interleaved_rounds_ms, median_ms, paired_ratio
 from benchmarks.report import revision, write_section
 from compiler import compile_onnx, executable
 from tests.hf_corpus import CORPUS, make_inputs, manifest
@@ -163,14 +167,9 @@ class Result:
     torch_ms: float | None = None
     timed_out: bool = False
     notes: list[str] = field(default_factory=list)  # what went wrong, for the lines under the table
-
-    @property
-    def ratio(self) -> float | None:
-        return self.ours_ms / self.ort_ms if self.ours_ms is not None else None
-
-    @property
-    def openvino_ratio(self) -> float | None:
-        return self.ours_ms / self.openvino_ms if self.ours_ms is not None and self.openvino_ms else None
+    # ours against onnxruntime and OpenVINO, paired round by round (cpu_latency.paired_ratio)
+    ratio: float | None = None
+    openvino_ratio: float | None = None
 
 
 class RowTimeout(Exception):
@@ -332,9 +331,14 @@ def run_row(row: Row, data: bytes, programs: dict, repeats: int, timeout: int, t
             runners["torch"] = lambda: run_torch(feeds)
     except Exception as error:  # noqa: BLE001 -- onnx2torch converts fewer ops than onnxruntime runs
         result.notes.append(f"torch: {type(error).__name__}: {str(error)[:120]}")
-    medians = interleaved_medians_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S, min_seconds=MIN_TIMED_S)
+    rounds = interleaved_rounds_ms(runners, repeats, rounds=ROUNDS, settle_s=SETTLE_S, min_seconds=MIN_TIMED_S)
+    medians = {name: statistics.median(t for block in blocks for t in block) for name, blocks in rounds.items()}
     result.ort_ms, result.ours_ms, result.torch_ms = medians["ort"], medians.get("ours"), medians.get("torch")
     result.openvino_ms = medians.get("openvino")
+    if "ours" in rounds:
+        result.ratio = paired_ratio(rounds["ours"], rounds["ort"])
+        if "openvino" in rounds:
+            result.openvino_ratio = paired_ratio(rounds["ours"], rounds["openvino"])
     return result
 
 
@@ -429,7 +433,10 @@ def section_body(
         "all-MiniLM-L6-v2's shape and a 1000-word vocabulary), each compiled once and run at every size of",
         f"its rows. Times are medians of at least {repeats} runs (more for quick rows: about {MIN_TIMED_S:g} s of runs",
         f"each) after 3 warm-ups, the runtimes taking turns in {ROUNDS} blocks, each after {SETTLE_S:g} s idle (so a",
-        "slow spell of the shared machine falls on all of them alike), the program alone; onnxruntime",
+        "slow spell of the shared machine falls on all of them alike), the program alone; a ratio is the",
+        "median over the rounds of the ratio of the two runtimes' medians in that round (a slow spell that",
+        "falls on one runtime's block moves one round's ratio), so it need not equal the quotient of the",
+        "two medians printed; onnxruntime",
         "(CPUExecutionProvider) and OpenVINO (CPU plugin, latency hint, float32 inference precision: it",
         "would run products in bfloat16 on CPUs that have it; reading the same ONNX) get the same",
         "inputs and as many threads as ours. The PyTorch column (eager, through",

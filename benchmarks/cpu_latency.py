@@ -31,14 +31,14 @@ CORPUS_MODELS = ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo", "re
 CORPUS_SEQ = 32
 
 
-def interleaved_medians_ms(
+def interleaved_rounds_ms(
     runners: dict, repeats: int, rounds: int = 5, settle_s: float = 0.25, min_seconds: float = 0.0
-) -> dict[str, float]:
-    """Each runner's median time in ms, the runners taking turns in blocks of repeats/rounds runs
-    (the order rotating every round), so that a shared machine's slow spells fall on all of them
-    alike; before each block, settle_s of idle (the other runtime's threads spin-wait for work a
-    while after its last run) and one untimed run (its caches after the other's). Quick runners
-    repeat more, until each runner's timed runs last about min_seconds."""
+) -> dict[str, list[list[float]]]:
+    """Each runner's times in ms, round by round: the runners take turns in blocks of
+    repeats/rounds runs (the order rotating every round), so that a shared machine's slow spells
+    fall on all of them alike; before each block, settle_s of idle (the other runtime's threads
+    spin-wait for work a while after its last run) and one untimed run (its caches after the
+    other's). Quick runners repeat more, until each runner's timed runs last about min_seconds."""
     slowest = 0.0
     for fn in runners.values():
         for _ in range(3):
@@ -47,16 +47,32 @@ def interleaved_medians_ms(
             slowest = max(slowest, time.perf_counter() - started)
     names = list(runners)
     per_round = max(1, -(-repeats // rounds), int(min_seconds / rounds / max(slowest, 1e-6)))
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
     for round_number in range(rounds):
         for name in names[round_number % len(names):] + names[: round_number % len(names)]:
             time.sleep(settle_s)
             runners[name]()
+            block = []
             for _ in range(per_round):
                 started = time.perf_counter()
                 runners[name]()
-                times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) * 1000 for name, values in times.items()}
+                block.append((time.perf_counter() - started) * 1000)
+            times[name].append(block)
+    return times
+
+
+def interleaved_medians_ms(
+    runners: dict, repeats: int, rounds: int = 5, settle_s: float = 0.25, min_seconds: float = 0.0
+) -> dict[str, float]:
+    """Each runner's median time in ms over all its rounds (interleaved_rounds_ms)."""
+    times = interleaved_rounds_ms(runners, repeats, rounds, settle_s, min_seconds)
+    return {name: statistics.median(t for block in blocks for t in block) for name, blocks in times.items()}
+
+
+def paired_ratio(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    """The median over the rounds of the ratio of two runners' medians in that round: a slow spell
+    that falls on one runner's block moves that round's ratio, not the whole comparison."""
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs, strict=True))
 
 
 def median_ms(fn, repeats: int) -> float:
