@@ -150,19 +150,10 @@ def depthwise_windows(loops: LoopKernel) -> DepthwiseWindows | None:
     window of a weight times the input, padding guards on the input alone), or None."""
     if loops.reduce is None or loops.reduce[0] != "sum" or loops.lets or len(loops.shape) < 3:
         return None
-    extents, shape = loops.reduce[1], loops.shape
-    if len(extents) < 2 or any(e != 1 for e in extents[:-2]):
-        return None
-    kh, kw, oh, ow = (*extents[-2:], *shape[-2:])
-    if not all(isinstance(d, int) and d > 0 for d in (kh, kw, oh, ow)):
-        return None
+    nest = _window_nest(loops)
     value = loops.value
-    if not (isinstance(value, Apply) and value.op == "mul" and len(value.args) == 2):
+    if nest is None or not (isinstance(value, Apply) and value.op == "mul" and len(value.args) == 2):
         return None
-    rank, reduced = len(shape), len(extents)
-    y, x, i, j = f"o{rank - 2}", f"o{rank - 1}", f"r{reduced - 2}", f"r{reduced - 1}"
-    planes = {f"o{n}" for n in range(rank - 2)}
-    ones = {f"r{n}" for n in range(reduced - 2)}  # reduced axes of extent 1: always 0
     for windows, weight in (value.args, value.args[::-1]):
         guards = ()
         if isinstance(windows, Guarded):
@@ -171,40 +162,30 @@ def depthwise_windows(loops: LoopKernel) -> DepthwiseWindows | None:
             windows, guards = windows.value, windows.guards
         if not (isinstance(windows, Load) and isinstance(weight, Load)):
             continue
-        found = _depthwise(windows, guards, weight, planes, ones, (y, x, i, j), (kh, kw, oh, ow))
+        found = _depthwise(windows, guards, weight, nest)
         if found is not None:
             return found
     return None
 
 
-def _depthwise(windows: Load, guards, weight: Load, planes: set, ones: set, names, extents) -> DepthwiseWindows | None:
-    y, x, i, j = names
-    kh, kw, oh, ow = extents
-    coef, base_terms = {}, []
-    for var, factor in windows.index.terms:
-        if var in planes:
-            base_terms.append((var, factor))
-        elif var in (y, x, i, j) and isinstance(factor, int):
-            coef[var] = factor
-        elif var not in ones:
-            return None
+def _depthwise(windows: Load, guards, weight: Load, nest: _WindowNest) -> DepthwiseWindows | None:
+    read = _windows_read(windows, guards, nest)
+    if read is None:
+        return None
+    _, _, i, j = nest.names
     steps, weight_terms = {}, []
     for var, factor in weight.index.terms:
-        if var in planes:
+        if var in nest.planes:
             weight_terms.append((var, factor))
         elif var in (i, j) and isinstance(factor, int):
             steps[var] = factor
-        elif var not in ones:
+        elif var not in nest.ones:
             return None
-    if not isinstance(windows.index.const, int) or not isinstance(weight.index.const, int):
+    if not isinstance(weight.index.const, int):
         return None
-    found = _spatial_axes(guards, coef, windows.index.const, (i, j, y, x), (kh, kw, oh, ow))
-    if found is None:
-        return None
-    axes, const = found
+    base, axes = read
     return DepthwiseWindows(
-        windows.buffer, Ix(tuple(base_terms), const), weight.buffer, Ix(tuple(weight_terms), weight.index.const),
-        (steps.get(i, 0), steps.get(j, 0)), axes,
+        windows.buffer, base, weight.buffer, Ix(tuple(weight_terms), weight.index.const), (steps.get(i, 0), steps.get(j, 0)), axes,
     )
 
 
@@ -224,38 +205,64 @@ class PoolingWindows:
 def pooling_windows(loops: LoopKernel) -> PoolingWindows | None:
     """The pooling a window reduction computes (a max or sum over the last two output axes' kh x kw
     windows of one input, padding guards on it alone, any fill), or None."""
-    if loops.reduce is None or loops.reduce[0] not in ("max", "sum") or loops.lets or len(loops.shape) < 2:
+    if loops.reduce is None or loops.reduce[0] not in ("max", "sum") or loops.lets:
         return None
-    extents, shape = loops.reduce[1], loops.shape
-    if len(extents) < 2 or any(e != 1 for e in extents[:-2]):
-        return None
-    kh, kw, oh, ow = (*extents[-2:], *shape[-2:])
-    if not all(isinstance(d, int) and d > 0 for d in (kh, kw, oh, ow)):
-        return None
+    nest = _window_nest(loops)
     value, guards, fill = loops.value, (), 0.0
     if isinstance(value, Guarded):
         if not isinstance(value.fill, (int, float)):
             return None
         value, guards, fill = value.value, value.guards, float(value.fill)
-    if not isinstance(value, Load) or not isinstance(value.index.const, int):
+    if nest is None or not isinstance(value, Load):
+        return None
+    read = _windows_read(value, guards, nest)
+    return None if read is None else PoolingWindows(loops.reduce[0], value.buffer, read[0], fill, read[1])
+
+
+@dataclass(frozen=True)
+class _WindowNest:
+    """A reduction over the last two output axes' windows: (kh, kw, oh, ow), the variables (y, x,
+    i, j), the planes' output variables (o0..) and the reduced ones of extent 1 (always 0)."""
+
+    extents: tuple[int, int, int, int]
+    names: tuple[str, str, str, str]
+    planes: frozenset[str]
+    ones: frozenset[str]
+
+
+def _window_nest(loops: LoopKernel) -> _WindowNest | None:
+    extents, shape = loops.reduce[1], loops.shape
+    if len(shape) < 2 or len(extents) < 2 or any(e != 1 for e in extents[:-2]):
+        return None
+    kh, kw, oh, ow = (*extents[-2:], *shape[-2:])
+    if not all(isinstance(d, int) and d > 0 for d in (kh, kw, oh, ow)):
         return None
     rank, reduced = len(shape), len(extents)
-    y, x, i, j = f"o{rank - 2}", f"o{rank - 1}", f"r{reduced - 2}", f"r{reduced - 1}"
-    planes = {f"o{n}" for n in range(rank - 2)}
-    ones = {f"r{n}" for n in range(reduced - 2)}  # reduced axes of extent 1: always 0
+    names = (f"o{rank - 2}", f"o{rank - 1}", f"r{reduced - 2}", f"r{reduced - 1}")
+    return _WindowNest(
+        (kh, kw, oh, ow), names, frozenset(f"o{n}" for n in range(rank - 2)), frozenset(f"r{n}" for n in range(reduced - 2)),
+    )
+
+
+def _windows_read(load: Load, guards, nest: _WindowNest) -> tuple[Ix, tuple[Axis, Axis]] | None:
+    """Where `load` reads the nest's windows: its base (over the planes' variables, the padding
+    taken out) and its (y, x) axes; None where it reads anything else."""
+    y, x, i, j = nest.names
     coef, base_terms = {}, []
-    for var, factor in value.index.terms:
-        if var in planes:
+    for var, factor in load.index.terms:
+        if var in nest.planes:
             base_terms.append((var, factor))
         elif var in (y, x, i, j) and isinstance(factor, int):
             coef[var] = factor
-        elif var not in ones:
+        elif var not in nest.ones:
             return None
-    found = _spatial_axes(guards, coef, value.index.const, (i, j, y, x), (kh, kw, oh, ow))
+    if not isinstance(load.index.const, int):
+        return None
+    found = _spatial_axes(guards, coef, load.index.const, (i, j, y, x), nest.extents)
     if found is None:
         return None
     axes, const = found
-    return PoolingWindows(loops.reduce[0], value.buffer, Ix(tuple(base_terms), const), fill, axes)
+    return Ix(tuple(base_terms), const), axes
 
 
 def _spatial_axes(guards, coef: dict, const: int, names, extents) -> tuple[tuple[Axis, Axis], int] | None:
