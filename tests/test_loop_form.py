@@ -236,7 +236,7 @@ def _depthwise_conv(channels: int, size: int, kernel: int, stride: int, dilation
 def test_a_depthwise_convolution_plane_by_plane_equals_onnxruntime(channels, size, kernel, stride, dilation, activation, searched):
     """The "depthwise" kind: each input plane padded and split by phase into scratch (stride 2
     reads two phases, dilation 2 one at a step), each output row one vector loop over the taps,
-    the epilogue per plane; read off the loop form whichever operand the windows are (the e-graph
+    the epilogues after a chunk's planes; read off the loop form whichever operand the windows are (the e-graph
     search turns the product around), and the kernel that would store the windows is left out."""
     from compiler.render.c import depthwise_of, render
 
@@ -287,7 +287,7 @@ def test_a_depthwise_convolution_a_plane_a_register_equals_onnxruntime(channels,
     """The "depthwise-registers" kind, for planes of a few vectors (up to a 16x16 image): each
     output vector's taps a two-source permutation of the input vectors with the lanes outside the
     image zero (padding, dilation, stride 2, a 7x7 window wider than the image, odd images whose
-    rows straddle vectors, an 8x8 output of four vectors), the epilogue per plane; offered by the
+    rows straddle vectors, an 8x8 output of four vectors), the epilogues after a chunk's planes; offered by the
     e-graph only where the planes fit and no tap reads more than two input vectors at once."""
     from compiler.render.c import register_planes, render
 
