@@ -392,8 +392,9 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
         )
         artifact = compile_onnx(pool, candidates=("native-blas",))
         source = artifact.kernels[0]["source"]
-        # each output row by lc_pool_row: its input rows staged padded and split by phase
-        assert "lc_pool_row(1, " in source, source
+        # each output row by lc_pool_row (its input rows staged padded and split by phase), but for
+        # a single output column, which reads better in place
+        assert ("lc_pool_row(1, " in source) == ((w + 1) // 2 > 1), source
         program = executable(artifact)
         session = onnxruntime.InferenceSession(pool, providers=["CPUExecutionProvider"])
         x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
@@ -404,26 +405,32 @@ def test_padded_windows_read_unchecked_between_their_edges_and_keep_nan() -> Non
 
 
 @pytest.mark.parametrize(
-    ("op", "h", "w", "attributes"),
+    ("op", "h", "w", "attributes", "staged"),
     [
-        ("MaxPool", 17, 23, {"kernel_shape": [3, 2], "strides": [1, 3], "pads": [1, 0, 1, 1]}),
-        ("MaxPool", 20, 19, {"kernel_shape": [3, 3], "strides": [2, 2], "dilations": [2, 3], "pads": [2, 1, 1, 2]}),
-        ("MaxPool", 14, 14, {"kernel_shape": [3, 3], "strides": [2, 2]}),
-        ("MaxPool", 15, 16, {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
-        ("AveragePool", 13, 18, {"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
-        ("AveragePool", 13, 18, {"kernel_shape": [3, 5], "strides": [2, 2], "pads": [1, 2, 1, 2]}),
-        ("AveragePool", 9, 7, {"kernel_shape": [2, 3]}),
+        ("MaxPool", 17, 23, {"kernel_shape": [3, 2], "strides": [1, 3], "pads": [1, 0, 1, 1]}, False),
+        ("MaxPool", 20, 19, {"kernel_shape": [3, 3], "strides": [2, 2], "dilations": [2, 3], "pads": [2, 1, 1, 2]}, True),
+        ("MaxPool", 14, 14, {"kernel_shape": [3, 3], "strides": [2, 2]}, True),
+        ("MaxPool", 15, 16, {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, True),
+        ("MaxPool", 17, 23, {"kernel_shape": [3, 4], "strides": [1, 3], "pads": [1, 0, 1, 1]}, True),
+        ("AveragePool", 13, 18, {"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1], "count_include_pad": 1}, True),
+        ("AveragePool", 13, 18, {"kernel_shape": [3, 5], "strides": [2, 2], "pads": [1, 2, 1, 2]}, True),
+        ("AveragePool", 9, 7, {"kernel_shape": [2, 3], "strides": [1, 2]}, True),
+        ("AveragePool", 14, 14, {"kernel_shape": [7, 7]}, False),
+        ("MaxPool", 7, 7, {"kernel_shape": [7, 7]}, False),
+        ("GlobalAveragePool", 7, 7, {}, False),
     ],
 )
-def test_pooling_rows_equal_onnxruntime(op: str, h: int, w: int, attributes: dict) -> None:
+def test_pooling_rows_equal_onnxruntime(op: str, h: int, w: int, attributes: dict, staged: bool) -> None:
     """Max and average pooling by lc_pool_row at strides, dilations, uneven padding and ceil mode:
     the staged phases of each input row must hand every tap the columns the window reads, and
-    `fill` (the max's -inf, the sum's 0) where it reaches past the input."""
+    `fill` (the max's -inf, the sum's 0) where it reaches past the input. Windows read in place at
+    stride 1 with no padding, a single output column, or windows that do not overlap along the row
+    (a global pool's rows) keep the in-place form."""
     from onnx import TensorProto
 
     data = _single_node_model(op, [("x", TensorProto.FLOAT, ["n", 4, h, w])], TensorProto.FLOAT, ["n", 4, "oh", "ow"], **attributes)
     artifact = compile_onnx(data, candidates=("native-blas",))
-    assert f"lc_pool_row({int(op == 'MaxPool')}, " in artifact.kernels[0]["source"]
+    assert (f"lc_pool_row({int(op == 'MaxPool')}, " in artifact.kernels[0]["source"]) == staged
     program = executable(artifact)
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(5).standard_normal((3, 4, h, w)).astype(np.float32)
