@@ -1659,18 +1659,20 @@ class CRenderer:
         return "".join(lines)
 
     def parallel_for(
-        self, loops: list[tuple[str, str]], condition: str, wake: str, grain: str = "0", simd: bool = False
+        self, loops: list[tuple[str, str]], condition: str, wake: str, grain: str = "0", simd: bool = False,
+        chunk_block: bool = False,
     ) -> list[str]:
         """The threads' loops over the tasks `loops` ((variable, extent), outermost first) as one
         flat range, shared when `condition` holds (with sleeping workers woken when `wake` does):
         each thread runs the chunks it claims (lc_next, `grain` tasks each; 0: about
         LC_CHUNKS_PER_THREAD a thread). The body follows at 12 spaces and is closed by the caller
-        at 8."""
+        at 8; with `chunk_block`, a chunk's statements are a block the caller closes at 4 (more
+        loops over the chunk's tasks may follow the first)."""
         total = " * ".join(f"(int64_t)({extent})" for _, extent in loops) or "1"
         lines = [
             "    lc_tasks lc_t;\n",
             f"    lc_begin(&lc_t, k{self.number}, {total}, {condition}, {grain}, {wake});\n",
-            "    while (lc_next(&lc_t))\n",
+            "    while (lc_next(&lc_t)) {\n" if chunk_block else "    while (lc_next(&lc_t))\n",
         ]
         if len(loops) == 1:
             if simd:
@@ -1913,14 +1915,13 @@ class CRenderer:
         long after its stores retired (a plane's epilogue read the stores just made, waiting on store
         forwarding; with the registers' planes read in place, MobileNetV2 at batch 8 took 0.78x the
         time, at batch 1 0.84x, ConvNeXt at batch 8 0.97x)."""
-        loop = self.parallel_for([("t", "batch")], condition, wake)
         epilogue = self.epilogue(call, ("0", "m"), ("0", "n"), "            ")
         if not epilogue:
-            return [*loop, *plane, "        }\n"]
-        loop[-2] = loop[-2].replace("while (lc_next(&lc_t))", "while (lc_next(&lc_t)) {")
+            return [*self.parallel_for([("t", "batch")], condition, wake), *plane, "        }\n"]
         return [
-            *loop, *plane, "        }\n", "        for (int64_t t = lc_t.lo; t < lc_t.hi; ++t) {\n",
-            *self.batch_indices(call, "            "), epilogue, "        }\n    }\n",
+            *self.parallel_for([("t", "batch")], condition, wake, chunk_block=True), *plane, "        }\n",
+            "        for (int64_t t = lc_t.lo; t < lc_t.hi; ++t) {\n", *self.batch_indices(call, "            "), epilogue,
+            "        }\n    }\n",
         ]
 
     def transposed_gemm(self, call: GemmCall) -> str:
