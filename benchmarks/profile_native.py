@@ -28,15 +28,22 @@ from benchmarks import models
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.fusion import fuse
-from compiler.kernels.ir import GemmCall, LoopKernel
+from compiler.kernels.ir import AttentionCall, GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
-from compiler.render.c import GEMM_KINDS, LOOP_FORMS, depthwise_of, prepack_weights, render, transposed_packable
+from compiler.render.c import (
+    GEMM_KINDS,
+    LOOP_FORMS,
+    depthwise_of,
+    prepack_weights,
+    render,
+    transposed_packable,
+)
 from compiler.search.extract import search_graph
 from compiler.shape import evaluate
 
 
-def describe(kernel: LoopKernel | GemmCall, graph, bindings: dict[str, int]) -> tuple[str, str, float]:
+def describe(kernel: LoopKernel | GemmCall | AttentionCall, graph, bindings: dict[str, int]) -> tuple[str, str, float]:
     """(kind, shape, multiply-adds or elements) of a kernel at these sizes."""
     size = lambda dims: [evaluate(d, bindings) for d in dims]
     if isinstance(kernel, GemmCall):
@@ -44,6 +51,11 @@ def describe(kernel: LoopKernel | GemmCall, graph, bindings: dict[str, int]) -> 
         count = float(np.prod(batch)) if batch else 1.0
         flags = ("T" if kernel.trans_a else "N") + ("T" if kernel.trans_b else "N")
         return f"gemm {flags}", f"{batch}x[{m}x{k}]@[{k}x{n}]", count * m * n * k
+    if isinstance(kernel, AttentionCall):  # (multiply-adds of its two products)
+        scores = kernel.scores
+        batch, m, n = size(scores.batch), *size((scores.m, scores.n))
+        count = float(np.prod(batch)) if batch else 1.0
+        return "attention", f"{batch}x[{m}x{n}] heads {scores.k}, {kernel.values.n}", count * m * n * (scores.k + kernel.values.n)
     shape = size(kernel.shape)
     work = float(np.prod(shape)) if shape else 1.0
     if kernel.reduce is not None:
@@ -125,7 +137,7 @@ def main() -> None:
     print("by kind: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(by_kind.items(), key=lambda t: -t[1])))
     print(f"{'ms':>8} {'%':>5} {'#':>4}  {'kind':<12} {'node':<11} {'GFLOP/s|Gel/s':>13}  shape")
     for ms, n, kind, shape, work, node in sorted(rows, reverse=True)[: args.top]:
-        rate = work / (ms / 1000) / 1e9 * (2 if kind.startswith("gemm") else 1) if ms > 0 else 0.0
+        rate = work / (ms / 1000) / 1e9 * (2 if kind.startswith(("gemm", "attention")) else 1) if ms > 0 else 0.0
         print(f"{ms:8.3f} {100 * ms / total:5.1f} {n:4d}  {kind:<12} {node:<11} {rate:13.2f}  {shape}")
 
 

@@ -69,7 +69,7 @@ from compiler.tuning import CANDIDATES, KNOWN_CANDIDATES, SCHEDULE_SEARCH_SECOND
 from compiler.verify import VerificationFailed, sample_inputs, verification_case, verify
 
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.8.12"
+COMPILER_VERSION = "0.8.13"
 
 
 def compile_onnx(
@@ -308,7 +308,8 @@ def _with_searched(
     rejected: dict[str, str],
     search_report: dict[str, Any],
 ) -> list:
-    """The verified native candidates with the native-searched one first, where it is wanted and
+    """The verified native candidates with the native-searched ones first (the products as
+    extracted, and the same with attention fused where the program has it), where wanted and
     found (compiler/search/cpu_schedules.py; its report goes under the search's "schedule")."""
     if NATIVE_SEARCHED not in wanted:
         return natives
@@ -322,12 +323,12 @@ def _with_searched(
     searched, search_report["schedule"] = search_native(
         program, graph, case, cases, device, tracker, kernel_cache, COMPILER_VERSION, seconds
     )
-    if searched is None:
+    if not searched:
         rejected[NATIVE_SEARCHED] = search_report["schedule"].get("error") or search_report["schedule"].get(
             "skipped", ""
         )
         return natives
-    return [searched, *natives]
+    return [*searched, *natives]
 
 
 def _compile_for_cuda(

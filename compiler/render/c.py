@@ -22,6 +22,7 @@ from compiler.dtypes import is_signed_int, is_unsigned_int
 from compiler.kernels.ir import (
     Apply,
     Atom,
+    AttentionCall,
     Buffer,
     Const,
     Expr,
@@ -84,6 +85,11 @@ _MAX_INIT = {
     "int32": "INT32_MIN",
     "int64": "INT64_MIN",
 }
+# fused attention (AttentionCall): a task's query rows (a register tile's width, 48 with AVX-512),
+# the keys a tile, and the widest head (Q K^T's k, P V's n) its staged tiles hold on the stack
+ATTENTION_ROWS = 48
+ATTENTION_KEYS = 64
+ATTENTION_HEAD_MAX = 128
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
 WINDOW_MAX = 64
 # below this much work (output elements times the operations each costs, by the lowering's
@@ -699,6 +705,8 @@ def render(program: Program, profile: bool = False, gemm: str | Mapping[int, str
             parts.append(CONV_SGEMM)
         if any(isinstance(k, GemmCall) and kinds[n] == "direct" for n, k in enumerate(program.kernels)):
             parts.append(DIRECT_SGEMM)
+    if any(isinstance(k, AttentionCall) for k in program.kernels) and TILED_SGEMM not in parts:
+        parts.append(TILED_SGEMM)  # (its register tile computes the scores and P V)
     if any(isinstance(k, GemmCall) and kinds[n] == "depthwise-registers" for n, k in enumerate(program.kernels)):
         parts.append("#include <immintrin.h>\n")  # (the planes' permutations)
     if any(isinstance(k, GemmCall) and kinds[n] == "dequantized" for n, k in enumerate(program.kernels)):
@@ -788,6 +796,8 @@ class CRenderer:
         head = f"static void k{number}(const int64_t *S, void **B) {{\n    (void)S;\n" + self.symbols()
         if number in self.skipped:
             return head + "    (void)B;  /* its product runs as its loop form and reads no packed operand */\n}\n"
+        if isinstance(kernel, AttentionCall):
+            return head + self.attention(kernel) + "}\n"
         if isinstance(kernel, GemmCall) and self.gemm_kind in LOOP_FORMS:
             return head + self.loop_form(kernel, self.gemm_kind) + "}\n"
         if isinstance(kernel, GemmCall) and (self.gemm_kind in ("transposed", "direct")) != kernel.packed_a:
@@ -825,6 +835,135 @@ class CRenderer:
         reads = sorted(kernel_reads(kernel) - set(stored))
         body = "".join(self.pointer(b) for b in reads) + "".join(self.pointer(b, writable=True) for b in stored)
         return head + body + self.loops(kernel) + "}\n"
+
+    def attention(self, call: AttentionCall) -> str:
+        """Attention with online softmax (AttentionCall): a task per batch index and
+        ATTENTION_ROWS query rows, Q's rows staged once, transposed. For each tile of
+        ATTENTION_KEYS keys: the scores transposed, S^T = K Q^T, by the generated product's
+        register tile (lc_micro_direct) reading K's rows in place; the score expression (scale,
+        mask), the running max, the exponentials and the rows' sums, each a vector over the query
+        rows; the accumulator rescaled, then += P V by the same tile (V's rows read in place where
+        they are whole vectors). float32, heads of at most ATTENTION_HEAD_MAX."""
+        scores, values = call.scores, call.values
+        head, width = scores.k, values.n
+        if not (isinstance(head, int) and isinstance(width, int) and max(head, width) <= ATTENTION_HEAD_MAX):
+            raise ValueError(f"kernel {self.number}: attention heads must be known and at most {ATTENTION_HEAD_MAX}")
+        if scores.dtype != "float32" or values.dtype != "float32" or scores.b_panels or values.b_panels:
+            raise ValueError(f"kernel {self.number}: fused attention reads float32 operands stored whole")
+        rows, keys = ATTENTION_ROWS, ATTENTION_KEYS
+        stored = kernel_stores(call)
+        reads = kernel_reads(call) - stored
+        lines = [self.pointer(b) for b in sorted(reads)] + [self.pointer(b, writable=True) for b in sorted(stored)]
+        batch = " * ".join(f"(int64_t)({dim(d)})" for d in scores.batch) or "1"
+        lines.append(f"    const int64_t m = {dim(scores.m)}, n = {dim(scores.n)}, batch = {batch};\n")
+        lines.append(f"    const int64_t blocks = (m + {rows - 1}) / {rows};\n")
+        lines.append("    if (m == 0 || batch == 0) return;\n")
+        work = f"batch * m * n * {head + width}"
+        lines.extend(self.parallel_for(
+            [("t", "batch"), ("qb", "blocks")], f"batch * blocks > 1 && {work} >= {PARALLEL_MIN_WORK}",
+            f"{work} >= lc_wake_work", grain="1",
+        ))
+        body = "            "
+        lines.extend(self.batch_indices(scores, body))
+        q_off = self.ix(self.batch_offset(scores.batch, scores.a_batch_strides))
+        k_off = self.ix(self.batch_offset(scores.batch, scores.b_batch_strides))
+        v_off = self.ix(self.batch_offset(values.batch, values.b_batch_strides))
+        lda = f"({dim(scores.lda)})" if scores.lda is not None else (f"({dim(scores.m)})" if scores.trans_a else str(head))
+        ldk = f"({dim(scores.ldb)})" if scores.ldb is not None else (str(head) if scores.trans_b else f"({dim(scores.n)})")
+        ldv = f"({dim(values.ldb)})" if values.ldb is not None else (f"({dim(values.k)})" if values.trans_b else str(width))
+        q_at = f"lc_c * {lda} + i" if scores.trans_a else f"i * {lda} + lc_c"
+        # K's key j, element c at j * k_rows + c * k_columns: K's rows are the tile's A, read in place
+        k_rows, k_columns = (ldk, "1") if scores.trans_b else ("1", ldk)
+        # V's rows read in place where the tile's whole vectors stay inside each row; else staged
+        v_in_place = not values.trans_b and width % 16 == 0
+        nb = len(scores.batch)
+        variables = "".join(f"const int64_t o{j} = t{j}; " for j in range(nb)) + f"const int64_t o{nb} = i; (void)o{nb};"
+        self.locals[scores.c] = "lc_st[jj][r]"
+        score = self.expr(call.score)
+        del self.locals[scores.c]
+        scale = f"{call.log2_scale!r}f"
+        inner = body + "        "
+        lines += [
+            f"{body}const int64_t i0 = qb * {rows}, rn = m - i0 < {rows} ? m - i0 : {rows};\n",
+            f"{body}float lc_qt[{head}][{rows}] __attribute__((aligned(64))), lc_acc[{rows}][{width}] __attribute__((aligned(64)));\n",
+            f"{body}float lc_st[{keys}][{rows}] __attribute__((aligned(64)));\n",
+            f"{body}float lc_top[{rows}] __attribute__((aligned(64))), lc_sum[{rows}] __attribute__((aligned(64)));\n",
+            f"{body}float lc_alpha[{rows}] __attribute__((aligned(64))), lc_new[{rows}] __attribute__((aligned(64)));\n",
+            *([] if v_in_place else [f"{body}float lc_vt[{keys}][{-(-width // 16) * 16}] __attribute__((aligned(64)));\n"]),
+            f"{body}for (int64_t r = 0; r < {rows}; ++r) {{\n",
+            f"{body}    const int64_t i = i0 + (r < rn ? r : rn - 1);  /* rows past rn repeat the last: computed, never stored */\n",
+            f"{body}    for (int64_t lc_c = 0; lc_c < {head}; ++lc_c) lc_qt[lc_c][r] = b{scores.a}[{q_off} + {q_at}];\n",
+            f"{body}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_acc[r][lc_c] = 0.0f;\n",
+            f"{body}    lc_top[r] = -INFINITY; lc_sum[r] = 0.0f;\n",
+            f"{body}}}\n",
+            f"{body}for (int64_t j0 = 0; j0 < n; j0 += {keys}) {{\n",
+            f"{body}    const int64_t kn = n - j0 < {keys} ? n - j0 : {keys};\n",
+            f"{body}    const float *lc_k = b{scores.b} + {k_off} + j0 * {k_rows};\n",
+            f"{body}    for (int64_t jr = 0; jr < kn; jr += LC_MR)\n",
+            f"{body}        for (int64_t ic = 0; ic < {rows}; ic += LC_NR)\n",
+            f"{body}            lc_micro_direct({head}, lc_k + jr * {k_rows}, {k_rows}, {k_columns}, &lc_qt[0][ic], {rows}, &lc_st[jr][ic], {rows}, 0,\n",
+            f"{body}                            kn - jr < LC_MR ? kn - jr : LC_MR, {rows} - ic < LC_NR ? {rows} - ic : LC_NR);\n",
+            # (a whole block's rows are affine in r, which the vectorizer needs; a last block's clamp)
+            *(
+                f"{body}    if (rn {test} {rows})\n"
+                f"{body}        for (int64_t jj = 0; jj < kn; ++jj) {{\n"
+                f"{inner}#pragma omp simd\n"
+                f"{inner}for (int64_t r = 0; r < {rows}; ++r) {{\n"
+                f"{inner}    const int64_t i = i0 + {row}, r0 = j0 + jj; (void)r0;\n"
+                f"{inner}    {variables}\n"
+                f"{inner}    lc_st[jj][r] = (float)({score});\n"
+                f"{inner}}}\n"
+                f"{body}        }}\n"
+                for test, row in (("==", "r"), ("<", "(r < rn ? r : rn - 1)"))
+            ),
+            f"{body}    #pragma omp simd\n",
+            f"{body}    for (int64_t r = 0; r < {rows}; ++r) lc_new[r] = lc_top[r];\n",
+            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
+            f"{body}        #pragma omp simd\n",
+            f"{body}        for (int64_t r = 0; r < {rows}; ++r) lc_new[r] = lc_st[jj][r] > lc_new[r] ? lc_st[jj][r] : lc_new[r];\n",
+            f"{body}    /* a row with no finite score yet adds nothing and keeps what it has */\n",
+            f"{body}    #pragma omp simd\n",
+            f"{body}    for (int64_t r = 0; r < {rows}; ++r) lc_alpha[r] = lc_new[r] == -INFINITY ? 1.0f : lc_exp2f({scale} * (lc_top[r] - lc_new[r]));\n",
+            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
+            f"{body}        #pragma omp simd\n",
+            f"{body}        for (int64_t r = 0; r < {rows}; ++r)\n",
+            f"{body}            lc_st[jj][r] = lc_new[r] == -INFINITY ? 0.0f : lc_exp2f({scale} * (lc_st[jj][r] - lc_new[r]));\n",
+            f"{body}    #pragma omp simd\n",
+            f"{body}    for (int64_t r = 0; r < {rows}; ++r) {{ lc_sum[r] *= lc_alpha[r]; lc_top[r] = lc_new[r]; }}\n",
+            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
+            f"{body}        #pragma omp simd\n",
+            f"{body}        for (int64_t r = 0; r < {rows}; ++r) lc_sum[r] += lc_st[jj][r];\n",
+            f"{body}    for (int64_t r = 0; r < rn; ++r)\n",
+            f"{body}        #pragma omp simd\n",
+            f"{body}        for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_acc[r][lc_c] *= lc_alpha[r];\n",
+        ]
+        if v_in_place:
+            lines.append(f"{body}    const float *lc_v = b{values.b} + {v_off} + j0 * {ldv};\n")
+            v_tile, v_ld = "lc_v + jc", ldv
+        else:
+            v_at = f"lc_c * {ldv} + j" if values.trans_b else f"j * {ldv} + lc_c"
+            lines += [
+                f"{body}    for (int64_t jj = 0; jj < kn; ++jj) {{\n",
+                f"{body}        const int64_t j = j0 + jj;\n",
+                f"{body}        for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_vt[jj][lc_c] = b{values.b}[{v_off} + {v_at}];\n",
+                f"{body}    }}\n",
+            ]
+            v_tile, v_ld = "&lc_vt[0][jc]", str(-(-width // 16) * 16)
+        lines += [
+            f"{body}    for (int64_t ir = 0; ir < rn; ir += LC_MR)\n",
+            f"{body}        for (int64_t jc = 0; jc < {width}; jc += LC_NR)\n",
+            f"{body}            lc_micro_direct(kn, &lc_st[0][ir], 1, {rows}, {v_tile}, {v_ld}, &lc_acc[ir][jc], {width}, 1,\n",
+            f"{body}                            rn - ir < LC_MR ? rn - ir : LC_MR, {width} - jc < LC_NR ? {width} - jc : LC_NR);\n",
+            f"{body}}}\n",
+            f"{body}for (int64_t r = 0; r < rn; ++r) {{\n",
+            f"{body}    const float lc_inv = 1.0f / lc_sum[r];\n",
+            f"{body}    float *restrict lc_out = b{values.c} + (t * m + i0 + r) * {width};\n",
+            f"{body}    #pragma omp simd\n",
+            f"{body}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_out[lc_c] = lc_acc[r][lc_c] * lc_inv;\n",
+            f"{body}}}\n",
+            "        }\n",
+        ]
+        return "".join(lines)
 
     def loop_form(self, call: GemmCall, kind: str = "loops") -> str:
         """A product as its reduction loop (GemmCall.loops), which writes C, then its epilogue over

@@ -2,7 +2,7 @@
 convolution's windows read in place or by panels) comes from the schedule e-graph
 (compiler.search.schedule) and is extracted by measurement on this CPU.
 
-    candidate, report = search_native(program, graph, case, cases, device, tracker, cache, version)
+    candidates, report = search_native(program, graph, case, cases, device, tracker, cache, version)
 
 Rounds of whole programs are rendered with every kernel timed (render's `profile`), built, run on
 the verification case and timed kernel by kernel at each measuring size in the helper process;
@@ -28,11 +28,13 @@ from compiler.backends import native_cpu
 from compiler.devices import CpuDevice
 from compiler.errors import CompilerError
 from compiler.ir import Graph
+from compiler.kernels.attention import attention_count, fuse_attention
 from compiler.kernels.ir import GemmCall, Program
 from compiler.kernels.ir_walk import exclusive_feeders
 from compiler.kernels.schedule import KernelSchedule
 from compiler.progress import Tracker
 from compiler.render.c import (
+    ATTENTION_HEAD_MAX,
     CRenderer,
     depthwise_of,
     direct_windows,
@@ -60,6 +62,8 @@ from compiler.tuning import (
 from compiler.verify import VerificationFailed, max_error
 
 NAME = "native-searched"
+# the same with each attention one online-softmax kernel (compiler.kernels.attention)
+NAME_ATTENTION = "native-searched-attention"
 # a schedule kind -> how the C renderer runs the product (compiler.render.c.GEMM_KINDS)
 GEMM_KIND = {"library": "blas", "generated-tiles": "tiled", "window-rows": "mixed", "generated-panels": "panels",
              "transposed-tiles": "transposed", "direct-windows": "direct", "depthwise-planes": "depthwise",
@@ -109,12 +113,14 @@ def search_native(
     program: Program, graph: Graph, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], cases: list,
     device: CpuDevice, tracker: Tracker, cache: KernelCache | None = None, version: str = "",
     seconds: float = SCHEDULE_SEARCH_SECONDS, seed: int = SCHEDULE_SEARCH_SEED,
-) -> tuple[Candidate | None, dict[str, Any]]:
-    """The searched candidate (loaded on `device`, within its session) and the search's report;
-    None (the report says why) where the program has no product to choose for, or no round ran."""
+) -> tuple[list[Candidate], dict[str, Any]]:
+    """The searched candidates (loaded on `device`, within its session) and the search's report:
+    the program with each product as extracted, and where it has attention the same with each
+    attention fused (NAME_ATTENTION); none (the report says why) where the program has no product
+    to choose for, or no round ran."""
     space = schedule_space(kernel_terms(program), None, seed, target="cpu")
     if not any(len(a) > 1 for a in space.alternatives.values()):
-        return None, {"space": space.report(), "skipped": "no product with more than one schedule"}
+        return [], {"space": space.report(), "skipped": "no product with more than one schedule"}
     verify_inputs, expected = case
     timed_cases = cases or [("verify", verify_inputs)]
     # a product's time includes the kernels that pack its operands for it alone: its loop form
@@ -175,24 +181,56 @@ def search_native(
             prebuild, SCHEDULE_MEASURE_PASSES,
         )
     except RoundFailed as exc:
-        return None, {"space": space.report(), "error": str(exc)}
+        return [], {"space": space.report(), "error": str(exc)}
     finally:
         builds.shutdown(wait=False, cancel_futures=True)  # (rounds the budget left unmeasured)
     choices = extraction.choices
-    try:
-        loaded, built = _built(program, graph, choices, NAME, device, tracker, profile=False)
-        tracker.phase("verify", NAME)
-        outputs = device.run(loaded, verify_inputs)
-        error = max((max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
-    except (CompilerError, CandidateFailed, VerificationFailed) as exc:
-        return None, {**extraction.report, "error": str(getattr(exc, "reason", exc))}
-    kernel, binaries, weights, stats = built
-    candidate = Candidate(NAME, [kernel], binaries, weights, error, stats)
-    candidate.timer = lambda label, inputs, loaded=loaded: device.time(loaded, inputs)
     products = {}
     for alternative in choices.values():
         products[alternative.label] = products.get(alternative.label, 0) + 1
-    return candidate, {**extraction.report, "products": dict(sorted(products.items()))}
+    report = {**extraction.report, "products": dict(sorted(products.items()))}
+    try:
+        candidate = _verified(program, graph, choices, NAME, device, tracker, case)
+    except (CompilerError, CandidateFailed, VerificationFailed) as exc:
+        return [], {**extraction.report, "error": str(getattr(exc, "reason", exc))}
+    # attention's form: the same program with each attention one online-softmax kernel (the rules
+    # of compiler.search.kernel_rules find them), its other products as chosen; the race measures both
+    fused = fuse_attention(program, ATTENTION_HEAD_MAX)
+    if fused is program:
+        return [candidate], report
+    report["attention"] = {"fused": attention_count(fused)}
+    try:
+        return [candidate, _verified(fused, graph, _carried(program, fused, choices), NAME_ATTENTION, device, tracker, case)], report
+    except (CompilerError, CandidateFailed, VerificationFailed) as exc:
+        report["attention"]["error"] = str(getattr(exc, "reason", exc))
+        return [candidate], report
+
+
+def _verified(
+    program: Program, graph: Graph, choices: dict[int, KernelSchedule], name: str, device: CpuDevice, tracker: Tracker,
+    case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> Candidate:
+    """The program with each product as chosen, built, loaded, verified on the case: a candidate
+    of the race (raises where it fails to build, run or verify)."""
+    verify_inputs, expected = case
+    loaded, built = _built(program, graph, choices, name, device, tracker, profile=False)
+    tracker.phase("verify", name)
+    outputs = device.run(loaded, verify_inputs)
+    error = max((max_error(expected[k], v) for k, v in outputs.items()), default=0.0)
+    kernel, binaries, weights, stats = built
+    candidate = Candidate(name, [kernel], binaries, weights, error, stats)
+    candidate.timer = lambda label, inputs, loaded=loaded: device.time(loaded, inputs)
+    return candidate
+
+
+def _carried(program: Program, fused: Program, choices: dict[int, KernelSchedule]) -> dict[int, KernelSchedule]:
+    """The choices for `program`'s kernels renumbered as they stand in `fused` (which keeps the
+    kernels it does not replace, the same objects, in order)."""
+    number = {id(kernel): n for n, kernel in enumerate(program.kernels)}
+    return {
+        n: choices[number[id(kernel)]] for n, kernel in enumerate(fused.kernels)
+        if id(kernel) in number and number[id(kernel)] in choices
+    }
 
 
 def _rendered(program: Program, choices: dict[int, KernelSchedule], profile: bool) -> tuple[Program, str]:
@@ -231,4 +269,4 @@ def _built(
     return loaded, (kernel, binaries, dict(rendered.weights), stats)
 
 
-__all__ = ["NAME", "kernel_terms", "search_native"]
+__all__ = ["NAME", "NAME_ATTENTION", "kernel_terms", "search_native"]

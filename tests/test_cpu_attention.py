@@ -1,0 +1,83 @@
+"""Attention as one C kernel with online softmax (compiler.render.c, CRenderer.attention): the
+program with its attention fused by the rules, rendered, built and run natively, computes what the
+reference interpreter does; a compile offers it to the race beside the unfused program, and the
+report says so."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compiler import compile_onnx, executable
+from compiler.backends import native_cpu
+from compiler.frontends.onnx import load_graph
+from compiler.kernels.attention import attention_count, fuse_attention
+from compiler.kernels.fusion import fuse
+from compiler.kernels.lower import lower
+from compiler.reference import run_graph
+from compiler.render.c import ATTENTION_HEAD_MAX, ATTENTION_ROWS, render
+from compiler.search.cpu_schedules import NAME, NAME_ATTENTION
+from tests.test_cuda_attention import _attention, _inputs
+
+
+def _fused_native(data: bytes):
+    """(the graph, its program with the attention fused, built and loaded natively)."""
+    graph = load_graph(data)
+    fused = fuse_attention(fuse(lower(graph, use_gemm=True)), ATTENTION_HEAD_MAX)
+    assert attention_count(fused) == 1
+    library = native_cpu.build(render(fused))
+    return graph, native_cpu.NativeProgram(native_cpu.describe(fused, graph.size_limits), fused.weights, library)
+
+
+@pytest.mark.parametrize(
+    ("head", "width", "mask", "sizes"),
+    [
+        # ragged tiles of keys (64 a tile) and blocks of query rows, a last block of fewer rows
+        (64, 64, "additive", [(1, 45), (2, 70), (1, ATTENTION_ROWS * 2 + 35)]),
+        (8, 40, "additive", [(2, 33)]),  # V's rows not whole vectors: staged
+        (24, 16, "additive", [(3, 100)]),  # a head that is not a whole vector
+        (ATTENTION_HEAD_MAX, 96, "none", [(1, 40)]),  # the widest head the kernel holds
+        (32, 32, "causal", [(1, 50), (2, 7)]),  # the masking loop folded into the score
+    ],
+)
+def test_fused_attention_in_c_computes_what_the_reference_does(head: int, width: int, mask: str, sizes) -> None:
+    data = _attention(head, width, mask=mask)
+    graph, program = _fused_native(data)
+    for seed, (batch, seq) in enumerate(sizes):
+        inputs = _inputs(graph, batch, seq, seed)
+        want = run_graph(graph, inputs)["y"]
+        np.testing.assert_allclose(program.run(inputs)["y"], want, rtol=1e-4, atol=1e-5, err_msg=f"batch={batch} seq={seq}")
+
+
+def test_rows_whose_keys_are_masked_out_first_or_entirely_are_what_the_reference_makes_them() -> None:
+    # batch 0's first key tile holds only -inf: the running max starts past it and the row stays
+    # finite; batch 1 is masked entirely: NaN, as the unfused softmax (0/0) and the reference give
+    batch, seq = 2, 150
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[0, ..., :100] = -np.inf
+    mask[1] = -np.inf
+    graph, program = _fused_native(_attention(16))
+    inputs = _inputs(graph, batch, seq, mask=mask)
+    want = run_graph(graph, inputs)["y"]
+    got = program.run(inputs)["y"]
+    assert np.isfinite(got[0]).all() and np.isnan(want[1]).all() and np.isnan(got[1]).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_head_wider_than_the_c_kernel_holds_is_refused_by_its_renderer() -> None:
+    graph = load_graph(_attention(ATTENTION_HEAD_MAX + 16))
+    fused = fuse_attention(fuse(lower(graph, use_gemm=True)), ATTENTION_HEAD_MAX + 16)
+    with pytest.raises(ValueError, match="at most"):
+        render(fused)
+
+
+def test_a_compile_races_the_fused_attention_against_the_unfused_program() -> None:
+    data = _attention(32, mask="causal")
+    artifact = compile_onnx(data, "cpu", candidates=[NAME])
+    report = artifact.report
+    names = [c["name"] for c in report["candidates"]]
+    assert NAME in names and NAME_ATTENTION in names, names
+    assert report["search"]["schedule"]["attention"] == {"fused": 1}
+    graph = load_graph(data)
+    inputs = _inputs(graph, 2, 40, seed=3)
+    np.testing.assert_allclose(executable(artifact).run(inputs)["y"], run_graph(graph, inputs)["y"], rtol=1e-4, atol=1e-5)
