@@ -6,13 +6,16 @@ report says so."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper, numpy_helper
 
 from compiler import compile_onnx, executable
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
 from compiler.kernels.attention import attention_count, fuse_attention
 from compiler.kernels.fusion import fuse
+from compiler.kernels.ir import AttentionCall
 from compiler.kernels.lower import lower
 from compiler.reference import run_graph
 from compiler.render.c import ATTENTION_HEAD_MAX, ATTENTION_ROWS, render
@@ -61,6 +64,46 @@ def test_rows_whose_keys_are_masked_out_first_or_entirely_are_what_the_reference
     want = run_graph(graph, inputs)["y"]
     got = program.run(inputs)["y"]
     assert np.isfinite(got[0]).all() and np.isnan(want[1]).all() and np.isnan(got[1]).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def safe_softmax_attention(head: int) -> bytes:
+    """_attention's additive-mask graph with the softmax torch exports (its dynamo exporter's
+    safe softmax): where(isnan(p), 0, p), normalized before the product with V, so that a row
+    masked out entirely is zeros rather than NaN."""
+    model = onnx.load_from_string(_attention(head))
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[0] == "p":
+            node.input[0] = "p_safe"
+            nodes += [
+                helper.make_node("IsNaN", ["p"], ["p_nan"]),
+                helper.make_node("Where", ["p_nan", "zero", "p"], ["p_safe"]),
+            ]
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def test_torch_s_safe_softmax_is_found_and_a_row_masked_out_entirely_is_zeros() -> None:
+    data = safe_softmax_attention(16)
+    graph = load_graph(data)
+    fused = fuse_attention(fuse(lower(graph, use_gemm=True)), ATTENTION_HEAD_MAX)
+    (call,) = [k for k in fused.kernels if isinstance(k, AttentionCall)]
+    assert call.empty_rows_zero
+    batch, seq = 3, 150
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[0, ..., :100] = -np.inf  # its first tile of keys all masked out
+    mask[1] = -np.inf  # every key masked out: zeros, not NaN
+    mask[2, ..., 1::3] = -1e4
+    _, program = _fused_native(data)
+    inputs = _inputs(graph, batch, seq, seed=5, mask=mask)
+    want = run_graph(graph, inputs)["y"]
+    got = program.run(inputs)["y"]
+    assert (want[1] == 0).all() and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

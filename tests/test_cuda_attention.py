@@ -164,6 +164,22 @@ def test_a_row_whose_first_keys_are_all_masked_out_is_the_softmax_of_the_rest() 
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_torch_s_safe_softmax_runs_fused_and_a_row_masked_out_entirely_is_zeros() -> None:
+    from tests.test_cpu_attention import safe_softmax_attention
+
+    batch, seq = 2, 50
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[1] = -np.inf
+    data = safe_softmax_attention(16)
+    graph, _, fused = _programs(data)
+    assert [k.empty_rows_zero for k in fused.kernels if isinstance(k, AttentionCall)] == [True]
+    inputs = _inputs(graph, batch, seq, mask=mask)
+    want = run_graph(graph, inputs)["y"]
+    got = emulate(fused, graph.size_limits).run(inputs)["y"]
+    assert (want[1] == 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_attention_whose_probabilities_are_an_output_is_left_as_its_kernels() -> None:
     data = _attention(16, probabilities=True)
     graph, program, fused = _programs(data)

@@ -35,6 +35,7 @@ from compiler.kernels.ir_walk import (
     substituted,
 )
 from compiler.search import kernel_rules
+from compiler.search.kernel_rules import zero_where_nan
 from compiler.shape import Dim
 
 # a row of AttentionCandidate / AttentionFound: the steps of the scores' product, the masking
@@ -52,8 +53,9 @@ def fuse_attention(program: Program, head_limit: int) -> Program:
         return program
     kernels: list = list(program.kernels)
     for match, fused in found:
-        kernels[match[6]] = fused
-        for step in _steps(match)[:-1]:
+        steps = _steps(match)
+        kernels[steps[-1]] = fused
+        for step in steps[:-1]:
             kernels[step] = None
     result = replace(program, kernels=[k for k in kernels if k is not None])
     result.slots = plan_slots(result)
@@ -87,9 +89,9 @@ def attention_count(program: Program) -> int:
 
 
 def _steps(match: Match) -> list[int]:
-    """The steps a match replaces, the division (where the fused kernel goes) last."""
-    scores, mask, top, exponentials, sums, values, division, _ = match
-    return [s for s in (scores, mask, top, exponentials, sums, values) if s >= 0] + [division]
+    """The steps a match replaces, in program order: the last (the division, or the product with V
+    where the normalization came first) is where the fused kernel goes."""
+    return sorted(s for s in match[:7] if s >= 0)
 
 
 def _build(program: Program, match: Match) -> AttentionCall:
@@ -103,7 +105,10 @@ def _build(program: Program, match: Match) -> AttentionCall:
     if mask_step >= 0:
         producer = program.kernels[mask_step]
         score = _inline(score, producer.out, producer, (*rows, scores.n), at_key)
-    return AttentionCall(scores, values, score, log2_scale, values.node)
+    # the normalization before the product in torch's safe form: a row with no finite score is zeros
+    division = program.kernels[match[6]]
+    empty_rows_zero = match[6] < values_step and zero_where_nan(division.value) is not None
+    return AttentionCall(scores, values, score, log2_scale, values.node, empty_rows_zero)
 
 
 def _undisturbed(program: Program, match: Match, fused: AttentionCall) -> bool:

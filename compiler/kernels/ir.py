@@ -327,6 +327,9 @@ class AttentionCall:
     score: Expr
     log2_scale: float
     node: int = -1
+    # a row with no finite score (all masked out, or a NaN) is zeros, not NaN: the softmax that
+    # torch exports, where(isnan(p), 0, p), normalized before the product with V
+    empty_rows_zero: bool = False
 
     @property
     def out(self) -> int:

@@ -85,9 +85,9 @@ _MAX_INIT = {
     "int32": "INT32_MIN",
     "int64": "INT64_MIN",
 }
-# fused attention (AttentionCall): a task's query rows (a register tile's width, 48 with AVX-512),
-# the keys a tile, and the widest head (Q K^T's k, P V's n) its staged tiles hold on the stack
-ATTENTION_ROWS = 48
+# fused attention (AttentionCall): a task's query rows at most (K's staging is shared by that many),
+# the keys a tile (a multiple of the register tile's width on either target, 48 or 16), and the widest head (Q K^T's k, P V's n) its staged tiles hold on the stack
+ATTENTION_ROWS = 64
 ATTENTION_KEYS = 64
 ATTENTION_HEAD_MAX = 128
 # a float sum or max over at most this many elements (constant extents) runs as a pooling window
@@ -837,13 +837,14 @@ class CRenderer:
         return head + body + self.loops(kernel) + "}\n"
 
     def attention(self, call: AttentionCall) -> str:
-        """Attention with online softmax (AttentionCall): a task per batch index and
-        ATTENTION_ROWS query rows, Q's rows staged once, transposed. For each tile of
-        ATTENTION_KEYS keys: the scores transposed, S^T = K Q^T, by the generated product's
-        register tile (lc_micro_direct) reading K's rows in place; the score expression (scale,
-        mask), the running max, the exponentials and the rows' sums, each a vector over the query
-        rows; the accumulator rescaled, then += P V by the same tile (V's rows read in place where
-        they are whole vectors). float32, heads of at most ATTENTION_HEAD_MAX."""
+        """Attention with online softmax (AttentionCall): a task per batch index and block of at
+        most ATTENTION_ROWS query rows (even blocks). For each tile of ATTENTION_KEYS keys, K's rows
+        staged transposed; the scores S = Q K^T by the generated product's register tile
+        (lc_micro_direct) reading Q's rows in place; then per query row, a vector over
+        the tile's keys, the score expression (scale, mask), the running max, the exponentials and
+        their sum, and the row's accumulator rescaled; then the accumulator += P V by the same tile
+        (V's rows read in place where they are whole vectors). float32, heads of at most
+        ATTENTION_HEAD_MAX."""
         scores, values = call.scores, call.values
         head, width = scores.k, values.n
         if not (isinstance(head, int) and isinstance(width, int) and max(head, width) <= ATTENTION_HEAD_MAX):
@@ -856,7 +857,7 @@ class CRenderer:
         lines = [self.pointer(b) for b in sorted(reads)] + [self.pointer(b, writable=True) for b in sorted(stored)]
         batch = " * ".join(f"(int64_t)({dim(d)})" for d in scores.batch) or "1"
         lines.append(f"    const int64_t m = {dim(scores.m)}, n = {dim(scores.n)}, batch = {batch};\n")
-        lines.append(f"    const int64_t blocks = (m + {rows - 1}) / {rows};\n")
+        lines.append(f"    const int64_t blocks = (m + {rows - 1}) / {rows}, span = (m + blocks - 1) / blocks;  /* even blocks */\n")
         lines.append("    if (m == 0 || batch == 0) return;\n")
         work = f"batch * m * n * {head + width}"
         lines.extend(self.parallel_for(
@@ -871,71 +872,65 @@ class CRenderer:
         lda = f"({dim(scores.lda)})" if scores.lda is not None else (f"({dim(scores.m)})" if scores.trans_a else str(head))
         ldk = f"({dim(scores.ldb)})" if scores.ldb is not None else (str(head) if scores.trans_b else f"({dim(scores.n)})")
         ldv = f"({dim(values.ldb)})" if values.ldb is not None else (f"({dim(values.k)})" if values.trans_b else str(width))
-        q_at = f"lc_c * {lda} + i" if scores.trans_a else f"i * {lda} + lc_c"
-        # K's key j, element c at j * k_rows + c * k_columns: K's rows are the tile's A, read in place
-        k_rows, k_columns = (ldk, "1") if scores.trans_b else ("1", ldk)
+        # Q's row i, element c at i * q_rows + c * q_columns: the tile's A, read in place
+        q_rows, q_columns = ("1", lda) if scores.trans_a else (lda, "1")
+        k_at = f"j * {ldk} + lc_c" if scores.trans_b else f"lc_c * {ldk} + j"  # key j's element c
         # V's rows read in place where the tile's whole vectors stay inside each row; else staged
         v_in_place = not values.trans_b and width % 16 == 0
         nb = len(scores.batch)
         variables = "".join(f"const int64_t o{j} = t{j}; " for j in range(nb)) + f"const int64_t o{nb} = i; (void)o{nb};"
-        self.locals[scores.c] = "lc_st[jj][r]"
+        self.locals[scores.c] = "lc_s[r][jj]"
         score = self.expr(call.score)
         del self.locals[scores.c]
+        # a row with no finite score: zeros where the attention asks for them, else NaN (0 / 0) as unfused
+        value = "lc_sum[r] > 0.0f ? lc_acc[r][lc_c] * lc_inv : 0.0f" if call.empty_rows_zero else "lc_acc[r][lc_c] * lc_inv"
         scale = f"{call.log2_scale!r}f"
         inner = body + "        "
         lines += [
-            f"{body}const int64_t i0 = qb * {rows}, rn = m - i0 < {rows} ? m - i0 : {rows};\n",
-            f"{body}float lc_qt[{head}][{rows}] __attribute__((aligned(64))), lc_acc[{rows}][{width}] __attribute__((aligned(64)));\n",
-            f"{body}float lc_st[{keys}][{rows}] __attribute__((aligned(64)));\n",
+            f"{body}const int64_t i0 = qb * span, rn = m - i0 < span ? m - i0 : span;\n",
+            f"{body}float lc_kt[{head}][{keys}] __attribute__((aligned(64))), lc_acc[{rows}][{width}] __attribute__((aligned(64)));\n",
             f"{body}float lc_top[{rows}] __attribute__((aligned(64))), lc_sum[{rows}] __attribute__((aligned(64)));\n",
-            f"{body}float lc_alpha[{rows}] __attribute__((aligned(64))), lc_new[{rows}] __attribute__((aligned(64)));\n",
+            f"{body}float lc_s[{rows}][{keys}] __attribute__((aligned(64)));\n",
             *([] if v_in_place else [f"{body}float lc_vt[{keys}][{-(-width // 16) * 16}] __attribute__((aligned(64)));\n"]),
-            f"{body}for (int64_t r = 0; r < {rows}; ++r) {{\n",
-            f"{body}    const int64_t i = i0 + (r < rn ? r : rn - 1);  /* rows past rn repeat the last: computed, never stored */\n",
-            f"{body}    for (int64_t lc_c = 0; lc_c < {head}; ++lc_c) lc_qt[lc_c][r] = b{scores.a}[{q_off} + {q_at}];\n",
+            f"{body}const float *lc_q = b{scores.a} + {q_off} + i0 * {q_rows};\n",
+            f"{body}for (int64_t r = 0; r < rn; ++r) {{\n",
             f"{body}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_acc[r][lc_c] = 0.0f;\n",
             f"{body}    lc_top[r] = -INFINITY; lc_sum[r] = 0.0f;\n",
             f"{body}}}\n",
             f"{body}for (int64_t j0 = 0; j0 < n; j0 += {keys}) {{\n",
             f"{body}    const int64_t kn = n - j0 < {keys} ? n - j0 : {keys};\n",
-            f"{body}    const float *lc_k = b{scores.b} + {k_off} + j0 * {k_rows};\n",
-            f"{body}    for (int64_t jr = 0; jr < kn; jr += LC_MR)\n",
-            f"{body}        for (int64_t ic = 0; ic < {rows}; ic += LC_NR)\n",
-            f"{body}            lc_micro_direct({head}, lc_k + jr * {k_rows}, {k_rows}, {k_columns}, &lc_qt[0][ic], {rows}, &lc_st[jr][ic], {rows}, 0,\n",
-            f"{body}                            kn - jr < LC_MR ? kn - jr : LC_MR, {rows} - ic < LC_NR ? {rows} - ic : LC_NR);\n",
-            # (a whole block's rows are affine in r, which the vectorizer needs; a last block's clamp)
-            *(
-                f"{body}    if (rn {test} {rows})\n"
-                f"{body}        for (int64_t jj = 0; jj < kn; ++jj) {{\n"
-                f"{inner}#pragma omp simd\n"
-                f"{inner}for (int64_t r = 0; r < {rows}; ++r) {{\n"
-                f"{inner}    const int64_t i = i0 + {row}, r0 = j0 + jj; (void)r0;\n"
-                f"{inner}    {variables}\n"
-                f"{inner}    lc_st[jj][r] = (float)({score});\n"
-                f"{inner}}}\n"
-                f"{body}        }}\n"
-                for test, row in (("==", "r"), ("<", "(r < rn ? r : rn - 1)"))
-            ),
-            f"{body}    #pragma omp simd\n",
-            f"{body}    for (int64_t r = 0; r < {rows}; ++r) lc_new[r] = lc_top[r];\n",
-            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
-            f"{body}        #pragma omp simd\n",
-            f"{body}        for (int64_t r = 0; r < {rows}; ++r) lc_new[r] = lc_st[jj][r] > lc_new[r] ? lc_st[jj][r] : lc_new[r];\n",
-            f"{body}    /* a row with no finite score yet adds nothing and keeps what it has */\n",
-            f"{body}    #pragma omp simd\n",
-            f"{body}    for (int64_t r = 0; r < {rows}; ++r) lc_alpha[r] = lc_new[r] == -INFINITY ? 1.0f : lc_exp2f({scale} * (lc_top[r] - lc_new[r]));\n",
-            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
-            f"{body}        #pragma omp simd\n",
-            f"{body}        for (int64_t r = 0; r < {rows}; ++r)\n",
-            f"{body}            lc_st[jj][r] = lc_new[r] == -INFINITY ? 0.0f : lc_exp2f({scale} * (lc_st[jj][r] - lc_new[r]));\n",
-            f"{body}    #pragma omp simd\n",
-            f"{body}    for (int64_t r = 0; r < {rows}; ++r) {{ lc_sum[r] *= lc_alpha[r]; lc_top[r] = lc_new[r]; }}\n",
-            f"{body}    for (int64_t jj = 0; jj < kn; ++jj)\n",
-            f"{body}        #pragma omp simd\n",
-            f"{body}        for (int64_t r = 0; r < {rows}; ++r) lc_sum[r] += lc_st[jj][r];\n",
-            f"{body}    for (int64_t r = 0; r < rn; ++r)\n",
-            f"{body}        #pragma omp simd\n",
-            f"{body}        for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_acc[r][lc_c] *= lc_alpha[r];\n",
+            f"{body}    for (int64_t jj = 0; jj < kn; ++jj) {{\n",
+            f"{body}        const int64_t j = j0 + jj;\n",
+            f"{body}        for (int64_t lc_c = 0; lc_c < {head}; ++lc_c) lc_kt[lc_c][jj] = b{scores.b}[{k_off} + {k_at}];\n",
+            f"{body}    }}\n",
+            f"{body}    for (int64_t ir = 0; ir < rn; ir += LC_MR)\n",
+            f"{body}        for (int64_t jr = 0; jr < kn; jr += LC_NR)\n",
+            f"{body}            lc_micro_direct({head}, lc_q + ir * {q_rows}, {q_rows}, {q_columns}, &lc_kt[0][jr], {keys}, &lc_s[ir][jr], {keys}, 0,\n",
+            f"{body}                            rn - ir < LC_MR ? rn - ir : LC_MR, kn - jr < LC_NR ? kn - jr : LC_NR);\n",
+            # per query row, a vector over the tile's keys: its scores (S^T's column; the mask's
+            # loads are mostly contiguous in the key), their max, the exponentials and their sum
+            f"{body}    for (int64_t r = 0; r < rn; ++r) {{\n",
+            f"{inner}const int64_t i = i0 + r;\n",
+            f"{inner}{{ {variables}\n",
+            f"{inner}  #pragma omp simd\n",
+            f"{inner}  for (int64_t jj = 0; jj < kn; ++jj) {{ const int64_t r0 = j0 + jj; (void)r0; lc_s[r][jj] = (float)({score}); }} }}\n",
+            f"{inner}float lc_new = lc_top[r];\n",
+            f"{inner}#pragma omp simd reduction(max:lc_new)\n",
+            f"{inner}for (int64_t jj = 0; jj < kn; ++jj) lc_new = lc_s[r][jj] > lc_new ? lc_s[r][jj] : lc_new;\n",
+            f"{inner}if (lc_new == -INFINITY) {{  /* no finite score yet: nothing to add, and the row keeps what it has */\n",
+            f"{inner}    for (int64_t jj = 0; jj < kn; ++jj) lc_s[r][jj] = 0.0f;\n",
+            f"{inner}    continue;\n",
+            f"{inner}}}\n",
+            f"{inner}const float lc_alpha = lc_top[r] == -INFINITY ? 0.0f : lc_exp2f({scale} * (lc_top[r] - lc_new));  /* (a first tile: nothing to rescale) */\n",
+            f"{inner}float lc_part = 0.0f;\n",
+            f"{inner}#pragma omp simd reduction(+:lc_part)\n",
+            f"{inner}for (int64_t jj = 0; jj < kn; ++jj) {{ lc_s[r][jj] = lc_exp2f({scale} * (lc_s[r][jj] - lc_new)); lc_part += lc_s[r][jj]; }}\n",
+            f"{inner}lc_sum[r] = lc_sum[r] * lc_alpha + lc_part;\n",
+            f"{inner}lc_top[r] = lc_new;\n",
+            f"{inner}if (lc_alpha != 1.0f)\n",
+            f"{inner}    #pragma omp simd\n",
+            f"{inner}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_acc[r][lc_c] *= lc_alpha;\n",
+            f"{body}    }}\n",
         ]
         if v_in_place:
             lines.append(f"{body}    const float *lc_v = b{values.b} + {v_off} + j0 * {ldv};\n")
@@ -952,14 +947,14 @@ class CRenderer:
         lines += [
             f"{body}    for (int64_t ir = 0; ir < rn; ir += LC_MR)\n",
             f"{body}        for (int64_t jc = 0; jc < {width}; jc += LC_NR)\n",
-            f"{body}            lc_micro_direct(kn, &lc_st[0][ir], 1, {rows}, {v_tile}, {v_ld}, &lc_acc[ir][jc], {width}, 1,\n",
+            f"{body}            lc_micro_direct(kn, &lc_s[ir][0], {keys}, 1, {v_tile}, {v_ld}, &lc_acc[ir][jc], {width}, 1,\n",
             f"{body}                            rn - ir < LC_MR ? rn - ir : LC_MR, {width} - jc < LC_NR ? {width} - jc : LC_NR);\n",
             f"{body}}}\n",
             f"{body}for (int64_t r = 0; r < rn; ++r) {{\n",
             f"{body}    const float lc_inv = 1.0f / lc_sum[r];\n",
             f"{body}    float *restrict lc_out = b{values.c} + (t * m + i0 + r) * {width};\n",
             f"{body}    #pragma omp simd\n",
-            f"{body}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_out[lc_c] = lc_acc[r][lc_c] * lc_inv;\n",
+            f"{body}    for (int64_t lc_c = 0; lc_c < {width}; ++lc_c) lc_out[lc_c] = {value};\n",
             f"{body}}}\n",
             "        }\n",
         ]

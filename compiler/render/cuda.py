@@ -212,6 +212,13 @@ __device__ __forceinline__ void lc_mma_store(float *p, const lc_frag_c &d, int l
 """
 
 
+def _normalized(call: AttentionCall, acc: str, inverse: str, row_sum: str) -> str:
+    """An output element: the accumulator times the row's inverse sum; a row with no finite score
+    (sum 0, or NaN) zeros where the attention asks for it (AttentionCall.empty_rows_zero)."""
+    value = f"{acc} * {inverse}"
+    return f"({row_sum} > 0.0f ? {value} : 0.0f)" if call.empty_rows_zero else value
+
+
 def _shifted_exp2(scale: str, x: str, top: str) -> str:
     """exp2(scale * (x - top)) as the unfused exponentials compute it (x + -1 * top), in CUDA C."""
     return f"lc_exp2f({scale} * ({x} + -1.0f * {top}))"
@@ -714,7 +721,7 @@ class CudaRenderer(CRenderer):
             "            const float lc_inv = 1.0f / lc_row_sum[r];\n",
             f"            _Pragma(\"unroll\") for (int c = 0; c < {columns}; ++c) {{\n",
             "                const int col = lane + 32 * c;\n",
-            f"                if (col < {width}) b{values.c}[(t * m + i) * {width} + col] = {self.stored(values.c, 'lc_acc[r][c] * lc_inv')};\n",
+            f"                if (col < {width}) b{values.c}[(t * m + i) * {width} + col] = {self.stored(values.c, _normalized(call, 'lc_acc[r][c]', 'lc_inv', 'lc_row_sum[r]'))};\n",
             "            }\n",
             "        }\n",
             "    }\n",
@@ -878,7 +885,7 @@ class CudaRenderer(CRenderer):
             f"        for (int lc_e = threadIdx.x; lc_e < {rows * width}; lc_e += {threads}) {{\n",
             f"            const int lc_r = lc_e / {width}, lc_c = lc_e % {width};\n",
             "            const int64_t i = row0 + lc_r;\n",
-            f"            if (i < m) b{values.c}[(t * m + i) * {width} + lc_c] = {self.stored(values.c, '(lc_os[lc_r][lc_c] * (1.0f / lc_row_sum[lc_r]))')};\n",
+            f"            if (i < m) b{values.c}[(t * m + i) * {width} + lc_c] = {self.stored(values.c, _normalized(call, 'lc_os[lc_r][lc_c]', '(1.0f / lc_row_sum[lc_r])', 'lc_row_sum[lc_r]'))};\n",
             "        }\n",
             "    }\n",
         ]

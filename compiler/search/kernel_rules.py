@@ -47,9 +47,11 @@ from egglog import bindings
 
 from compiler.kernels.ir import (
     Apply,
+    Atom,
     Const,
     Expr,
     GemmCall,
+    Guarded,
     Ix,
     Load,
     LoopKernel,
@@ -170,6 +172,29 @@ SOFTMAX = RuleSet(
             "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x))",
             "(union D (SoftmaxTimes x c V)) (Softmaxed dv pv sm ex top c)",
         ),
+        *(
+            egglog_rule(
+                f"softmax_normalized{kind}_before_values",
+                # (E * recip(sum_row)) V: the normalization (torch's safe form turns a NaN row into
+                # zeros) a loop of its own before the product; Softmaxed names that loop as the division
+                "(ShiftedExp ex top c) (ExpSum sm ex) (KernelAt ex E) (= E (RowMap d rows n body)) "
+                "(Out ex eo) (Role eo \"temp\") (= (reader-count eo) 2) (= (writer-count eo) 1) "
+                "(ReadBy eo sm) (ReadBy eo nm) (KernelAt sm S) (Out sm so) (ReadBy so nm) "
+                f"(KernelAt nm N) (= N (RowMap {_F32} rows n {body})) "
+                "(Out nm no) (Role no \"temp\") (= (reader-count no) 1) (= (writer-count no) 1) (ReadBy no pv) "
+                "(KernelAt pv PV) (= PV (Gemm pv N V)) (PlainProduct pv) (PackedA pv) "
+                "(= (gemm-rows pv) rows) (= (gemm-k pv) n) (< sm nm) (< nm pv) "
+                "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x))",
+                "(union PV (SoftmaxTimes x c V)) (Softmaxed nm pv sm ex top c)",
+            )
+            for kind, body in (
+                ("", f"(Ap2 \"mul\" dp (Ld E (Elem rows n)) (Ap1 \"recip\" {_F32} (Ld S (Row rows))))"),
+                (
+                    "_nan_to_zero",
+                    f"(Ap1 \"zero_nan\" {_F32} (Ap2 \"mul\" dp (Ld E (Elem rows n)) (Ap1 \"recip\" {_F32} (Ld S (Row rows)))))",
+                ),
+            )
+        ),
     ),
 )
 
@@ -218,10 +243,18 @@ ATTENTION_FOUND = RuleSet(
     (
         egglog_rule(
             "online_attention",
-            "(AttentionCandidate sc mk top ex sm pv dv c) (Undisturbed sc dv) "
+            "(AttentionCandidate sc mk top ex sm pv dv c) (Undisturbed sc dv) (< pv dv) "
             "(KernelAt sc G) (= G (Gemm sc Q K)) (KernelAt pv PV) (= PV (Gemm pv E V)) "
             "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x)) (KernelAt dv D)",
             "(union D (OnlineAttention G x c V)) (AttentionFound sc mk top ex sm pv dv c)",
+        ),
+        egglog_rule(
+            "online_attention_normalized_first",
+            # the product with V is the attention's output: the normalization ran before it
+            "(AttentionCandidate sc mk top ex sm pv dv c) (Undisturbed sc dv) (< dv pv) "
+            "(KernelAt sc G) (= G (Gemm sc Q K)) (KernelAt pv PV) (= PV (Gemm pv P V)) "
+            "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x))",
+            "(union PV (OnlineAttention G x c V)) (AttentionFound sc mk top ex sm pv dv c)",
         ),
     ),
 )
@@ -445,6 +478,9 @@ class _Writer:
     # -- values
 
     def expr(self, e: Expr, loop: _Loop, value_of) -> str:
+        kept = zero_where_nan(e)
+        if kept is not None:
+            return f'(Ap1 "zero_nan" "{e.dtype}" {self.expr(kept, loop, value_of)})'
         if isinstance(e, Load):
             return f"(Ld {value_of(e.buffer)} {self.access(e.index, loop)})"
         if isinstance(e, Const) and _finite(e.value):
@@ -507,6 +543,51 @@ def _normal(e, key: str):
     return renamed(e, {key: "key"})
 
 
+def zero_where_nan(e: Expr) -> Expr | None:
+    """x, where `e` is where(isnan(x), 0, x) as lowering spells it (a sum of two guarded branches
+    on the flag of not(x < inf or -inf < x)); None for anything else."""
+    if not (isinstance(e, Apply) and e.op == "add" and len(e.args) == 2 and all(isinstance(a, Guarded) for a in e.args)):
+        return None
+    branches = {}
+    for branch in e.args:
+        if len(branch.guards) != 1 or branch.guards[0][1] != 1 or branch.fill != 0:
+            return None
+        index = branch.guards[0][0]
+        if len(index.terms) != 1 or index.terms[0][1] != 1 or not isinstance(index.terms[0][0], Atom):
+            return None
+        flag = index.terms[0][0]
+        if flag.op != "flag" or index.const not in (0, -1) or index.const in branches:
+            return None
+        branches[index.const] = (flag.args[0], branch.value)  # const -1: the flag is 1 (x is NaN)
+    if set(branches) != {0, -1} or branches[0][0] != branches[-1][0]:
+        return None
+    condition, zero, kept = branches[0][0], branches[-1][1], branches[0][1]
+    if not (isinstance(zero, Const) and zero.value == 0):
+        return None
+    # not(x < inf or -inf < x), through whatever casts the bools took on the way (before the graph
+    # search simplified them: to uint8 for the or, back to bool for the not)
+    test = _uncast(condition)
+    if not (_is_apply(test, "less_than") and _uncast(test.args[1]) == Const(True, "bool") and _is_apply(_uncast(test.args[0]), "add")):
+        return None
+    below, above = (_uncast(a) for a in _uncast(test.args[0]).args)
+    inf = lambda sign, x: isinstance(x, Const) and x.value == sign * math.inf
+    if not (_is_apply(below, "less_than") and _is_apply(above, "less_than")):
+        return None
+    if below.args[0] == kept and inf(1, below.args[1]) and above.args[1] == kept and inf(-1, above.args[0]):
+        return kept
+    return None
+
+
+def _uncast(e: Expr) -> Expr:
+    while isinstance(e, Apply) and e.op == "cast":
+        e = e.args[0]
+    return e
+
+
+def _is_apply(e: Expr, op: str) -> bool:
+    return isinstance(e, Apply) and e.op == op and len(e.args) == 2
+
+
 def _finite(value) -> bool:
     try:
         return math.isfinite(float(value))
@@ -535,4 +616,5 @@ __all__ = [
     "KernelGraph",
     "kernel_graph",
     "plain_product",
+    "zero_where_nan",
 ]
