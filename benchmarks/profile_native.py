@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/profile_native.py bert_minilm --sizes batch=1,seq=128
     .venv/bin/python benchmarks/profile_native.py resnet_cnn --sizes batch=1 --top 15
     .venv/bin/python benchmarks/profile_native.py tests/fixtures/hf/mobilenet_v2_dynamo.onnx --sizes batch=8
+    .venv/bin/python benchmarks/profile_native.py tests/fixtures/hf/vit_dynamo.onnx --sizes batch=8 --searched-graph --fuse-attention
 
 Lowers a model of benchmarks/models.py the way the compiler's native-blas candidate does, renders
 it with per-kernel timers, runs it --repeats times and prints the kernels that took the most
@@ -27,11 +28,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import models
 from compiler.backends import native_cpu
 from compiler.frontends.onnx import load_graph
+from compiler.kernels.attention import fuse_attention
 from compiler.kernels.fusion import fuse
 from compiler.kernels.ir import AttentionCall, GemmCall, LoopKernel
 from compiler.kernels.lower import lower
 from compiler.reference import bind_symbols
 from compiler.render.c import (
+    ATTENTION_HEAD_MAX,
     GEMM_KINDS,
     LOOP_FORMS,
     depthwise_of,
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--searched-graph", action="store_true", help="lower the graph the compiler's e-graph search rewrote, as a compile does")
     parser.add_argument("--threads", type=int, default=0, help="threads for both runtimes (0: their defaults)")
     parser.add_argument("--gemm", choices=GEMM_KINDS, default="blas", help="how float32 GEMMs run")
+    parser.add_argument("--fuse-attention", action="store_true", help="each attention the kernel rules find as one kernel (online softmax)")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the program loads OpenMP
@@ -90,6 +94,8 @@ def main() -> None:
     if args.searched_graph:
         graph, _ = search_graph(graph, True)
     program = fuse(lower(graph))  # as the compiler's candidates are
+    if args.fuse_attention:  # as the native-searched-attention candidate has it
+        program = fuse_attention(program, ATTENTION_HEAD_MAX)
     gemm = args.gemm
     if args.gemm == "transposed":  # the products whose A is a weight transposed, the others by panels
         chosen = [n for n, k in enumerate(program.kernels) if transposed_packable(program, k)]
