@@ -415,3 +415,27 @@ def test_a_size_too_slow_to_time_skips_only_itself() -> None:
     report = extract.measure_candidates(found, cases, {})
     assert report["symbol_sizes"] == [8, "batch=1"]
     assert any("size 64 skipped" in note for note in report["notes"])
+
+
+def test_a_size_a_candidate_cannot_run_is_dropped_and_the_next_size_still_races() -> None:
+    # a request's sequence past the model's position table raises (not a crash) for every
+    # candidate; the sizes after it still decide, not the smallest alone
+    def raising(name: str, ms: dict[str, float]) -> extract.Candidate:
+        candidate = _fake(name, ms)
+        timer = candidate.timer
+
+        def timed(label, inputs):
+            if label == "batch=1,seq=128":
+                raise CandidateFailed("IndexError: an index is out of bounds for the axis it selects from")
+            return timer(label, inputs)
+
+        candidate.timer = timed
+        return candidate
+
+    cases = [CASES[0], ("batch=1,seq=128", {"x": np.zeros((1, 4), np.float32)}), CASES[1]]
+    found = [raising("native-searched", {"8": 1.0, "32": 10.0}), raising("native-searched-attention", {"8": 1.2, "32": 6.0})]
+    report = extract.measure_candidates(found, cases, {})
+    assert report["symbol_sizes"] == [8, 32]
+    assert any(note.startswith("size batch=1,seq=128 dropped: ") for note in report["notes"])
+    assert all("batch=1,seq=128" not in c.ms_by_size for c in found)
+    assert extract.choose(found).name == "native-searched-attention"
