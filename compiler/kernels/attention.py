@@ -35,7 +35,6 @@ from compiler.kernels.ir_walk import (
     substituted,
 )
 from compiler.search import kernel_rules
-from compiler.search.kernel_rules import zero_where_nan
 from compiler.shape import Dim
 
 # a row of AttentionCandidate / AttentionFound: the steps of the scores' product, the masking
@@ -107,7 +106,7 @@ def _build(program: Program, match: Match) -> AttentionCall:
         score = _inline(score, producer.out, producer, (*rows, scores.n), at_key)
     # the normalization before the product in torch's safe form: a row with no finite score is zeros
     division = program.kernels[match[6]]
-    empty_rows_zero = match[6] < values_step and zero_where_nan(division.value) is not None
+    empty_rows_zero = match[6] < values_step and kernel_rules.zero_where_nan(division.value) is not None
     return AttentionCall(scores, values, score, log2_scale, values.node, empty_rows_zero)
 
 

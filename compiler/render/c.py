@@ -86,7 +86,8 @@ _MAX_INIT = {
     "int64": "INT64_MIN",
 }
 # fused attention (AttentionCall): a task's query rows at most (K's staging is shared by that many),
-# the keys a tile (a multiple of the register tile's width on either target, 48 or 16), and the widest head (Q K^T's k, P V's n) its staged tiles hold on the stack
+# the keys a tile (whole 16-lane vectors: the register tile reads the staged rows in vectors), and
+# the widest head (Q K^T's k, P V's n) its staged tiles hold on the stack
 ATTENTION_ROWS = 64
 ATTENTION_KEYS = 64
 ATTENTION_HEAD_MAX = 128
@@ -907,8 +908,8 @@ class CRenderer:
             f"{body}        for (int64_t jr = 0; jr < kn; jr += LC_NR)\n",
             f"{body}            lc_micro_direct({head}, lc_q + ir * {q_rows}, {q_rows}, {q_columns}, &lc_kt[0][jr], {keys}, &lc_s[ir][jr], {keys}, 0,\n",
             f"{body}                            rn - ir < LC_MR ? rn - ir : LC_MR, kn - jr < LC_NR ? kn - jr : LC_NR);\n",
-            # per query row, a vector over the tile's keys: its scores (S^T's column; the mask's
-            # loads are mostly contiguous in the key), their max, the exponentials and their sum
+            # per query row, a vector over the tile's keys (a mask's loads are contiguous in the key):
+            # the scores, their max, the exponentials and their sum
             f"{body}    for (int64_t r = 0; r < rn; ++r) {{\n",
             f"{inner}const int64_t i = i0 + r;\n",
             f"{inner}{{ {variables}\n",
