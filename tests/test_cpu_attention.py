@@ -20,7 +20,9 @@ from compiler.kernels.lower import lower
 from compiler.reference import run_graph
 from compiler.render.c import ATTENTION_HEAD_MAX, ATTENTION_ROWS, render
 from compiler.search.cpu_schedules import NAME, NAME_ATTENTION
-from tests.test_cuda_attention import _attention, _inputs
+from compiler.search.extract import search_graph
+from tests.hf_corpus import CORPUS, exported, make_inputs
+from tests.test_cuda_attention import _attention, _inputs, grouped_attention
 
 
 def _fused_native(data: bytes):
@@ -105,6 +107,33 @@ def test_torch_s_safe_softmax_is_found_and_a_row_masked_out_entirely_is_zeros() 
     got = program.run(inputs)["y"]
     assert (want[1] == 0).all() and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 3), (4, 1)])
+def test_grouped_kv_heads_run_fused_in_c_as_the_reference_does(heads: int, kv_heads: int) -> None:
+    graph, program = _fused_native(grouped_attention(16, heads, kv_heads))
+    for seed, (batch, seq) in enumerate([(1, 40), (3, 70)]):
+        inputs = _inputs(graph, batch, seq, seed)
+        np.testing.assert_allclose(program.run(inputs)["y"], run_graph(graph, inputs)["y"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["llama_dynamo", "qwen2_dynamo", "mistral_dynamo"])
+def test_an_exported_grouped_kv_decoder_has_each_layer_s_attention_fused(model: str) -> None:
+    # as the compile lowers it (the searched graph); masks with trailing zeros, rows of padding
+    import onnxruntime
+
+    (entry,) = [e for e in exported() if e["file"] == f"{model}.onnx"]
+    data = (CORPUS / entry["file"]).read_bytes()
+    graph, _ = search_graph(load_graph(data), True)
+    fused = fuse_attention(fuse(lower(graph)), ATTENTION_HEAD_MAX)
+    assert attention_count(fused) == 2  # the fixtures have two layers
+    program = native_cpu.NativeProgram(native_cpu.describe(fused, graph.size_limits), fused.weights, native_cpu.build(render(fused)))
+    inputs = make_inputs(entry, 3, 37, np.random.default_rng(0))
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
+    got = program.run(inputs)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_a_head_wider_than_the_c_kernel_holds_is_refused_by_its_renderer() -> None:

@@ -83,6 +83,48 @@ def _attention(
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
+def grouped_attention(head: int, heads: int, kv_heads: int) -> bytes:
+    """Attention with grouped KV heads as Llama, Qwen2 and Mistral write it: k and v [batch,
+    kv_heads, seq, head] repeated for each group of heads (Unsqueeze, Expand, Reshape), q and the
+    repeated k each scaled by head^-1/4, an additive mask m [batch, 1, 1, seq]."""
+    group = heads // kv_heads
+    nodes = [
+        helper.make_node("Shape", ["q"], ["q_shape"]),
+        helper.make_node("Gather", ["q_shape", "at0"], ["b"], axis=0),
+        helper.make_node("Gather", ["q_shape", "at2"], ["s"], axis=0),
+        helper.make_node("Concat", ["b", "kv", "group", "s", "head"], ["grouped_shape"], axis=0),
+        helper.make_node("Concat", ["b", "heads", "s", "head"], ["heads_shape"], axis=0),
+    ]
+    for name in ("k", "v"):
+        nodes += [
+            helper.make_node("Unsqueeze", [name, "at2"], [f"{name}_1"]),
+            helper.make_node("Expand", [f"{name}_1", "grouped_shape"], [f"{name}_grouped"]),
+            helper.make_node("Reshape", [f"{name}_grouped", "heads_shape"], [f"{name}_heads"]),
+        ]
+    nodes += [
+        helper.make_node("Mul", ["q", "quarter"], ["q_scaled"]),
+        helper.make_node("Mul", ["k_heads", "quarter"], ["k_scaled"]),
+        helper.make_node("Transpose", ["k_scaled"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q_scaled", "kt"], ["qk"]),
+        helper.make_node("Add", ["qk", "m"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v_heads"], ["y"]),
+    ]
+    initializers = [numpy_helper.from_array(np.array(head**-0.25, np.float32), "quarter")] + [
+        numpy_helper.from_array(np.array([value], np.int64), name)
+        for name, value in (("at0", 0), ("at2", 2), ("kv", kv_heads), ("group", group), ("head", head), ("heads", heads))
+    ]
+    inputs = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", heads, "seq", head]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, ["batch", kv_heads, "seq", head]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, ["batch", kv_heads, "seq", head]),
+        helper.make_tensor_value_info("m", TensorProto.FLOAT, ["batch", 1, 1, "seq"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", heads, "seq", head])]
+    graph = helper.make_graph(nodes, "grouped_attention", inputs, outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
 def _programs(data: bytes):
     """(the graph, its lowered program, that program with its attention fused)."""
     graph = load_graph(data)
@@ -146,6 +188,13 @@ def test_fused_attention_with_a_causal_mask_folds_the_masking_loop_into_the_scor
     # the Where writes the masked scores in a loop of its own, read by the max and the exponentials
     assert len(program.kernels) - len(fused.kernels) == 6
     _check(data, [(1, 50), (2, 7)])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 2), (4, 1)])
+def test_grouped_kv_heads_are_found_and_the_fused_kernel_reads_each_group_s_k_and_v(heads: int, kv_heads: int) -> None:
+    # the products see the heads as (kv heads, group) with K and V at stride 0 on the group, the
+    # softmax's loops as heads: the rules equate the rows by their count, the kernel splits alike
+    _check(grouped_attention(16, heads, kv_heads), [(1, 40), (2, 70)])
 
 
 def test_a_row_whose_first_keys_are_all_masked_out_is_the_softmax_of_the_rest() -> None:

@@ -35,7 +35,7 @@ from compiler.kernels.ir_walk import (
     substituted,
 )
 from compiler.search import kernel_rules
-from compiler.shape import Dim
+from compiler.shape import Dim, dim_mul
 
 # a row of AttentionCandidate / AttentionFound: the steps of the scores' product, the masking
 # loop (-1: none), the max, the exponentials, the sums, the product with V and the division,
@@ -70,7 +70,8 @@ def find_attention(program: Program, head_limit: int) -> list[tuple[Match, Atten
     graph.run(kernel_rules.ATTENTION_RULES)
     built = {match: _build(program, match) for match in graph.rows("AttentionCandidate")}
     graph.add_facts(
-        f"(Undisturbed {match[0]} {match[6]})" for match, fused in built.items() if _undisturbed(program, match, fused)
+        f"(Undisturbed {match[0]} {match[6]})"
+        for match, fused in built.items() if fused is not None and _undisturbed(program, match, fused)
     )
     graph.run(kernel_rules.ATTENTION_FOUND_RULES)
     found, taken = [], set()
@@ -93,21 +94,90 @@ def _steps(match: Match) -> list[int]:
     return sorted(s for s in match[:7] if s >= 0)
 
 
-def _build(program: Program, match: Match) -> AttentionCall:
-    """The fused kernel of a match: the max loop's value (the masking loop's inlined) is the score."""
+def _build(program: Program, match: Match) -> AttentionCall | None:
+    """The fused kernel of a match: the max loop's value (the masking loop's inlined) is the score.
+    Where the max loop, the scores' product and the product with V split the heads differently
+    (grouped KV heads: (kv heads, group), K or V read at stride 0 on the group), each is split the
+    finest way, so that one batch index t names the same head in all three; None where they cannot
+    be aligned."""
     scores_step, mask_step, top_step, _, _, values_step, _, log2_scale = match
     scores, values = program.kernels[scores_step], program.kernels[values_step]
     top = program.kernels[top_step]
-    rows = (*scores.batch, scores.m)
+    rows = tuple(top.shape)  # the score's variables: o0.. the batch axes, then the query row; r0 the key
     at_key = linear([Ix.var(f"o{j}") for j in range(len(rows))] + [Ix.var("r0")], (*rows, scores.n))
     score = top.value
     if mask_step >= 0:
         producer = program.kernels[mask_step]
         score = _inline(score, producer.out, producer, (*rows, scores.n), at_key)
+    frame = rows[:-1]
+    finest = max((frame, tuple(scores.batch), tuple(values.batch)), key=len)
+    splits = [_splits(batch, finest) for batch in (frame, tuple(scores.batch), tuple(values.batch))]
+    if score is None or None in splits or not rows[-1] == scores.m == values.m:
+        return None
+    if frame != finest:
+        score = substituted(score, _split_variables(len(frame), finest, splits[0]))
+    scores, values = (
+        call if tuple(call.batch) == finest else _split_product(call, finest, groups)
+        for call, groups in ((scores, splits[1]), (values, splits[2]))
+    )
     # the normalization before the product in torch's safe form: a row with no finite score is zeros
     division = program.kernels[match[6]]
     empty_rows_zero = match[6] < values_step and kernel_rules.zero_where_nan(division.value) is not None
     return AttentionCall(scores, values, score, log2_scale, values.node, empty_rows_zero)
+
+
+def _splits(batch: tuple, finer: tuple) -> list[list[int]] | None:
+    """For each axis of `batch`, the run of `finer`'s axes it splits into (their extents' product
+    its extent; a symbolic axis only into itself), or None where `finer` is no such split."""
+    groups: list[list[int]] = []
+    at = 0
+    for extent in batch:
+        if not isinstance(extent, int):
+            if at >= len(finer) or finer[at] != extent:
+                return None
+            groups.append([at])
+            at += 1
+            continue
+        group, product = [], 1
+        while at < len(finer) and isinstance(finer[at], int) and (not group or product < extent):
+            group.append(at)
+            product *= finer[at]
+            at += 1
+        if not group or product != extent:
+            return None
+        groups.append(group)
+    while groups and at < len(finer) and finer[at] == 1:  # trailing unit axes join the last run
+        groups[-1].append(at)
+        at += 1
+    return groups if at == len(finer) else None
+
+
+def _steps_within(finer: tuple, group: list[int]) -> list[int]:
+    """Each axis of a run's step in the axis the run splits (row-major)."""
+    steps = [1] * len(group)
+    for j in range(len(group) - 2, -1, -1):
+        steps[j] = steps[j + 1] * finer[group[j + 1]]
+    return steps
+
+
+def _split_product(call: GemmCall, finer: tuple, groups: list[list[int]]) -> GemmCall:
+    """The product over the batch axes `finer`, each of its axes split as `groups` say."""
+    a_strides, b_strides = [], []
+    for axis, group in enumerate(groups):
+        steps = _steps_within(finer, group)
+        a_strides += [dim_mul(call.a_batch_strides[axis], step) for step in steps]
+        b_strides += [dim_mul(call.b_batch_strides[axis], step) for step in steps]
+    return replace(call, batch=finer, a_batch_strides=tuple(a_strides), b_batch_strides=tuple(b_strides))
+
+
+def _split_variables(rank: int, finer: tuple, groups: list[list[int]]) -> dict[str, Ix]:
+    """The variables o0.. of `rank` batch axes and then a row, in those of the axes `finer`."""
+    variables = {
+        f"o{axis}": sum((Ix.var(f"o{g}").scale(step) for g, step in zip(group, _steps_within(finer, group))), Ix())
+        for axis, group in enumerate(groups)
+    }
+    variables[f"o{rank}"] = Ix.var(f"o{len(finer)}")  # the row
+    return variables
 
 
 def _undisturbed(program: Program, match: Match, fused: AttentionCall) -> bool:

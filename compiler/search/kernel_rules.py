@@ -92,6 +92,7 @@ DECLARATIONS = """
 (function elements (i64) i64 :no-merge)
 
 (function gemm-rows (i64) i64 :no-merge)
+(function flat-rows (i64) i64 :no-merge)
 (function gemm-n (i64) i64 :no-merge)
 (function gemm-k (i64) i64 :no-merge)
 (function gemm-a (i64) i64 :no-merge)
@@ -163,10 +164,10 @@ SOFTMAX = RuleSet(
             "(Out ex eo) (Role eo \"temp\") (= (reader-count eo) 2) (= (writer-count eo) 1) "
             "(ReadBy eo sm) (ReadBy eo pv) "
             "(KernelAt pv PV) (= PV (Gemm pv E V)) (PlainProduct pv) (PackedA pv) "
-            "(= (gemm-rows pv) rows) (= (gemm-k pv) n) (= vn (gemm-n pv)) (< sm pv) "
+            "(= prows (gemm-rows pv)) (= (flat-rows prows) (flat-rows rows)) (= (gemm-k pv) n) (= vn (gemm-n pv)) (< sm pv) "
             "(KernelAt sm S) (KernelAt dv D) "
-            f"(= D (RowMap {_F32} rows vn (Ap2 \"mul\" dp (Ld PV (Elem rows vn)) "
-            f"(Ap1 \"recip\" {_F32} (Ld S (Row rows)))))) "
+            f"(= D (RowMap {_F32} prows vn (Ap2 \"mul\" dp (Ld PV (Elem prows vn)) "
+            f"(Ap1 \"recip\" {_F32} (Ld S (Row prows)))))) "
             "(< pv dv) (Out pv vc) (Out dv vc) (= (first-reader vc) dv) "
             "(Out sm so) (= (reader-count so) 1) (ReadBy so dv) "
             "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x))",
@@ -180,18 +181,18 @@ SOFTMAX = RuleSet(
                 "(ShiftedExp ex top c) (ExpSum sm ex) (KernelAt ex E) (= E (RowMap d rows n body)) "
                 "(Out ex eo) (Role eo \"temp\") (= (reader-count eo) 2) (= (writer-count eo) 1) "
                 "(ReadBy eo sm) (ReadBy eo nm) (KernelAt sm S) (Out sm so) (ReadBy so nm) "
-                f"(KernelAt nm N) (= N (RowMap {_F32} rows n {body})) "
+                f"(KernelAt nm N) (= N (RowMap {_F32} prows n {body})) (= (flat-rows prows) (flat-rows rows)) "
                 "(Out nm no) (Role no \"temp\") (= (reader-count no) 1) (= (writer-count no) 1) (ReadBy no pv) "
                 "(KernelAt pv PV) (= PV (Gemm pv N V)) (PlainProduct pv) (PackedA pv) "
-                "(= (gemm-rows pv) rows) (= (gemm-k pv) n) (< sm nm) (< nm pv) "
+                "(= (gemm-rows pv) prows) (= (gemm-k pv) n) (< sm nm) (< nm pv) "
                 "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x))",
                 "(union PV (SoftmaxTimes x c V)) (Softmaxed nm pv sm ex top c)",
             )
             for kind, body in (
-                ("", f"(Ap2 \"mul\" dp (Ld E (Elem rows n)) (Ap1 \"recip\" {_F32} (Ld S (Row rows))))"),
+                ("", f"(Ap2 \"mul\" dp (Ld E (Elem prows n)) (Ap1 \"recip\" {_F32} (Ld S (Row prows))))"),
                 (
                     "_nan_to_zero",
-                    f"(Ap1 \"zero_nan\" {_F32} (Ap2 \"mul\" dp (Ld E (Elem rows n)) (Ap1 \"recip\" {_F32} (Ld S (Row rows)))))",
+                    f"(Ap1 \"zero_nan\" {_F32} (Ap2 \"mul\" dp (Ld E (Elem prows n)) (Ap1 \"recip\" {_F32} (Ld S (Row prows)))))",
                 ),
             )
         ),
@@ -208,7 +209,7 @@ ATTENTION = RuleSet(
             "(KernelAt sc G) (= G (Gemm sc Q K)) (PlainProduct sc) (Out sc c) (Role c \"temp\") "
             "(= (writer-count c) 1) (= (reader-count c) 2) "
             "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x)) (ReadsOnlyAtElem top c) "
-            "(= (gemm-rows sc) rows) (= (gemm-n sc) n) (< sc top)",
+            "(= (flat-rows (gemm-rows sc)) (flat-rows rows)) (= (gemm-n sc) n) (< sc top)",
             "(ScoreSource top sc -1 c)",
         ),
         *(
@@ -221,7 +222,7 @@ ATTENTION = RuleSet(
                 "(Out mk b) (Role b \"temp\") (= (writer-count b) 1) "
                 "(KernelAt top M) (= M (RowReduce \"max\" dm rows n x)) (ReadsOnlyAtElem top b) "
                 "(= (elements mk) (elements top)) "
-                "(= (gemm-rows sc) rows) (= (gemm-n sc) n) (< sc mk) (< mk top)",
+                "(= (flat-rows (gemm-rows sc)) (flat-rows rows)) (= (gemm-n sc) n) (< sc mk) (< mk top)",
                 "(ScoreSource top sc mk b)",
             )
             # a flat loop over as many elements, or one over the scores' own rows and keys
@@ -370,6 +371,17 @@ class _Writer:
     def intern(self, key: object) -> int:
         return self.ids.setdefault(key, len(self.ids))
 
+    def rows_id(self, rows: tuple) -> int:
+        """The id of a frame's rows, and the fact of how many there are: rows split otherwise
+        (heads as (kv heads, group) where the keys and values are shared) are the same rows in the
+        same order wherever a loop reads them at its own element or row."""
+        key = ("shape", tuple(rows))
+        known = key in self.ids
+        rows_id = self.intern(key)
+        if not known:
+            self.lines.append(f"(set (flat-rows {rows_id}) {self.intern(('elements', numel(rows)))})")
+        return rows_id
+
     def program_text(self) -> str:
         program, kernels = self.program, self.program.kernels
         readers: dict[int, list[int]] = defaultdict(list)
@@ -418,7 +430,7 @@ class _Writer:
         if frame is None:
             return f"(Kernel {step})"
         rows, n, key = frame
-        rows_id, n_id = self.intern(("shape", rows)), self.intern(("dim", n))
+        rows_id, n_id = self.rows_id(rows), self.intern(("dim", n))
         loop = _Loop(rows, n, key, rows_id, n_id, _element_index(rows, n, key), _row_index(rows))
         body = self.expr(kernel.value, loop, value_of)
         # the dtype the loop computes in (a narrow program stores it narrower)
@@ -433,7 +445,7 @@ class _Writer:
         if isinstance(kernel, GemmCall):
             nb = len(kernel.batch)
             facts = [
-                f"(set (gemm-rows {step}) {self.intern(('shape', (*kernel.batch, kernel.m)))})",
+                f"(set (gemm-rows {step}) {self.rows_id((*kernel.batch, kernel.m))})",
                 f"(set (gemm-n {step}) {self.intern(('dim', kernel.n))})",
                 f"(set (gemm-k {step}) {self.intern(('dim', kernel.k))})",
                 f"(set (gemm-a {step}) {kernel.a})",
