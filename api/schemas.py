@@ -42,6 +42,8 @@ class CompileProgress(BaseModel):
     # candidate programs asked for, and how many of them have been timed so far
     candidates_total: int
     candidates_measured: int
+    # rounds of the schedule search timed so far (programs the race does not see)
+    search_rounds: int = 0
     # the candidate being lowered, built, verified or timed, when there is one
     candidate: str | None = None
     # since the compile began

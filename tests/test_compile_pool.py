@@ -160,10 +160,31 @@ def test_a_compile_that_meets_a_storage_outage_is_tried_again(tmp_path: Path, mo
 # -- progress while compiling
 
 
-def test_progress_shows_while_compiling_and_is_gone_once_ready(tmp_path: Path) -> None:
+class _Seen(list):
+    """Progress the test has seen, and an event set at the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = threading.Event()
+
+    def append(self, item) -> None:
+        super().append(item)
+        self.first.set()
+
+
+def test_progress_shows_while_compiling_and_is_gone_once_ready(tmp_path: Path, monkeypatch) -> None:
     client, keys = serve(tmp_path, compile_candidates=("native-blas", "native-loops", "numpy"))
-    seen: list[dict] = []
+    seen = _Seen()
     with client:
+        registry = client.app.state.services.registry
+        real_set_status = registry.set_status
+
+        def ready_once_seen(version_id: int, status: str, **fields):
+            if status == "ready":  # a compile faster than the polling (cached builds) waits for it, 30 s at most
+                seen.first.wait(30)
+            return real_set_status(version_id, status, **fields)
+
+        monkeypatch.setattr(registry, "set_status", ready_once_seen)
         upload(client, keys["alice"], "mlp", mlp(hidden=256).SerializeToString())
         version = wait_for(client, keys["alice"], "mlp", 1, progress=seen)
     assert version["status"] == "ready", version

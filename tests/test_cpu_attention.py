@@ -145,11 +145,16 @@ def test_a_head_wider_than_the_c_kernel_holds_is_refused_by_its_renderer() -> No
 
 def test_a_compile_races_the_fused_attention_against_the_unfused_program() -> None:
     data = _attention(32, mask="causal")
-    artifact = compile_onnx(data, "cpu", candidates=[NAME])
+    events: list[dict] = []
+    artifact = compile_onnx(data, "cpu", candidates=[NAME, "numpy"], progress=events.append)
     report = artifact.report
     names = [c["name"] for c in report["candidates"]]
     assert NAME in names and NAME_ATTENTION in names, names
     assert report["search"]["schedule"]["attention"] == {"fused": 1}
+    # the progress counts the form the search added to the race, and the search's rounds apart
+    assert all(e["candidates_measured"] <= e["candidates_total"] for e in events), events
+    assert (events[-1]["candidates_measured"], events[-1]["candidates_total"]) == (3, 3)  # and numpy
+    assert events[-1]["search_rounds"] == len(report["search"]["schedule"]["rounds"]) >= 1
     graph = load_graph(data)
     inputs = _inputs(graph, 2, 40, seed=3)
     np.testing.assert_allclose(executable(artifact).run(inputs)["y"], run_graph(graph, inputs)["y"], rtol=1e-4, atol=1e-5)

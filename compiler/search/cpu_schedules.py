@@ -136,7 +136,7 @@ def search_native(
             outputs = device.run(loaded, verify_inputs)
             for output, value in outputs.items():  # (max_error raises where an output disagrees)
                 max_error(expected[output], value)
-            tracker.timed(name)
+            tracker.searched(name)
             by_kernel: dict[int, dict[str, float]] = {}
             first_run_s = 0.0
             for size, (label, inputs) in enumerate(timed_cases):
