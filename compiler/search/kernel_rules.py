@@ -21,7 +21,9 @@ they are the same expression.
 Beside the terms, the writer seeds facts about buffers and kernels that a rule cannot compute
 (egglog has no negation, and counting readers is one): how many kernels read and write each
 buffer, who reads it first, its role and dtype, which products are plain (float32, no epilogue,
-unpacked), which read A packed, which loops read a buffer only at their own element.
+unpacked), which read A packed, which loops read a buffer only at their own element, and how many
+rows each frame's rows id counts (`flat-rows`: where heads are (kv heads, group) to the products
+and heads to the softmax's loops, the two frames read the same rows at their own element or row).
 
 The rules compose: a row max and a loop of exp2(c * (x - max)) over the same x are a shifted
 exponential; its row sum and the product of it with V, divided by the sums, is a softmax times
