@@ -32,6 +32,7 @@ from compiler.kernels.ir_walk import (
     map_loads,
     plan_slots,
     renamed,
+    strides_of,
     substituted,
 )
 from compiler.search import kernel_rules
@@ -152,19 +153,11 @@ def _splits(batch: tuple, finer: tuple) -> list[list[int]] | None:
     return groups if at == len(finer) else None
 
 
-def _steps_within(finer: tuple, group: list[int]) -> list[int]:
-    """Each axis of a run's step in the axis the run splits (row-major)."""
-    steps = [1] * len(group)
-    for j in range(len(group) - 2, -1, -1):
-        steps[j] = steps[j + 1] * finer[group[j + 1]]
-    return steps
-
-
 def _split_product(call: GemmCall, finer: tuple, groups: list[list[int]]) -> GemmCall:
     """The product over the batch axes `finer`, each of its axes split as `groups` say."""
     a_strides, b_strides = [], []
     for axis, group in enumerate(groups):
-        steps = _steps_within(finer, group)
+        steps = strides_of([finer[g] for g in group])
         a_strides += [dim_mul(call.a_batch_strides[axis], step) for step in steps]
         b_strides += [dim_mul(call.b_batch_strides[axis], step) for step in steps]
     return replace(call, batch=finer, a_batch_strides=tuple(a_strides), b_batch_strides=tuple(b_strides))
@@ -173,7 +166,7 @@ def _split_product(call: GemmCall, finer: tuple, groups: list[list[int]]) -> Gem
 def _split_variables(rank: int, finer: tuple, groups: list[list[int]]) -> dict[str, Ix]:
     """The variables o0.. of `rank` batch axes and then a row, in those of the axes `finer`."""
     variables = {
-        f"o{axis}": sum((Ix.var(f"o{g}").scale(step) for g, step in zip(group, _steps_within(finer, group))), Ix())
+        f"o{axis}": sum((Ix.var(f"o{g}").scale(step) for g, step in zip(group, strides_of([finer[g] for g in group]))), Ix())
         for axis, group in enumerate(groups)
     }
     variables[f"o{rank}"] = Ix.var(f"o{len(finer)}")  # the row

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -185,9 +186,7 @@ def search_native(
     finally:
         builds.shutdown(wait=False, cancel_futures=True)  # (rounds the budget left unmeasured)
     choices = extraction.choices
-    products = {}
-    for alternative in choices.values():
-        products[alternative.label] = products.get(alternative.label, 0) + 1
+    products = Counter(alternative.label for alternative in choices.values())
     report = {**extraction.report, "products": dict(sorted(products.items()))}
     try:
         candidate = _verified(program, graph, choices, NAME, device, tracker, case)
