@@ -69,7 +69,7 @@ from compiler.tuning import CANDIDATES, KNOWN_CANDIDATES, SCHEDULE_SEARCH_SECOND
 from compiler.verify import VerificationFailed, sample_inputs, verification_case, verify
 
 # part of every artifact key: bump it when compiled programs or signatures change meaning
-COMPILER_VERSION = "0.8.14"
+COMPILER_VERSION = "0.8.15"
 
 
 def compile_onnx(

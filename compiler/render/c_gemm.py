@@ -469,16 +469,18 @@ static void lc_conv_direct(const int64_t *g, const float *x, const float *pat, i
     /* positions in tiles as even as whole tiles allow: 49 are 7 tiles of 7, not 6 of 8 and one of 1 */
     float tile[LC_MR * LC_NR] __attribute__((aligned(64)));
     const int64_t first = r0 * ow, positions = (r1 - r0) * ow, tiles = (positions + LC_MR - 1) / LC_MR;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t q0 = first + positions * t / tiles;
-        const int count = (int)(first + positions * (t + 1) / tiles - q0);
-        const float *at[LC_MR];
-        for (int i = 0; i < count; ++i) {
-            const int64_t oy = (q0 + i) / ow, ox = (q0 + i) % ow;
-            at[i] = xs + ((oy - r0) * gy[2] * wp + ox * gx[2]) * channels;
-        }
-        for (int64_t j0 = m_lo; j0 < m_hi; j0 += LC_NR) {
-            const int64_t nr = m_hi - j0 < LC_NR ? m_hi - j0 : LC_NR;
+    /* a panel of channels outside the positions: its weight (k x LC_NR) stays in L2 while every
+       tile reads it, where a tile outside would stream the whole weight (past L2 at 256 channels) */
+    for (int64_t j0 = m_lo; j0 < m_hi; j0 += LC_NR) {
+        const int64_t nr = m_hi - j0 < LC_NR ? m_hi - j0 : LC_NR;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t q0 = first + positions * t / tiles;
+            const int count = (int)(first + positions * (t + 1) / tiles - q0);
+            const float *at[LC_MR];
+            for (int i = 0; i < count; ++i) {
+                const int64_t oy = (q0 + i) / ow, ox = (q0 + i) % ow;
+                at[i] = xs + ((oy - r0) * gy[2] * wp + ox * gx[2]) * channels;
+            }
             lc_direct_tile(k, at, count, off, pat, mpad, j0, tile, nr);
             int64_t jj = 0;
             if (LC_MR == 8)  /* C^T's tile stored into C 8 channels by `count` positions at a time */
