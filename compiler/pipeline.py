@@ -213,7 +213,9 @@ def _compile_for_cpu(
     # reference
     tracker.phase("reference")
     case = verification_case(graph, budget)
-    cases = measure_cases(graph, case[0], budget) if len(wanted) > 1 else []
+    # the sizes candidates are timed at: also where the searched program is the one asked for, whose
+    # schedule search measures at them and may add a form of it (attention fused) to race
+    cases = measure_cases(graph, case[0], budget) if len(wanted) > 1 or NATIVE_SEARCHED in wanted else []
     found, rejected, measuring = [], {}, {}
     search_report: dict[str, Any] = {"skipped": "no native candidate"}
     if "numpy" in wanted or not native:

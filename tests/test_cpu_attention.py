@@ -143,6 +143,16 @@ def test_a_head_wider_than_the_c_kernel_holds_is_refused_by_its_renderer() -> No
         render(fused)
 
 
+def test_the_searched_program_pinned_alone_still_races_its_fused_attention_form() -> None:
+    # (the race used to need two candidates asked for: the fused form was built, verified, never timed)
+    artifact = compile_onnx(_attention(32, mask="causal"), "cpu", candidates=[NAME])
+    measured = {c["name"]: c.get("ms_by_size", {}) for c in artifact.report["candidates"]}
+    assert set(measured) == {NAME, NAME_ATTENTION}, measured
+    sizes = {name: set(by_size) for name, by_size in measured.items()}
+    assert sizes[NAME] == sizes[NAME_ATTENTION] != set(), sizes  # both timed, at the same sizes
+    assert artifact.report["chosen"] in measured
+
+
 def test_a_compile_races_the_fused_attention_against_the_unfused_program() -> None:
     data = _attention(32, mask="causal")
     events: list[dict] = []
