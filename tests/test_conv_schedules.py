@@ -28,6 +28,7 @@ DIRECT_CONVOLUTIONS = [
     (24, 8, 3, 1, 2, 12, 12, 2),
     (96, 32, 3, 1, 1, 7, 7, 1),
     (40, 24, 1, 1, 0, 28, 28, 1),  # a 1x1 convolution's 784 columns as 14 rows of 56
+    (160, 64, 3, 1, 1, 30, 30, 1),  # a weight larger than the image: channels shared, 2 blocks of rows made 1
 ]
 
 

@@ -151,6 +151,10 @@ CONV_MIN_WIDTH = 20
 CONV_MIN_REUSE = 4
 # the input rows one thread copies for a block of output rows (its phase planes) stay in L2
 CONV_PLANE_BYTES = 192 * 1024
+# a direct convolution's threads share its channels where its weight is this many times its image's
+# input or more, the image's rows copied by each in one block where they are at most
+DIRECT_SHARE_CHANNELS = 1.0
+DIRECT_IMAGE_MAX_BYTES = 1024 * 1024
 # a row of a loop with lets is computed this many elements at a time, each let into a local array
 LET_CHUNK = 256
 # at most this many row-invariant padding guards choose a version of a row each (rows_by_guard);
@@ -1773,13 +1777,22 @@ class CRenderer:
         columns = (x.out - 1) * x.step + (x.kernel - 1) * x.dilation + 1
         row_bytes = geometry.channels * columns * 4 * y.step  # the input an output row adds to a block
         rows = max(1, min(y.out, CONV_PLANE_BYTES // row_bytes))
+        # a weight larger than the image (3x3 at 256 channels on 14x14): the threads share its
+        # channels, each its panels read from memory once, not all of them each (the rows shared)
+        image_bytes = geometry.channels * ((y.out - 1) * y.step + (y.kernel - 1) * y.dilation + 1) * columns * 4
+        weight_larger = isinstance(call.m, int) and isinstance(call.k, int) and call.m * call.k * 4 > DIRECT_SHARE_CHANNELS * image_bytes
+        one_block = int(weight_larger and image_bytes <= DIRECT_IMAGE_MAX_BYTES)
         lines = self.gemm_head(call, {geometry.source, call.a})
         lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
         lines.append("    const int threads = lc_threads;\n")
         lines.append(f"    int64_t blocks = ({y.out} + {rows} - 1) / {rows}, parts = 1;\n")
         # images the threads cannot share evenly, whose rows they cannot either (7 rows for 2
-        # threads): the channels are shared, in whole panels, and every thread copies the rows
-        lines.append(f"    if (batch % threads && ({y.out} % threads || blocks < threads) && m >= threads * LC_PW) parts = threads;\n")
+        # threads), or a weight larger than the image: the channels are shared, in whole panels,
+        # and every thread copies the rows (all of them at once where they fit)
+        lines.append(
+            f"    if (batch % threads && ({int(weight_larger)} || {y.out} % threads || blocks < threads) && m >= threads * LC_PW) "
+            f"{{ parts = threads; if ({one_block}) blocks = 1; }}\n"
+        )
         lines.append(f"    else while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
         body = "            "
         lines.extend(self.row_block_tasks(call, y.out, body, [
