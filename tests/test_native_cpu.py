@@ -140,8 +140,8 @@ def test_float32_exp_is_vectorizable_arithmetic_within_two_ulp() -> None:
     finite = np.isfinite(want) & (want >= np.finfo(np.float32).tiny) & (want <= np.finfo(np.float32).max)
     ulp = np.spacing(want[finite].astype(np.float32)).astype(np.float64)
     assert np.max(np.abs(got[finite] - want[finite]) / ulp) <= 2.0
-    tiny = want < np.finfo(np.float32).tiny  # subnormal results: an absolute bound
-    assert np.max(np.abs(got[tiny] - want[tiny])) <= 2 * np.finfo(np.float32).smallest_subnormal
+    tiny = want < np.finfo(np.float32).tiny  # subnormal results: a run flushes them to zero
+    assert tiny.sum() > 1000 and np.all(got[tiny] == 0.0)
     assert np.isnan(got[-3]) and got[-4] == 0.0 and np.isinf(got[-5]) and got[-2] == 0.0 and np.isinf(got[-1])
     assert np.all(got[~np.isfinite(want) & ~np.isnan(x)] >= 0)
 
@@ -774,3 +774,23 @@ def test_a_packed_weight_that_ends_at_a_page_boundary_is_read_only_within_it() -
     child.start()
     child.join(60)
     assert child.exitcode == 0, f"the product exited with {child.exitcode} (a negative number is a signal)"
+
+
+def test_a_run_flushes_denormals_and_gives_the_caller_its_floating_point_mode_back() -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "three"], ["y"])],
+        "triple",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [helper.make_tensor("three", TensorProto.FLOAT, [], [3.0])],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    artifact = compile_onnx(data, candidates=("native-loops",))
+    assert artifact.report["chosen"] == "native-loops", artifact.report["rejected"]
+    tiny = np.float32(1e-40)  # a subnormal: inside a run it reads as zero (an FMA on it costs Intel an assist)
+    got = executable(artifact).run({"x": np.array([tiny, 1.0, -2.0, 0.5], np.float32)})["y"]
+    np.testing.assert_array_equal(got, np.array([0.0, 3.0, -6.0, 1.5], np.float32))
+    # the calling thread computes with subnormals again once the run is over
+    assert 0 < tiny * np.float32(3.0) < np.finfo(np.float32).tiny

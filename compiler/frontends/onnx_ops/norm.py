@@ -188,8 +188,8 @@ def _lp_norm(ctx: Context, node: onnx.NodeProto) -> list[int]:
     else:
         raise refuse(node, f"p={p}")
     norm = b.expand(norm, b.shape(x))
-    # a zero norm gives zeros, not 0/0 (below the smallest subnormal means zero, and not NaN)
-    is_zero = C.less(b, norm, b.scalar_like(np.finfo(b.dtype(x)).smallest_subnormal, norm))
+    # a zero norm gives zeros, not 0/0 (a NaN norm stays NaN; native programs read a subnormal as 0)
+    is_zero = C.equal(b, norm, b.scalar_like(0, norm))
     return [C.where(b, is_zero, b.scalar_like(0, x), b.binary(Op.MUL, x, b.unary(Op.RECIP, norm)))]
 
 
