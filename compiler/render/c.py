@@ -151,8 +151,8 @@ CONV_MIN_WIDTH = 20
 CONV_MIN_REUSE = 4
 # the input rows one thread copies for a block of output rows (its phase planes) stay in L2
 CONV_PLANE_BYTES = 192 * 1024
-# a direct convolution's threads share its channels where its weight is this many times its image's
-# input or more, the image's rows copied by each in one block where they are at most
+# a direct convolution's threads share its channels where its weight is more than this many times
+# its image's input, each thread copying the image's rows in one block where they are at most
 DIRECT_SHARE_CHANNELS = 1.0
 DIRECT_IMAGE_MAX_BYTES = 1024 * 1024
 # a row of a loop with lets is computed this many elements at a time, each let into a local array
@@ -1806,7 +1806,8 @@ class CRenderer:
         row_bytes = geometry.channels * columns * 4 * y.step  # the input an output row adds to a block
         rows = max(1, min(y.out, CONV_PLANE_BYTES // row_bytes))
         # a weight larger than the image (3x3 at 256 channels on 14x14): the threads share its
-        # channels, each its panels read from memory once, not all of them each (the rows shared)
+        # channels, so each panel is read from memory once, where sharing the rows read all of
+        # them on every thread
         image_bytes = geometry.channels * ((y.out - 1) * y.step + (y.kernel - 1) * y.dilation + 1) * columns * 4
         weight_larger = isinstance(call.m, int) and isinstance(call.k, int) and call.m * call.k * 4 > DIRECT_SHARE_CHANNELS * image_bytes
         one_block = int(weight_larger and image_bytes <= DIRECT_IMAGE_MAX_BYTES)
