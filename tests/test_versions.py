@@ -180,8 +180,11 @@ def test_an_alias_moved_by_another_process_shows_within_the_cache_time(two_versi
     finally:
         db.dispose()
     moved = time.monotonic()
-    while infer_y(client, "prod")[0] != 2:
-        assert time.monotonic() - moved < RESOLVE_CACHE_S + 0.5, "a stale alias served past the cache time"
+    while True:
+        sent = time.monotonic()  # (when a request was sent, not when its answer came: a loaded machine is slow to answer)
+        if infer_y(client, "prod")[0] == 2:
+            break
+        assert sent - moved < RESOLVE_CACHE_S + 0.25, "a stale alias served to a request sent past the cache time"
         time.sleep(0.05)
 
 
