@@ -1810,7 +1810,7 @@ class CRenderer:
         # them on every thread
         image_bytes = geometry.channels * ((y.out - 1) * y.step + (y.kernel - 1) * y.dilation + 1) * columns * 4
         weight_larger = isinstance(call.m, int) and isinstance(call.k, int) and call.m * call.k * 4 > DIRECT_SHARE_CHANNELS * image_bytes
-        one_block = int(weight_larger and image_bytes <= DIRECT_IMAGE_MAX_BYTES)
+        one_block = weight_larger and image_bytes <= DIRECT_IMAGE_MAX_BYTES
         lines = self.gemm_head(call, {geometry.source, call.a})
         lines.append(f"    static const int64_t g[] = {{{', '.join(map(str, numbers))}}};\n")
         lines.append("    const int threads = lc_threads;\n")
@@ -1818,10 +1818,9 @@ class CRenderer:
         # images the threads cannot share evenly, whose rows they cannot either (7 rows for 2
         # threads), or a weight larger than the image: the channels are shared, in whole panels,
         # and every thread copies the rows (all of them at once where they fit)
-        lines.append(
-            f"    if (batch % threads && ({int(weight_larger)} || {y.out} % threads || blocks < threads) && m >= threads * LC_PW) "
-            f"{{ parts = threads; if ({one_block}) blocks = 1; }}\n"
-        )
+        uneven = "1" if weight_larger else f"({y.out} % threads || blocks < threads)"
+        share = "{ parts = threads; blocks = 1; }" if one_block else "parts = threads;"
+        lines.append(f"    if (batch % threads && {uneven} && m >= threads * LC_PW) {share}\n")
         lines.append(f"    else while (blocks < {y.out} && (batch * blocks) % threads) ++blocks;  /* every thread an equal share */\n")
         body = "            "
         lines.extend(self.row_block_tasks(call, y.out, body, [
